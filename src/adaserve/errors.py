@@ -1,0 +1,30 @@
+"""Exceptions with messages meant for users (CLI prints one line, server maps to 4xx)."""
+
+
+class AdaServeError(Exception):
+    """Base class of every error adaserve raises on purpose."""
+
+
+class ModelLoadError(AdaServeError):
+    """A checkpoint directory cannot be loaded (missing files, bad config, shape mismatch)."""
+
+
+class InvalidRequestError(AdaServeError, ValueError):
+    """A request or parameter is invalid; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus at least one output token) does not fit in the model's context."""
+
+
+class AdmissionRejected(AdaServeError):
+    """Admission control refused a request; ``reason`` says why."""
+
+    def __init__(self, message: str, reason: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s

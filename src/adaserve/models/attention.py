@@ -1,0 +1,163 @@
+"""Attention over a flat, ragged batch with a paged KV cache.
+
+A forward call carries ``T`` new tokens from ``R`` requests, concatenated request by
+request. Request ``r`` contributes ``q_r`` new tokens; it attends to ``c_r`` cached
+tokens (its committed prefix) plus its own new tokens, through an arbitrary boolean
+mask ``new_mask_r`` of shape ``[q_r, q_r]`` (causal for a prefill chunk, a tree mask
+for speculation). KV for new tokens is written to ``slot_mapping`` before attention,
+so the context of request r is the slot list ``prefix_slots_r + new_slots_r``.
+
+Requests are split into groups that are padded to a common shape and run in one
+``scaled_dot_product_attention`` call: long query segments (prefill chunks) run
+alone so that a 256-token chunk does not pad 31 one-token decodes to 256 rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Requests whose new-token count exceeds this run in their own attention group.
+_SOLO_QUERY_LEN = 32
+
+
+@dataclass
+class AttnGroup:
+    """Padded view of some requests of the batch.
+
+    tok_idx:   [R, Q] long, flat token index of each (request, query row); pad rows -> 0
+    ctx_slots: [R, L] long, cache slot of each context position; pad -> 0
+    mask:      [R, 1, Q, L] bool, True where the query may attend
+    valid:     [R*Q] bool, which padded query rows are real tokens
+    out_idx:   [n_valid] long, flat token index of each real row (in row-major order)
+    """
+
+    tok_idx: torch.Tensor
+    ctx_slots: torch.Tensor
+    mask: torch.Tensor
+    valid: torch.Tensor
+    out_idx: torch.Tensor
+
+
+@dataclass
+class SeqSpec:
+    """One request's part of a forward pass (host-side description).
+
+    prefix_slots: cache slots of the already-cached context, in position order
+    new_slots:    cache slots the new tokens are written to
+    positions:    position id of each new token
+    new_mask:     [q, q] bool (torch, on CPU) or None for causal
+    """
+
+    prefix_slots: list[int]
+    new_slots: list[int]
+    positions: list[int]
+    new_mask: torch.Tensor | None = None
+
+
+@dataclass
+class AttnMetadata:
+    """Everything a paged forward needs besides the token ids.
+
+    positions:    [T] long
+    slot_mapping: [T] long, cache slot each new token's K/V is written to
+    groups:       attention groups covering all T tokens exactly once
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    groups: list[AttnGroup]
+
+    @classmethod
+    def build(
+        cls, seqs: list[SeqSpec], device: torch.device, sliding_window: int | None = None
+    ) -> AttnMetadata:
+        """Build metadata for ``seqs`` (in the order their tokens appear in the batch)."""
+        positions: list[int] = []
+        slots: list[int] = []
+        starts: list[int] = []
+        for s in seqs:
+            starts.append(len(positions))
+            positions.extend(s.positions)
+            slots.extend(s.new_slots)
+        solo = [i for i, s in enumerate(seqs) if len(s.new_slots) > _SOLO_QUERY_LEN]
+        batched = [i for i, s in enumerate(seqs) if len(s.new_slots) <= _SOLO_QUERY_LEN]
+        groups = [
+            _make_group([seqs[i] for i in idx], [starts[i] for i in idx], device, sliding_window)
+            for idx in ([[i] for i in solo] + ([batched] if batched else []))
+        ]
+        return cls(
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            groups=groups,
+        )
+
+
+def _make_group(
+    seqs: list[SeqSpec], starts: list[int], device: torch.device, window: int | None
+) -> AttnGroup:
+    R = len(seqs)
+    Q = max(len(s.new_slots) for s in seqs)
+    L = max(len(s.prefix_slots) + len(s.new_slots) for s in seqs)
+    tok_idx = torch.zeros(R, Q, dtype=torch.long)
+    ctx = torch.zeros(R, L, dtype=torch.long)
+    mask = torch.zeros(R, Q, L, dtype=torch.bool)
+    valid = torch.zeros(R, Q, dtype=torch.bool)
+    for r, (s, start) in enumerate(zip(seqs, starts)):
+        q, c = len(s.new_slots), len(s.prefix_slots)
+        tok_idx[r, :q] = torch.arange(start, start + q)
+        ctx[r, :c] = torch.tensor(s.prefix_slots, dtype=torch.long)
+        ctx[r, c : c + q] = torch.tensor(s.new_slots, dtype=torch.long)
+        mask[r, :q, :c] = True
+        nm = s.new_mask if s.new_mask is not None else torch.ones(q, q, dtype=torch.bool).tril()
+        mask[r, :q, c : c + q] = nm
+        if window is not None:
+            pos_q = torch.tensor(s.positions).unsqueeze(1)
+            pos_k = torch.cat([torch.arange(c), torch.tensor(s.positions)]).unsqueeze(0)
+            mask[r, :q, : c + q] &= (pos_q - pos_k) < window
+        mask[r, q:, 0] = True  # pad rows attend to something so softmax stays finite
+        valid[r, :q] = True
+    valid = valid.reshape(-1)
+    out_idx = tok_idx.reshape(-1)[valid]
+    return AttnGroup(
+        tok_idx=tok_idx.to(device),
+        ctx_slots=ctx.to(device),
+        mask=mask.unsqueeze(1).to(device),
+        valid=valid.to(device),
+        out_idx=out_idx.to(device),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    groups: list[AttnGroup],
+    scale: float,
+) -> torch.Tensor:
+    """Attention of the batch's queries over their paged contexts.
+
+    q:        [T, n_heads, head_dim]
+    k_cache:  [num_slots, n_kv_heads, head_dim] (new tokens already written)
+    v_cache:  [num_slots, n_kv_heads, head_dim]
+    returns   [T, n_heads, head_dim]
+    """
+    T, H, D = q.shape
+    out = torch.empty_like(q)
+    gqa = H != k_cache.shape[1]
+    for g in groups:
+        R, Q = g.tok_idx.shape
+        qg = q[g.tok_idx].transpose(1, 2)  # [R, H, Q, D]
+        kg = k_cache[g.ctx_slots].transpose(1, 2)  # [R, Hkv, L, D]
+        vg = v_cache[g.ctx_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=gqa
+        )  # [R, H, Q, D]
+        o = o.transpose(1, 2).reshape(R * Q, H, D)
+        if o.shape[0] == g.out_idx.shape[0]:
+            out[g.out_idx] = o
+        else:
+            out[g.out_idx] = o[g.valid]
+    return out
