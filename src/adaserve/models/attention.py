@@ -45,16 +45,22 @@ class AttnGroup:
 class SeqSpec:
     """One request's part of a forward pass (host-side description).
 
-    prefix_slots: cache slots of the already-cached context, in position order
+    prefix_slots: cache slots of the already-cached context (committed prefix in position
+                  order, then any draft-tree scratch slots)
     new_slots:    cache slots the new tokens are written to
     positions:    position id of each new token
     new_mask:     [q, q] bool (torch, on CPU) or None for causal
+    prefix_mask:  [q, len(prefix_slots)] bool or None when the whole prefix is visible
+
+    The sliding window (Mistral) is applied to the prefix only when ``prefix_mask`` is
+    None (the prefix is then positions ``0..c-1``).
     """
 
     prefix_slots: list[int]
     new_slots: list[int]
     positions: list[int]
     new_mask: torch.Tensor | None = None
+    prefix_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -110,10 +116,13 @@ def _make_group(
         tok_idx[r, :q] = torch.arange(start, start + q)
         ctx[r, :c] = torch.tensor(s.prefix_slots, dtype=torch.long)
         ctx[r, c : c + q] = torch.tensor(s.new_slots, dtype=torch.long)
-        mask[r, :q, :c] = True
+        if s.prefix_mask is None:
+            mask[r, :q, :c] = True
+        else:
+            mask[r, :q, :c] = s.prefix_mask
         nm = s.new_mask if s.new_mask is not None else torch.ones(q, q, dtype=torch.bool).tril()
         mask[r, :q, c : c + q] = nm
-        if window is not None:
+        if window is not None and s.prefix_mask is None:
             pos_q = torch.tensor(s.positions).unsqueeze(1)
             pos_k = torch.cat([torch.arange(c), torch.tensor(s.positions)]).unsqueeze(0)
             mask[r, :q, : c + q] &= (pos_q - pos_k) < window
@@ -146,7 +155,7 @@ def paged_attention(
     """
     T, H, D = q.shape
     out = torch.empty_like(q)
-    gqa = H != k_cache.shape[1]
+    gqa = k_cache.shape[1] != H
     for g in groups:
         R, Q = g.tok_idx.shape
         qg = q[g.tok_idx].transpose(1, 2)  # [R, H, Q, D]

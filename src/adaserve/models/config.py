@@ -110,9 +110,7 @@ class ModelConfig:
                 elif rtype not in (None, "default"):
                     raise ModelLoadError(f"unsupported rope_scaling type {rtype!r}")
             window = None
-            if arch == "MistralForCausalLM":
-                window = cfg.get("sliding_window")
-            elif arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
+            if arch == "MistralForCausalLM" or arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
                 window = cfg.get("sliding_window")
             eos = _as_tuple((generation_config or {}).get("eos_token_id"))
             if not eos:
@@ -130,9 +128,7 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
                 rope_scaling=scaling,
-                attention_bias=bool(
-                    cfg.get("attention_bias", arch == "Qwen2ForCausalLM")
-                ),
+                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 sliding_window=int(window) if window else None,
                 eos_token_ids=eos,

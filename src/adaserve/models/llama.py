@@ -207,7 +207,11 @@ class LlamaModel(nn.Module):
             put(
                 f"layers.{i}.qkv_proj.weight",
                 _cat_checked(
-                    [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")],
+                    [
+                        take(a + "q_proj.weight"),
+                        take(a + "k_proj.weight"),
+                        take(a + "v_proj.weight"),
+                    ],
                     [c.q_size, c.kv_size, c.kv_size],
                     a + "q/k/v_proj.weight",
                 ),

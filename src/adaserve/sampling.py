@@ -1,0 +1,84 @@
+"""Sampling parameters and target-distribution processing (temperature, top-k, top-p)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from adaserve.errors import InvalidRequestError
+
+MAX_TOKENS_LIMIT = 1 << 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (vLLM-style). ``temperature == 0`` means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is not None:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        t = self.temperature
+        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or t > 100:
+            raise InvalidRequestError("temperature must be a number in [0, 100]", "temperature")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
+            raise InvalidRequestError("top_p must be in (0, 1]", "top_p")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError("top_k must be a non-negative integer (0 = off)", "top_k")
+        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise InvalidRequestError(
+                f"max_tokens must be an integer in [1, {MAX_TOKENS_LIMIT}]", "max_tokens"
+            )
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise InvalidRequestError("seed must be a non-negative integer", "seed")
+        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequestError("stop must be non-empty strings", "stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Processed target distribution: logits [N, V] -> probs [N, V] (float32).
+
+    Temperature first, then top-k, then top-p (the smallest set whose mass reaches
+    top_p, always keeping the most likely token); the rest get probability 0.
+    """
+    x = logits.float() / max(params.temperature, 1e-5)
+    V = x.shape[-1]
+    if 0 < params.top_k < V:
+        kth = x.topk(params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass strictly before each token
+        drop_sorted = before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x.softmax(-1)
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A per-request generator: seeded when ``seed`` is given, random otherwise."""
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g

@@ -1,0 +1,136 @@
+"""The policy interface shared by the engine and the simulator (no torch here).
+
+Each iteration the engine (or simulator) builds a ``BatchView``, asks the policy for a
+``Plan`` (which requests speculate with which tree shape, how many prefill tokens each
+prefilling request gets, the token budget), grows the candidate trees, then asks the
+policy to ``select`` nodes from them. Policies see only plain numbers and numpy arrays.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from adaserve.spec.tree import CandidateTree
+
+
+@dataclass
+class ReqView:
+    """What a policy may know about one admitted request.
+
+    n_out:        output tokens produced so far (o_r)
+    decode_ms:    time since its first output token (l_r); 0 before it
+    waited_ms:    time since arrival
+    prefill_left: prompt tokens still to prefill (0 when decoding)
+    context_len:  tokens in its context (prompt + output)
+    rank:         strictness of its class (0 = strictest)
+    """
+
+    rid: int
+    cls: str
+    tpot_ms: float | None
+    ttft_ms: float | None
+    n_out: int
+    decode_ms: float
+    waited_ms: float
+    prefill_left: int
+    context_len: int
+    rank: int = 0
+    max_tokens: int = 1 << 30
+    min_rate: float = 0.0
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefill_left == 0
+
+
+@dataclass
+class BatchView:
+    """The admitted requests at the start of an iteration, plus resources."""
+
+    now_ms: float
+    requests: list[ReqView]
+    free_kv_slots: int
+    hw: object | None = None  # HardwareModel when a profile is available
+    num_waiting: int = 0
+
+    @property
+    def decoding(self) -> list[ReqView]:
+        return [r for r in self.requests if r.decoding]
+
+    @property
+    def prefilling(self) -> list[ReqView]:
+        return [r for r in self.requests if not r.decoding]
+
+
+@dataclass
+class Plan:
+    """A policy's decision before drafting.
+
+    shapes:   rid -> (depth, width) for decoding requests that speculate (absent = none)
+    prefill:  rid -> prefill tokens this iteration
+    budget:   verification token budget B (tree nodes + roots + prefill tokens)
+    node_cap: rid -> max selected candidate nodes (absent = no cap)
+    fallback: reason string when the policy fell back to plain decoding
+    """
+
+    shapes: dict[int, tuple[int, int]] = field(default_factory=dict)
+    prefill: dict[int, int] = field(default_factory=dict)
+    budget: int = 1 << 30
+    node_cap: dict[int, int] = field(default_factory=dict)
+    fallback: str | None = None
+    degrade: dict[int, str] = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+
+
+class Policy(ABC):
+    """A scheduling/speculation policy. Subclasses are stateless between runs except
+    for what ``observe`` teaches them."""
+
+    name: str = "policy"
+    uses_draft: bool = True
+
+    @abstractmethod
+    def plan(self, view: BatchView) -> Plan:
+        """Decide prefill chunks and tree shapes for this iteration."""
+
+    def select(
+        self, view: BatchView, plan: Plan, trees: dict[int, CandidateTree]
+    ) -> dict[int, np.ndarray]:
+        """Pick the nodes to verify per request (sorted, containing 0). Default: all."""
+        return {rid: np.arange(len(t.tokens)) for rid, t in trees.items()}
+
+    def admission_key(self, waiting: ReqView) -> tuple:
+        """Order in which waiting requests are admitted (smallest first). Default FCFS."""
+        return (-waiting.waited_ms,)
+
+
+def chunk_prefills(view: BatchView, token_budget: int, order_key=None) -> dict[int, int]:
+    """Give prefilling requests tokens from ``token_budget``, in ``order_key`` order."""
+    out: dict[int, int] = {}
+    left = token_budget
+    reqs = view.prefilling
+    if order_key is not None:
+        reqs = sorted(reqs, key=order_key)
+    for r in reqs:
+        if left <= 0:
+            break
+        n = min(r.prefill_left, left)
+        out[r.rid] = n
+        left -= n
+    return out
+
+
+def top_f_nodes(tree: CandidateTree, k: int) -> np.ndarray:
+    """Root plus the k candidates of highest f (a connected subtree; sorted)."""
+    n = tree.num_candidates
+    if k >= n:
+        return np.arange(n + 1)
+    if k <= 0:
+        return np.zeros(1, dtype=np.int64)
+    f = tree.f[1:]
+    # stable tie-break by index so parents (smaller index, f >= child) come first
+    best = np.lexsort((np.arange(n), -f))[:k] + 1
+    return np.concatenate(([0], np.sort(best)))

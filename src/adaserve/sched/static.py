@@ -1,0 +1,59 @@
+"""Baseline policies with fixed behaviour: autoregressive and static speculation."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from adaserve.sched.base import BatchView, Plan, Policy, chunk_prefills, top_f_nodes
+from adaserve.spec.tree import CandidateTree
+
+WHOLE_PROMPT_BUDGET = 8192  # `ar` prefills whole prompts (vLLM v0 style)
+
+
+class AutoregressivePolicy(Policy):
+    """``ar``: FCFS continuous batching, whole-prompt prefill, no speculation.
+    ``ar-chunked``: prefill chunked to a per-iteration token budget (Sarathi-Serve).
+    ``priority``: strict classes first (admission and prefill), autoregressive."""
+
+    uses_draft = False
+
+    def __init__(self, name: str = "ar", chunk: int = 256):
+        self.name = name
+        self.chunk = chunk
+
+    def plan(self, view: BatchView) -> Plan:
+        if self.name == "ar":
+            return Plan(prefill=chunk_prefills(view, WHOLE_PROMPT_BUDGET))
+        key = (lambda r: (r.rank, -r.waited_ms)) if self.name == "priority" else None
+        return Plan(prefill=chunk_prefills(view, self.chunk, key))
+
+    def admission_key(self, waiting):
+        if self.name == "priority":
+            return (waiting.rank, -waiting.waited_ms)
+        return super().admission_key(waiting)
+
+
+class StaticSpecPolicy(Policy):
+    """``spec-chain:K``: a chain of K draft tokens per request (vLLM speculative decoding).
+    ``spec-tree[:DxW[:N]]``: a static tree per request, the N best candidates of a
+    depth-D width-W beam tree, no global budget (SpecInfer). Default 5x3, N = 23."""
+
+    def __init__(self, name: str, depth: int, width: int, max_nodes: int | None, chunk: int = 256):
+        if depth < 1 or width < 1:
+            raise ValueError("speculation depth and width must be >= 1")
+        self.name = name
+        self.depth = depth
+        self.width = width
+        self.max_nodes = max_nodes
+        self.chunk = chunk
+
+    def plan(self, view: BatchView) -> Plan:
+        return Plan(
+            shapes={r.rid: (self.depth, self.width) for r in view.decoding},
+            prefill=chunk_prefills(view, self.chunk),
+        )
+
+    def select(self, view, plan, trees: dict[int, CandidateTree]) -> dict[int, np.ndarray]:
+        if self.max_nodes is None:
+            return super().select(view, plan, trees)
+        return {rid: top_f_nodes(t, self.max_nodes) for rid, t in trees.items()}

@@ -1,0 +1,97 @@
+"""Service-level objectives: per-request targets and named classes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from adaserve.errors import InvalidRequestError
+
+
+def _check_ms(name: str, v: float | None) -> None:
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v <= 0 or v > 1e9:
+        raise InvalidRequestError(f"{name} must be a positive number of milliseconds", name)
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency targets of one request (milliseconds; None = no target)."""
+
+    tpot_ms: float | None = None
+    ttft_ms: float | None = None
+    max_queue_ms: float | None = None
+    deadline_ms: float | None = None
+    cls: str = "default"
+
+    def __post_init__(self) -> None:
+        for n in ("tpot_ms", "ttft_ms", "max_queue_ms", "deadline_ms"):
+            _check_ms(n, getattr(self, n))
+        if not isinstance(self.cls, str) or not self.cls:
+            raise InvalidRequestError("SLO class must be a non-empty string", "slo_class")
+
+
+@dataclass(frozen=True)
+class SLOClass:
+    """A named class. TPOT is given in ms, or as a multiple of the unloaded TPOT.
+
+    ``rank`` orders strictness (0 = strictest); ``degrade_to`` names the looser class a
+    request moves to under overload; ``min_rate`` is the minimum progress rate
+    (tokens/s) the scheduler guarantees under overload.
+    """
+
+    name: str
+    tpot_ms: float | None = None
+    tpot_x: float | None = None
+    ttft_ms: float | None = None
+    max_queue_ms: float | None = None
+    rank: int = 0
+    degrade_to: str | None = None
+    min_rate: float = 0.0
+    price_per_1k: float = 0.0
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tpot_ms is not None and self.tpot_x is not None:
+            raise InvalidRequestError(f"class {self.name}: give tpot_ms or tpot_x, not both")
+        _check_ms("tpot_ms", self.tpot_ms)
+        _check_ms("ttft_ms", self.ttft_ms)
+        _check_ms("max_queue_ms", self.max_queue_ms)
+        if self.tpot_x is not None and not self.tpot_x > 0:
+            raise InvalidRequestError(f"class {self.name}: tpot_x must be positive")
+
+    def resolve(self, unloaded_tpot_ms: float) -> SLO:
+        """The concrete SLO of this class given the measured unloaded TPOT."""
+        tpot = self.tpot_ms
+        if tpot is None and self.tpot_x is not None:
+            tpot = self.tpot_x * unloaded_tpot_ms
+        return SLO(
+            tpot_ms=tpot, ttft_ms=self.ttft_ms, max_queue_ms=self.max_queue_ms, cls=self.name
+        )
+
+
+DEFAULT_CLASSES: tuple[SLOClass, ...] = (
+    SLOClass(
+        "interactive",
+        tpot_x=1.2,
+        ttft_ms=2000,
+        rank=0,
+        degrade_to="chat",
+        price_per_1k=4.0,
+        priority=0,
+    ),
+    SLOClass(
+        "chat", tpot_x=1.8, ttft_ms=4000, rank=1, degrade_to="batch", price_per_1k=1.0, priority=1
+    ),
+    SLOClass(
+        "batch",
+        tpot_x=5.0,
+        ttft_ms=30000,
+        max_queue_ms=30000,
+        rank=2,
+        min_rate=2.0,
+        price_per_1k=0.25,
+        priority=2,
+    ),
+)

@@ -1,0 +1,187 @@
+"""Draft-model tree expansion, batched over every speculating request.
+
+Step 0 feeds each request's tokens the draft cache lacks (``tokens[draft_cached:]``,
+the committed tokens up to and including the root) as one causal chunk; its last
+logits give the root's children. Each later step feeds the current frontier of every
+request in one batched forward: a frontier node attends to the committed prefix and
+to its own ancestors among the scratch slots (``prefix_mask``). Scratch slots are the
+slot indices ``C, C+1, ...`` past the committed length ``C``; they are overwritten by
+the next step 0, so the draft cache needs no compaction (``draft_cached = C``).
+
+Beam expansion: every fed node gets its top-w children (by draft probability, or w
+i.i.d. samples from q in ``sample`` mode) as candidates; the w candidates with the
+highest path probability form the next frontier.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from adaserve.kv.cache import KVCache
+from adaserve.models.attention import AttnMetadata, SeqSpec
+from adaserve.models.llama import LlamaModel
+from adaserve.request import Request
+from adaserve.sampling import target_probs
+from adaserve.spec.tree import CandidateTree
+
+
+@dataclass
+class DraftOutput:
+    """Candidates of one request plus, in sample mode, the q rows of expanded nodes.
+
+    q_rows: node index -> [V] draft distribution its children were sampled from
+    fed:    number of nodes fed to the draft (scratch slots used)
+    """
+
+    tree: CandidateTree
+    q_rows: dict[int, torch.Tensor]
+    fed: int
+
+
+class _Growing:
+    def __init__(self, root: int):
+        self.tokens = [root]
+        self.parents = [0]
+        self.depth = [0]
+        self.q = [1.0]
+        self.rank = [0]
+        self.logp = [0.0]
+        self.fed_nodes: list[int] = []  # scratch order
+        self.q_rows: dict[int, torch.Tensor] = {}
+
+    def add(self, parent: int, token: int, q: float, rank: int) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depth.append(self.depth[parent] + 1)
+        self.q.append(q)
+        self.rank.append(rank)
+        self.logp.append(self.logp[parent] + math.log(max(q, 1e-30)))
+        return len(self.tokens) - 1
+
+    def ancestors(self, node: int) -> set[int]:
+        out = set()
+        while node != 0:
+            out.add(node)
+            node = self.parents[node]
+        return out
+
+    def finish(self) -> CandidateTree:
+        return CandidateTree(
+            tokens=np.array(self.tokens, dtype=np.int64),
+            parents=np.array(self.parents, dtype=np.int64),
+            depth=np.array(self.depth, dtype=np.int64),
+            q=np.array(self.q, dtype=np.float64),
+            rank=np.array(self.rank, dtype=np.int64),
+            f=np.array(self.q, dtype=np.float64),  # replaced by the calibrator
+        )
+
+
+def scratch_slots_needed(depth: int, width: int) -> int:
+    """Scratch slot indices a (depth, width) expansion uses past the committed length."""
+    return max(0, depth - 1) * width
+
+
+@torch.inference_mode()
+def expand(
+    model: LlamaModel,
+    kv: KVCache,
+    reqs: list[Request],
+    shapes: list[tuple[int, int]],
+    sample: bool = False,
+    noise_std: float = 0.0,
+) -> list[DraftOutput]:
+    """Grow a candidate tree of depth d and width w for each request (shapes[i] = (d, w)).
+
+    ``sample``: draw children i.i.d. from q for requests that do not decode greedily
+    (otherwise children are the draft's top-w).
+    The caller guarantees each request's block table covers
+    ``len(tokens) + scratch_slots_needed(d, w)`` slots.
+    """
+    device = model.embed_tokens.weight.device
+    window = model.cfg.sliding_window
+    grows = [_Growing(r.tokens[-1]) for r in reqs]
+    # ---- step 0: catch up the draft cache; last logits -> root's children
+    seqs, ids = [], []
+    for r in reqs:
+        C, dc = len(r.tokens), r.draft_cached
+        seqs.append(SeqSpec(r.table.slots(0, dc), r.table.slots(dc, C), list(range(dc, C))))
+        ids.extend(r.tokens[dc:C])
+    meta = AttnMetadata.build(seqs, device, window)
+    hidden = model(torch.tensor(ids, dtype=torch.long, device=device), meta, kv.layers)
+    ends = np.cumsum([len(s.new_slots) for s in seqs]) - 1
+    logits = model.logits(hidden[torch.as_tensor(ends, device=device)])
+    for r in reqs:
+        r.draft_cached = len(r.tokens)
+    frontier: list[list[int]] = [[0] for _ in reqs]  # nodes whose logits rows we hold
+    active = list(range(len(reqs)))
+    for t in range(1, max((d for d, _ in shapes), default=0) + 1):
+        if noise_std > 0:
+            logits = logits + noise_std * torch.randn_like(logits)
+        _add_children(logits, grows, frontier, active, reqs, shapes, sample)
+        nxt_active = [i for i in active if shapes[i][0] > t]
+        if not nxt_active:
+            break
+        # choose next frontier: top-w new nodes (depth t) by path probability
+        seqs, ids, new_frontier = [], [], {}
+        for i in nxt_active:
+            g, w = grows[i], shapes[i][1]
+            cand = [n for n in range(len(g.tokens)) if g.depth[n] == t]
+            cand.sort(key=lambda n: -g.logp[n])
+            chosen = sorted(cand[:w])
+            new_frontier[i] = chosen
+            r = reqs[i]
+            C = len(r.tokens)
+            n_prev = len(g.fed_nodes)
+            prefix = r.table.slots(0, C) + r.table.slots(C, C + n_prev)
+            pmask = torch.ones(len(chosen), C + n_prev, dtype=torch.bool)
+            for row, node in enumerate(chosen):
+                anc = g.ancestors(node)
+                pmask[row, C:] = torch.tensor([f in anc for f in g.fed_nodes], dtype=torch.bool)
+            new_slots = r.table.slots(C + n_prev, C + n_prev + len(chosen))
+            g.fed_nodes.extend(chosen)
+            seqs.append(
+                SeqSpec(
+                    prefix,
+                    new_slots,
+                    [C - 1 + t] * len(chosen),
+                    new_mask=torch.eye(len(chosen), dtype=torch.bool),
+                    prefix_mask=pmask,
+                )
+            )
+            ids.extend(g.tokens[n] for n in chosen)
+        meta = AttnMetadata.build(seqs, device, window)
+        logits = model.logits(
+            model(torch.tensor(ids, dtype=torch.long, device=device), meta, kv.layers)
+        )
+        frontier = [new_frontier.get(i, []) for i in range(len(reqs))]
+        active = nxt_active
+    return [DraftOutput(g.finish(), g.q_rows, len(g.fed_nodes)) for g in grows]
+
+
+def _add_children(logits, grows, frontier, active, reqs, shapes, sample: bool) -> None:
+    """Append children of each active request's frontier rows (rows in request order)."""
+    wmax = max(shapes[i][1] for i in active)
+    top = logits.softmax(-1).topk(wmax, dim=-1)
+    vals, idx = top.values.tolist(), top.indices.tolist()
+    row = 0
+    for i in active:
+        g, w = grows[i], shapes[i][1]
+        n = len(frontier[i])
+        if not sample or reqs[i].params.greedy:
+            for node in frontier[i]:
+                for k in range(w):
+                    g.add(node, idx[row][k], vals[row][k], k)
+                row += 1
+            continue
+        q = target_probs(logits[row : row + n], reqs[i].params)
+        draws = torch.multinomial(q, w, replacement=True, generator=reqs[i].gen).tolist()
+        qv = q.gather(1, torch.tensor(draws, device=q.device)).tolist()
+        for j, node in enumerate(frontier[i]):
+            g.q_rows[node] = q[j]
+            for k in range(w):
+                g.add(node, draws[j][k], qv[j][k], k)
+        row += n

@@ -1,0 +1,71 @@
+"""Thin wrapper over a ``tokenizer.json`` (the ``tokenizers`` library), plus chat template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from adaserve.errors import ModelLoadError
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}### assistant:\n{% endif %}"
+)
+
+
+class Tokenizer:
+    """Encode/decode text; knows EOS and the chat template of its checkpoint."""
+
+    def __init__(self, tok, config: dict):
+        self._tok = tok
+        self.config = config
+        eos = config.get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        self.eos_id = tok.token_to_id(eos) if isinstance(eos, str) else None
+        self.chat_template = config.get("chat_template") or DEFAULT_CHAT_TEMPLATE
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """Render messages with the checkpoint's template (or the documented default)."""
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        try:
+            tmpl = env.from_string(self.chat_template)
+            return tmpl.render(
+                messages=messages,
+                add_generation_prompt=True,
+                bos_token=self.config.get("bos_token") or "",
+                eos_token=self.config.get("eos_token") or "",
+            )
+        except jinja2.TemplateError as e:
+            raise ModelLoadError(f"chat template failed: {e}") from None
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer | None:
+    """The tokenizer of a checkpoint directory, or None when it has no tokenizer.json."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = Path(path)
+    f = path / "tokenizer.json"
+    if not f.is_file():
+        return None
+    try:
+        tok = HFTokenizer.from_file(str(f))
+    except Exception as e:  # tokenizers raises a bare Exception on parse errors
+        raise ModelLoadError(f"cannot read {f}: {e}") from None
+    cfg = {}
+    cf = path / "tokenizer_config.json"
+    if cf.is_file():
+        try:
+            cfg = json.loads(cf.read_text())
+        except json.JSONDecodeError:
+            cfg = {}
+    return Tokenizer(tok, cfg)

@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny random models built with ``transformers`` and saved to disk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+VOCAB = 320
+
+
+def save_tiny(path, arch: str = "llama", seed: int = 0, **overrides):
+    """Build a tiny random HF model of ``arch`` and ``save_pretrained`` it to ``path``."""
+    import transformers
+
+    torch.manual_seed(seed)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        # wide init spreads the logits so that argmax near-ties (where float rounding
+        # could flip a greedy choice) are vanishingly rare
+        initializer_range=0.2,
+        eos_token_id=VOCAB - 1,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
+    base.update(overrides)
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    cfg = cls[0](**base)
+    model = cls[1](cfg).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """(target_dir, draft_dir, hf_target): a 2-layer target and a 1-layer random draft."""
+    root = tmp_path_factory.mktemp("pair")
+    hf = save_tiny(root / "target", seed=0)
+    save_tiny(
+        root / "draft",
+        seed=1,
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    return root / "target", root / "draft", hf
+
+
+def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        L = int(torch.randint(lo, hi, (1,), generator=g))
+        out.append(torch.randint(1, VOCAB - 1, (L,), generator=g).tolist())
+    return out
