@@ -35,7 +35,9 @@ class EngineConfig:
     classes: tuple[SLOClass, ...] = field(default_factory=lambda: DEFAULT_CLASSES)
     default_class: str = "chat"
     profile: str | None = None  # hardware profile path; None = cache lookup
-    auto_profile: bool = False
+    auto_profile: bool = True  # measure the pair on first start when no profile is cached
+    admission: bool = False  # shed requests under overload (the server turns it on)
+    max_waiting: int = 1024
     selection_log: str | None = None
 
     def __post_init__(self) -> None:

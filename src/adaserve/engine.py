@@ -17,7 +17,12 @@ import numpy as np
 import torch
 
 from adaserve.config import EngineConfig
-from adaserve.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from adaserve.errors import (
+    AdmissionRejected,
+    InvalidRequestError,
+    ModelLoadError,
+    PromptTooLongError,
+)
 from adaserve.kv.blocks import BlockAllocator, BlockTable, OutOfBlocks
 from adaserve.kv.cache import KVCache
 from adaserve.models.attention import AttnMetadata, SeqSpec
@@ -50,6 +55,8 @@ class EngineCounters:
     drafted_tokens: int = 0  # nodes the draft produced (before selection)
     fallback_iterations: dict[str, int] = field(default_factory=dict)
     preemptions: int = 0
+    degraded: int = 0
+    shed: dict[str, int] = field(default_factory=dict)
     model_time_s: float = 0.0
     step_time_s: float = 0.0
 
@@ -102,6 +109,7 @@ class Engine:
             cfg.max_model_len or tcfg.max_position_embeddings, tcfg.max_position_embeddings
         )
         self._build_kv()
+        self._class_names = {c.name for c in cfg.classes}
         self.policy = make_policy(cfg.policy, engine=self)
         self.calibrator = Calibrator()
         from adaserve import paths as _p
@@ -109,6 +117,13 @@ class Engine:
         if self.draft_dir is not None and Path(self.draft_dir) == _p.DEFAULT_DRAFT:
             self.calibrator.seed_from_stats(_p.DEFAULT_STATS)
         self.hw = None
+        if self.policy.uses_draft or cfg.profile:
+            from adaserve.profile import load_or_profile
+
+            try:
+                self.hw = load_or_profile(self, auto=cfg.auto_profile)
+            except ValueError as e:
+                raise ModelLoadError(str(e)) from None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -175,11 +190,42 @@ class Engine:
         if blocks_needed > self.allocator.num_blocks:
             raise PromptTooLongError("prompt does not fit in the KV cache", "prompt")
         slo = slo or self.default_slo()
+        self._admission_check(slo)
         r = Request(
             next(self._ids), ids, params, slo, make_generator(params.seed, self.device), arrival
         )
         self.waiting.append(r)
         return r
+
+    def _admission_check(self, slo: SLO) -> None:
+        """Shed a new request when the queue is full or strict demand exceeds capacity."""
+        if not self.cfg.admission:
+            return
+        if len(self.waiting) >= self.cfg.max_waiting:
+            self._shed("queue_full")
+            raise AdmissionRejected("server queue is full", "queue_full", 2.0)
+        cls = self.cfg.class_by_name(slo.cls) if slo.cls in self._class_names else None
+        strict = cls is None or cls.rank == 0
+        if slo.tpot_ms and strict and self.hw is not None:
+            demand = 1000.0 / slo.tpot_ms + sum(
+                1000.0 / r.slo.tpot_ms
+                for r in itertools.chain(self.running, self.waiting)
+                if r.slo.tpot_ms and r.slo.cls == slo.cls
+            )
+            if demand > self.capacity_tok_s():
+                self._shed("capacity")
+                raise AdmissionRejected(
+                    f"predicted demand of class {slo.cls!r} exceeds capacity", "capacity", 1.0
+                )
+
+    def capacity_tok_s(self) -> float:
+        """Largest token rate the pair sustains at full batch (from the hardware model)."""
+        n = self.cfg.max_num_seqs
+        kv = n * 256.0
+        return float(n * 1000.0 / self.hw.iteration_ms(n, kv))
+
+    def _shed(self, reason: str) -> None:
+        self.counters.shed[reason] = self.counters.shed.get(reason, 0) + 1
 
     def default_slo(self) -> SLO:
         return self.class_slo(self.cfg.default_class)
@@ -227,6 +273,7 @@ class Engine:
         plan = self.policy.plan(view)
         if plan.fallback:
             self._count_fallback(plan.fallback)
+        self._apply_degrade(plan)
         batch = self._reserve(plan)
         # --- speculate
         drafts = self._speculate(batch.spec, plan)
@@ -243,6 +290,7 @@ class Engine:
         # --- commit
         finished, accepted = self._commit(batch, subtrees, drafts, rows)
         dur = time.perf_counter() - t_start
+        self.policy.feedback(plan, dur * 1000)
         self.counters.iterations += 1
         self.counters.step_time_s += dur
         self.last_trace = StepTrace(
@@ -259,6 +307,20 @@ class Engine:
     def run_until_done(self) -> None:
         while self.has_work():
             self.step()
+
+    def _apply_degrade(self, plan: Plan) -> None:
+        """Move requests the policy gave up on to their class's looser class."""
+        if not plan.degrade:
+            return
+        for r in self.running:
+            if r.rid in plan.degrade:
+                cls = self._class_of(r)
+                if cls is None or not cls.degrade_to:
+                    continue
+                new = self.class_slo(cls.degrade_to)
+                r.degraded_from = r.degraded_from or r.slo.cls
+                r.slo = new
+                self.counters.degraded += 1
 
     # ------------------------------------------------------------------ admission
     def _admit(self) -> None:
@@ -327,6 +389,8 @@ class Engine:
             rank=cls.rank if cls else 0,
             max_tokens=r.params.max_tokens - r.num_output,
             min_rate=cls.min_rate if cls else 0.0,
+            max_queue_ms=r.slo.max_queue_ms,
+            deadline_ms=r.slo.deadline_ms,
         )
 
     def _class_of(self, r: Request):
@@ -343,6 +407,7 @@ class Engine:
             free_kv_slots=self.allocator.num_free * self.cfg.block_size,
             hw=self.hw,
             num_waiting=len(self.waiting),
+            acc_by_rank=tuple(self.calibrator.acceptance_by_rank()),
         )
 
     # ------------------------------------------------------------------ reserve

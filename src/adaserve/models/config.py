@@ -110,7 +110,11 @@ class ModelConfig:
                 elif rtype not in (None, "default"):
                     raise ModelLoadError(f"unsupported rope_scaling type {rtype!r}")
             window = None
-            if arch == "MistralForCausalLM" or arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
+            if (
+                arch == "MistralForCausalLM"
+                or arch == "Qwen2ForCausalLM"
+                and cfg.get("use_sliding_window")
+            ):
                 window = cfg.get("sliding_window")
             eos = _as_tuple((generation_config or {}).get("eos_token_id"))
             if not eos:

@@ -40,6 +40,8 @@ class ReqView:
     rank: int = 0
     max_tokens: int = 1 << 30
     min_rate: float = 0.0
+    max_queue_ms: float | None = None
+    deadline_ms: float | None = None
 
     @property
     def decoding(self) -> bool:
@@ -55,6 +57,7 @@ class BatchView:
     free_kv_slots: int
     hw: object | None = None  # HardwareModel when a profile is available
     num_waiting: int = 0
+    acc_by_rank: tuple[float, ...] = ()  # calibrated acceptance of a child by sibling rank
 
     @property
     def decoding(self) -> list[ReqView]:
@@ -101,6 +104,10 @@ class Policy(ABC):
     ) -> dict[int, np.ndarray]:
         """Pick the nodes to verify per request (sorted, containing 0). Default: all."""
         return {rid: np.arange(len(t.tokens)) for rid, t in trees.items()}
+
+    def feedback(self, plan: Plan, measured_ms: float) -> None:
+        """Measured duration of the iteration ``plan`` described (default: ignored)."""
+        return None
 
     def admission_key(self, waiting: ReqView) -> tuple:
         """Order in which waiting requests are admitted (smallest first). Default FCFS."""

@@ -18,6 +18,8 @@ from adaserve.spec.tree import CandidateTree
 
 NUM_Q_BUCKETS = 10
 MAX_DEPTH = 8
+MAX_RANK = 8
+DEFAULT_RANK_PRIOR = (0.6, 0.15, 0.07, 0.04, 0.03, 0.02, 0.02, 0.01)
 
 
 class Calibrator:
@@ -29,11 +31,20 @@ class Calibrator:
         self.accepted = np.zeros((MAX_DEPTH, NUM_Q_BUCKETS))
         self.centers = (np.arange(NUM_Q_BUCKETS) + 0.5) / NUM_Q_BUCKETS
         self.base = np.tile(self.centers, (MAX_DEPTH, 1))  # prior mean per bucket
+        # acceptance of a tried child by its rank among siblings (for planning)
+        self.rank_prior = np.array(DEFAULT_RANK_PRIOR)
+        self.rank_tried = np.zeros(MAX_RANK)
+        self.rank_accepted = np.zeros(MAX_RANK)
 
     # ------------------------------------------------------------------ estimates
     def table(self) -> np.ndarray:
         """[MAX_DEPTH, NUM_Q_BUCKETS] acceptance estimates."""
         return (self.accepted + self.prior * self.base) / (self.tried + self.prior)
+
+    def acceptance_by_rank(self) -> np.ndarray:
+        """[MAX_RANK] estimated acceptance of a tried child of each sibling rank."""
+        w = 20.0
+        return (self.rank_accepted + w * self.rank_prior) / (self.rank_tried + w)
 
     @staticmethod
     def bucket(q: np.ndarray) -> np.ndarray:
@@ -66,6 +77,9 @@ class Calibrator:
         b = self.bucket(tree.q[tried])
         np.add.at(self.tried, (d, b), 1.0)
         np.add.at(self.accepted, (d, b), on_path[tried].astype(float))
+        rk = np.minimum(tree.rank[tried], MAX_RANK - 1)
+        np.add.at(self.rank_tried, rk, 1.0)
+        np.add.at(self.rank_accepted, rk, on_path[tried].astype(float))
 
     # ------------------------------------------------------------------ seeding
     def seed_from_stats(self, path: str | Path, weight: float = 50.0) -> bool:
@@ -75,6 +89,10 @@ class Calibrator:
             tab = np.asarray(data["calibration"]["acceptance"], dtype=float)
         except (OSError, KeyError, ValueError, TypeError):
             return False
+        rank = data.get("calibration", {}).get("acceptance_by_rank")
+        if isinstance(rank, list) and rank:
+            r = np.clip(np.asarray(rank[:MAX_RANK], dtype=float), 0.0, 1.0)
+            self.rank_prior[: len(r)] = r
         if tab.ndim == 1 and tab.shape[0] == NUM_Q_BUCKETS:
             tab = np.tile(tab, (MAX_DEPTH, 1))
         if tab.shape != (MAX_DEPTH, NUM_Q_BUCKETS) or not np.isfinite(tab).all():

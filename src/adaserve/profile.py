@@ -1,0 +1,171 @@
+"""``adaserve profile``: measure the pair's latencies with the engine's own forward code."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from adaserve.kv.cache import KVCache
+from adaserve.models.attention import AttnMetadata, SeqSpec
+from adaserve.models.llama import LlamaModel
+from adaserve.sched.hardware import SCHEMA, HardwareModel
+
+VERIFY_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DRAFT_TOKENS = (1, 4, 16, 64, 256)
+KV_LENS = (64, 512)
+
+
+def fingerprint(path: str | Path | None) -> str:
+    """Stable identity of a checkpoint: hash of its config and weight file sizes."""
+    if path is None:
+        return "none"
+    p = Path(path)
+    h = hashlib.sha1()
+    cfg = p / "config.json"
+    if cfg.is_file():
+        h.update(cfg.read_bytes())
+    for f in sorted(p.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def profile_key(target: str | Path, draft: str | Path | None, device: str, dtype: str) -> str:
+    machine = f"{platform.machine()}-{torch.get_num_threads()}t"
+    return f"{fingerprint(target)}-{fingerprint(draft)}-{device}-{dtype}-{machine}"
+
+
+def _time_forward(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int, reps: int) -> float:
+    """Median ms of one paged forward: ``n_tokens`` new tokens split over up to 8
+    sequences (tree-shaped: each attends ``ctx`` cached tokens + causal new tokens)."""
+    device = model.embed_tokens.weight.device
+    n_seq = min(8, n_tokens)
+    per = [n_tokens // n_seq + (1 if i < n_tokens % n_seq else 0) for i in range(n_seq)]
+    seqs, base = [], 0
+    for q in per:
+        seqs.append(
+            SeqSpec(
+                list(range(base, base + ctx)),
+                list(range(base + ctx, base + ctx + q)),
+                list(range(ctx, ctx + q)),
+            )
+        )
+        base += ctx + q
+    if base > kv.num_slots:
+        raise ValueError("profile cache too small")
+    ids = torch.randint(0, model.cfg.vocab_size, (n_tokens,), device=device)
+    times = []
+    with torch.inference_mode():
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            meta = AttnMetadata.build(seqs, device, model.cfg.sliding_window)
+            h = model(ids, meta, kv.layers)
+            model.logits(h[-n_seq:]).argmax(-1).tolist()  # include the host sync
+            if i:
+                times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def measure(
+    target: LlamaModel,
+    draft: LlamaModel | None,
+    reps: int = 5,
+    verify_tokens=VERIFY_TOKENS,
+    draft_tokens=DRAFT_TOKENS,
+    kv_lens=KV_LENS,
+    progress=None,
+) -> dict:
+    """Measure verification and draft-step latencies; returns a profile dict."""
+    dtype = target.embed_tokens.weight.dtype
+    device = target.embed_tokens.weight.device
+    slots = 8 * (max(kv_lens) + max(verify_tokens) + max(draft_tokens)) + 64
+    kv_t = KVCache(target.cfg, slots, device, dtype)
+    lat = {}
+    for ctx in kv_lens:
+        lat[ctx] = []
+        for n in verify_tokens:
+            lat[ctx].append(_time_forward(target, kv_t, n, ctx, reps))
+            if progress:
+                progress()
+    k0, k1 = kv_lens[0], kv_lens[-1]
+    # extra cost per attended KV token, averaged over pass sizes (>= 0)
+    n_seqs = [min(8, n) for n in verify_tokens]
+    per_kv = 0.0
+    if k1 > k0:
+        per_kv = statistics.mean(
+            (b - a) / (s * (k1 - k0)) for a, b, s in zip(lat[k0], lat[k1], n_seqs)
+        )
+    per_kv = max(0.0, per_kv)
+    esize = torch.tensor([], dtype=dtype).element_size()
+    out = {
+        "schema": SCHEMA,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "machine": f"{platform.machine()} {platform.processor()} threads={torch.get_num_threads()}",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "target": {"params": target.cfg.num_parameters()},
+        "draft": None,
+        "verify": {
+            "tokens": list(verify_tokens),
+            # at zero KV: the KV share measured at kv_lens[0] is taken out
+            "latency_ms": [max(1e-3, v - per_kv * s * k0) for v, s in zip(lat[k0], n_seqs)],
+            "kv_len": [k0, k1],
+            "kv_ms_per_token": per_kv,
+            "latency_ms_by_kv_per_seq": {str(k): lat[k] for k in kv_lens},
+        },
+        "overhead_ms": 0.3,
+        "kv_bytes_per_token": {"target": target.cfg.kv_bytes_per_token(esize), "draft": 0},
+    }
+    if draft is not None:
+        kv_d = KVCache(draft.cfg, slots, device, dtype)
+        dl = []
+        for n in draft_tokens:
+            dl.append(_time_forward(draft, kv_d, n, kv_lens[0], reps))
+            if progress:
+                progress()
+        out["draft"] = {"params": draft.cfg.num_parameters()}
+        out["draft_step"] = {"tokens": list(draft_tokens), "latency_ms": dl}
+        out["draft_step_ms"] = dl[0]
+        out["kv_bytes_per_token"]["draft"] = draft.cfg.kv_bytes_per_token(esize)
+    else:
+        out["draft_step_ms"] = 1e-3
+    return out
+
+
+def profile_engine(engine, reps: int = 5) -> dict:
+    """Profile the engine's loaded pair and annotate it with paths and fingerprints."""
+    prof = measure(engine.target, engine.draft, reps=reps)
+    prof["target"].update(path=str(engine.model_dir), fingerprint=fingerprint(engine.model_dir))
+    if prof["draft"] is not None:
+        prof["draft"].update(path=str(engine.draft_dir), fingerprint=fingerprint(engine.draft_dir))
+    return prof
+
+
+def cached_profile_path(engine) -> Path:
+    from adaserve.paths import cache_dir
+
+    key = profile_key(engine.model_dir, engine.draft_dir, engine.cfg.device, engine.cfg.dtype)
+    return cache_dir() / "profiles" / f"{key}.json"
+
+
+def load_or_profile(engine, auto: bool) -> HardwareModel | None:
+    """The engine's hardware model: explicit file, cached profile, or (auto) measure now."""
+    if engine.cfg.profile:
+        return HardwareModel.load(engine.cfg.profile)
+    path = cached_profile_path(engine)
+    if path.is_file():
+        try:
+            return HardwareModel.load(path)
+        except ValueError:
+            pass
+    if not auto:
+        return None
+    prof = profile_engine(engine, reps=3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(prof, indent=1))
+    return HardwareModel.from_dict(prof, source=str(path))

@@ -1,0 +1,127 @@
+"""Hardware model: predicted iteration time from a measured (or reduced) profile.
+
+Profile JSON schema (``adaserve.profile/1``; written by ``adaserve profile``)::
+
+    {
+      "schema": "adaserve.profile/1",
+      "device": "cpu", "dtype": "float32", "machine": "...",
+      "target": {"path": "...", "params": int, "fingerprint": "..."},
+      "draft":  {"path": "...", "params": int, "fingerprint": "..."} | null,
+      "verify": {"tokens": [t...], "latency_ms": [ms...],          # at kv_len[0]
+                 "kv_len": [k...], "kv_ms_per_token": float},      # extra ms per KV token
+      "draft_step": {"tokens": [t...], "latency_ms": [ms...]},
+      "draft_step_ms": float,                                      # one step, few tokens
+      "overhead_ms": float,                                        # host work per iteration
+      "kv_bytes_per_token": {"target": int, "draft": int}
+    }
+
+A reduced profile (for the simulator) may give only
+``{"verify": {"tokens": [...], "latency_ms": [...]}, "draft_step_ms": X}``.
+No torch here: the simulator uses this class too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+SCHEMA = "adaserve.profile/1"
+
+
+@dataclass(frozen=True)
+class HardwareModel:
+    """Piecewise-linear latency model (milliseconds)."""
+
+    verify_tokens: tuple[float, ...]
+    verify_ms: tuple[float, ...]
+    draft_tokens: tuple[float, ...]
+    draft_ms: tuple[float, ...]
+    kv_ms_per_token: float = 0.0
+    overhead_ms: float = 0.0
+    kv_bytes_target: int = 0
+    kv_bytes_draft: int = 0
+    source: str = "profile"
+
+    def __post_init__(self) -> None:
+        if len(self.verify_tokens) < 1 or len(self.verify_tokens) != len(self.verify_ms):
+            raise ValueError("profile: verify.tokens and verify.latency_ms must match")
+        if list(self.verify_tokens) != sorted(self.verify_tokens):
+            raise ValueError("profile: verify.tokens must be increasing")
+        if any(v <= 0 for v in self.verify_ms) or any(v <= 0 for v in self.draft_ms):
+            raise ValueError("profile: latencies must be positive")
+
+    # ------------------------------------------------------------------ predictions
+    def verify_latency(self, tokens, kv_tokens=0.0):
+        """Target pass over ``tokens`` new tokens attending ``kv_tokens`` cached ones."""
+        t = np.asarray(tokens, dtype=float)
+        x, y = np.asarray(self.verify_tokens), np.asarray(self.verify_ms)
+        base = np.interp(t, x, y)
+        if len(x) > 1:  # linear extrapolation past the last point
+            slope = (y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-9)
+            base = np.where(t > x[-1], y[-1] + slope * (t - x[-1]), base)
+        return base + self.kv_ms_per_token * np.asarray(kv_tokens, dtype=float)
+
+    def draft_latency(self, tokens):
+        """One batched draft step over ``tokens`` tokens."""
+        t = np.asarray(tokens, dtype=float)
+        x, y = np.asarray(self.draft_tokens), np.asarray(self.draft_ms)
+        base = np.interp(t, x, y)
+        if len(x) > 1:
+            slope = (y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-9)
+            base = np.where(t > x[-1], y[-1] + slope * (t - x[-1]), base)
+        return base
+
+    def iteration_ms(
+        self,
+        verify_tokens,
+        kv_tokens: float = 0.0,
+        draft_depth: int = 0,
+        draft_tokens_per_step: float = 0.0,
+        catchup_tokens: float = 0.0,
+    ):
+        """Predicted iteration: draft steps + verification + host overhead."""
+        draft = 0.0
+        if draft_depth > 0:
+            draft = self.draft_latency(max(catchup_tokens, 1.0)) + (draft_depth - 1) * (
+                self.draft_latency(max(draft_tokens_per_step, 1.0))
+            )
+        return self.verify_latency(verify_tokens, kv_tokens) + draft + self.overhead_ms
+
+    def unloaded_tpot_ms(self, kv_tokens: float = 256.0) -> float:
+        """Per-token latency of one request decoding alone, without speculation."""
+        return float(self.verify_latency(1, kv_tokens) + self.overhead_ms)
+
+    # ------------------------------------------------------------------ I/O
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "profile") -> HardwareModel:
+        v = d["verify"]
+        if "draft_step" in d:
+            dt, dm = d["draft_step"]["tokens"], d["draft_step"]["latency_ms"]
+        else:
+            dt, dm = [1], [float(d["draft_step_ms"])]
+        kvb = d.get("kv_bytes_per_token") or {}
+        return cls(
+            verify_tokens=tuple(float(x) for x in v["tokens"]),
+            verify_ms=tuple(float(x) for x in v["latency_ms"]),
+            draft_tokens=tuple(float(x) for x in dt),
+            draft_ms=tuple(float(x) for x in dm),
+            kv_ms_per_token=float(v.get("kv_ms_per_token", 0.0)),
+            overhead_ms=float(d.get("overhead_ms", 0.0)),
+            kv_bytes_target=int(kvb.get("target", 0)),
+            kv_bytes_draft=int(kvb.get("draft") or 0),
+            source=source,
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> HardwareModel:
+        """Read a profile file; ValueError with a readable message when malformed."""
+        try:
+            d = json.loads(Path(path).read_text())
+            return cls.from_dict(d, source=str(path))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read profile {path}: {e}") from None
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"profile {path} lacks or mistypes {e}") from None
