@@ -1,0 +1,200 @@
+"""``adaserve`` command line: one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+from adaserve.errors import AdaServeError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="target checkpoint directory (default: shipped pair)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--draft", help="draft checkpoint directory (default: shipped draft)")
+    g.add_argument("--no-draft", action="store_true", help="run without a draft model")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def _cmd_generate(args) -> int:
+    from adaserve import LLM, SamplingParams
+
+    llm = LLM(
+        model=args.model,
+        draft=args.draft,
+        no_draft=args.no_draft,
+        policy=args.policy,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    prompt: str | list[int] = args.prompt
+    if args.token_ids:
+        try:
+            prompt = [int(x) for x in args.prompt.replace(",", " ").split()]
+        except ValueError:
+            raise AdaServeError(
+                "--token-ids expects integers separated by spaces or commas"
+            ) from None
+    sp = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        stop=args.stop or None,
+    )
+    out = llm.generate([prompt], sp, slo=args.slo_class)[0]
+    m = out.metrics
+    if args.json:
+        stats = {
+            "steps": m["steps"],
+            "drafted_tokens": m["drafted_tokens"],
+            "accepted_tokens": m["accepted_tokens"],
+            "tokens_per_step": m["tokens_per_step"],
+            "verified_tokens": m["verified_tokens"],
+            "accepted_by_depth": m["accepted_by_depth"],
+        }
+        print(
+            json.dumps(
+                {
+                    "text": out.text,
+                    "token_ids": out.token_ids,
+                    "finish_reason": out.finish_reason,
+                    "stats": stats,
+                    "metrics": {k: m[k] for k in ("ttft_ms", "tpot_ms", "e2e_ms", "policy")},
+                }
+            )
+        )
+    else:
+        print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
+        print(
+            f"[{len(out.token_ids)} tokens, {m['steps']} steps, "
+            f"{m['tokens_per_step']:.2f} tokens/step, policy {m['policy']}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _cmd_profile(args) -> int:
+    from pathlib import Path
+
+    from adaserve.config import EngineConfig
+    from adaserve.engine import Engine
+    from adaserve.profile import profile_engine
+
+    eng = Engine(
+        EngineConfig(
+            model=args.model,
+            draft=args.draft,
+            no_draft=args.no_draft,
+            policy="ar",
+            device=args.device,
+            dtype=args.dtype,
+            auto_profile=False,
+            kv_cache_bytes=64 << 20,
+        )
+    )
+    prof = profile_engine(eng, reps=args.reps)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(prof, indent=1) + "\n")
+    v = prof["verify"]
+    print(f"wrote {args.out}")
+    for t, ms in zip(v["tokens"], v["latency_ms"]):
+        print(f"  verify {t:4d} tokens: {ms:7.2f} ms")
+    if prof.get("draft_step"):
+        for t, ms in zip(prof["draft_step"]["tokens"], prof["draft_step"]["latency_ms"]):
+            print(f"  draft  {t:4d} tokens: {ms:7.2f} ms")
+    return 0
+
+
+def _delegate(module: str, fn: str):
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), fn)
+    except (ImportError, AttributeError) as e:
+        raise AdaServeError(f"this build lacks {module}.{fn}: {e}") from None
+
+
+def _attach(module: str, fn: str, parser: argparse.ArgumentParser) -> None:
+    """Let ``module.fn`` add its arguments (skipped when that part is not installed)."""
+    with contextlib.suppress(AdaServeError):
+        _delegate(module, fn)(parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="adaserve", description="SLO-customized LLM serving with speculative token trees"
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate from one prompt")
+    _add_model_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--token-ids", action="store_true", help="the prompt is token ids")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--policy", default="adaserve")
+    g.add_argument("--slo-class", default=None, help="SLO class (default: chat)")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=_cmd_generate)
+
+    pr = sub.add_parser("profile", help="measure the pair's latencies (hardware profile)")
+    _add_model_args(pr)
+    pr.add_argument("--out", required=True, help="profile JSON file to write")
+    pr.add_argument("--reps", type=int, default=5)
+    pr.set_defaults(func=_cmd_profile)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _attach("adaserve.server.cli", "add_arguments", s)
+    s.set_defaults(func=lambda a: _delegate("adaserve.server.cli", "run")(a))
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_cmd", required=True)
+    for name in ("serve", "sweep"):
+        bp = bsub.add_parser(name, help=f"bench {name}")
+        _attach("adaserve.bench.cli", f"add_{name}_arguments", bp)
+        bp.set_defaults(func=lambda a, n=name: _delegate("adaserve.bench.cli", f"run_{n}")(a))
+    sc = bsub.add_parser("scheduler", help="selection decision time")
+    sc.add_argument("--requests", type=int, default=256)
+    sc.add_argument("--candidates", type=int, default=64)
+    sc.add_argument("--iterations", type=int, default=200)
+    sc.add_argument("--json", action="store_true")
+    sc.set_defaults(func=lambda a: _delegate("adaserve.bench.scheduler", "run")(a))
+
+    sm = sub.add_parser("simulate", help="GPU-scale discrete-event simulation")
+    _attach("adaserve.sim.cli", "add_arguments", sm)
+    sm.set_defaults(func=lambda a: _delegate("adaserve.sim.cli", "run")(a))
+
+    t = sub.add_parser("train", help="train the default model pair", add_help=False)
+    t.add_argument("rest", nargs=argparse.REMAINDER)
+    t.set_defaults(func=lambda a: _delegate("adaserve.train.cli", "main")(a.rest))
+
+    d = sub.add_parser("demo", help="serve the shipped pair and drive a mixed-SLO workload")
+    d.add_argument("--duration", type=float, default=20.0)
+    d.add_argument("--port", type=int, default=0)
+    d.set_defaults(func=lambda a: _delegate("adaserve.bench.demo", "run")(a))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except AdaServeError as e:
+        print(f"adaserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
