@@ -1,0 +1,141 @@
+"""Model runtime: logits equal transformers', tree masks, loading errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import VOCAB, save_tiny
+
+from adaserve.errors import ModelLoadError
+from adaserve.kv.cache import KVCache
+from adaserve.models.attention import AttnMetadata, SeqSpec
+from adaserve.models.loader import load_model
+from adaserve.spec.tree import ancestor_mask
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+CASES = {
+    "llama-gqa-tied-rope3": ("llama", dict(tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE)),
+    "llama-mha-untied": ("llama", dict(num_key_value_heads=4, rope_theta=500000.0)),
+    "qwen2-bias-gqa": ("qwen2", dict(tie_word_embeddings=True)),
+    "mistral-gqa": ("mistral", dict(sliding_window=4096)),
+}
+
+
+def paged_logits(model, seqs_tokens, cache_slots=2048):
+    """Run sequences as one ragged paged batch (each in its own slot range)."""
+    cfg = model.cfg
+    kv = KVCache(cfg, cache_slots, torch.device("cpu"), torch.float32)
+    specs, ids, base = [], [], 0
+    for toks in seqs_tokens:
+        n = len(toks)
+        specs.append(SeqSpec([], list(range(base, base + n)), list(range(n))))
+        ids.extend(toks)
+        base += n
+    meta = AttnMetadata.build(specs, torch.device("cpu"), cfg.sliding_window)
+    with torch.inference_mode():
+        return model.logits(model(torch.tensor(ids), meta, kv.layers))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(tmp_path, case):
+    arch, over = CASES[case]
+    hf = save_tiny(tmp_path, arch=arch, seed=3, **over)
+    ours = load_model(tmp_path)
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (3, 50))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    dense = ours.forward_dense(ids)
+    assert (dense - ref).abs().max().item() <= 1e-4
+    # ragged paged batch of different lengths, incl. positions past rope's original 32
+    lens = [50, 7, 33]
+    got = paged_logits(ours, [ids[i, :n].tolist() for i, n in enumerate(lens)])
+    off = 0
+    for i, n in enumerate(lens):
+        assert (got[off : off + n] - ref[i, :n]).abs().max().item() <= 1e-4
+        off += n
+
+
+def test_tree_masked_forward_equals_sequential_paths(tmp_path):
+    save_tiny(tmp_path, seed=5)
+    m = load_model(tmp_path)
+    prefix = [5, 17, 33, 2, 9, 100]
+    #        0   1   2   3   4   5   6
+    parents = [0, 0, 0, 1, 1, 2, 3]  # node 0 = root (last prefix token)
+    tokens = [prefix[-1], 40, 41, 42, 43, 44, 45]
+    depth = [0, 1, 1, 2, 2, 2, 3]
+    kv = KVCache(m.cfg, 256, torch.device("cpu"), torch.float32)
+    C = len(prefix)
+    with torch.inference_mode():
+        meta = AttnMetadata.build([SeqSpec([], list(range(C - 1)), list(range(C - 1)))], "cpu")
+        m(torch.tensor(prefix[:-1]), meta, kv.layers)
+        spec = SeqSpec(
+            list(range(C - 1)),
+            list(range(C - 1, C - 1 + len(tokens))),
+            [C - 1 + d for d in depth],
+            new_mask=torch.from_numpy(ancestor_mask(__import__("numpy").array(parents))),
+        )
+        tree_logits = m.logits(
+            m(torch.tensor(tokens), AttnMetadata.build([spec], "cpu"), kv.layers)
+        )
+    # each root-to-leaf path run as a plain sequence
+    for leaf in (4, 5, 6):
+        path, n = [], leaf
+        while n != 0:
+            path.append(n)
+            n = parents[n]
+        path = [0] + path[::-1]
+        seq = prefix[:-1] + [tokens[i] for i in path]
+        ref = m.forward_dense(torch.tensor([seq]))[0, C - 1 :]
+        for j, node in enumerate(path):
+            assert (tree_logits[node] - ref[j]).abs().max().item() <= 1e-4
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    save_tiny(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel"):
+        load_model(tmp_path)
+
+
+def test_missing_and_corrupt_weights(tmp_path):
+    save_tiny(tmp_path)
+    w = tmp_path / "model.safetensors"
+    data = w.read_bytes()
+    w.write_bytes(data[: len(data) // 3])
+    with pytest.raises(ModelLoadError, match="cannot read weight file"):
+        load_model(tmp_path)
+    w.unlink()
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+        load_model(tmp_path)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nope")
+
+
+def test_config_weight_shape_mismatch(tmp_path):
+    save_tiny(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="shape mismatch"):
+        load_model(tmp_path)
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    hf = save_tiny(tmp_path / "full", seed=2)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    a, b = load_model(tmp_path / "full"), load_model(tmp_path / "sharded")
+    ids = torch.arange(20).unsqueeze(0)
+    assert torch.equal(a.forward_dense(ids), b.forward_dense(ids))
