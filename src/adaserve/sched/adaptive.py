@@ -169,23 +169,25 @@ class AdaptivePolicy(Policy):
 
         if d == 0:
             t = t_iter(0)
-            met = self._met(dec, t, np.zeros(n))
+            score = self._slo_score(dec, t, np.zeros(n)) if self.name == "adaserve" else (0, 0.0)
             return {
                 "depth": 0,
                 "budget": n + P,
                 "alloc": [0] * n,
                 "t_iter": t,
-                "score": (met, n / t),
+                "score": (*score, n / t),
                 "rate": n / t,
                 "infeasible": [],
             }
         strict = self.name == "adaserve"
         alloc = np.zeros(n, dtype=int)
         t = t_iter(0)
+        mem = max(0, view.free_kv_slots - n * w * d)  # slots left for candidate nodes
         if strict:
             for _ in range(2):  # fixed point: requirement depends on t_iter
                 need = np.array([self.requirement(r, t) for r in dec]) - 1.0
                 alloc = np.minimum(np.searchsorted(g, need - 1e-9), kmax)
+                alloc = _fit(alloc, need, mem, c.max_budget - n - P)
                 t = t_iter(alloc.sum())
         # goodput phase: add nodes while the predicted rate improves
         marg = np.diff(g)[:kmax]
@@ -200,18 +202,18 @@ class AdaptivePolicy(Policy):
                 if extra:
                     break
             total = int(a.sum())
-            if n + P + total > c.max_budget:
-                break
+            if n + P + total > c.max_budget or total + n * w * d > view.free_kv_slots:
+                break  # token budget, or temporary KV slots for candidates and scratch
             tt = t_iter(total)
             exp_tokens = n + float(g[np.minimum(a, len(g) - 1)].sum())
             rate = exp_tokens / tt
             if rate > best_rate:
                 best_rate, best_alloc, best_t = rate, a, tt
-        met = self._met(dec, best_t, g[np.minimum(best_alloc, len(g) - 1)]) if strict else 0
+        got = g[np.minimum(best_alloc, len(g) - 1)]
+        score = self._slo_score(dec, best_t, got) if strict else (0, 0.0)
         infeasible = []
         if strict:
             need = np.array([self.requirement(r, best_t) for r in dec]) - 1.0
-            got = g[np.minimum(best_alloc, len(g) - 1)]
             infeasible = [
                 r.rid for r, nd, gt in zip(dec, need, got) if gt + 1e-9 < nd and r.tpot_ms
             ]
@@ -221,17 +223,24 @@ class AdaptivePolicy(Policy):
             "alloc": best_alloc.tolist(),
             "t_iter": best_t,
             "rate": best_rate,
-            "score": (met, best_rate),
+            "score": (*score, best_rate),
             "infeasible": infeasible,
         }
 
-    def _met(self, dec, t, expected_extra) -> int:
-        """Requests (weighted by strictness) whose requirement the plan meets."""
-        score = 0
+    def _slo_score(self, dec, t: float, expected_extra) -> tuple[int, float]:
+        """(weighted count of requests whose requirement the plan meets, minus the
+        weighted relative excess of the predicted mean TPOT of those it does not)."""
+        met, excess = 0, 0.0
         for r, e in zip(dec, expected_extra):
-            if r.tpot_ms and self.requirement(r, t) <= 1.0 + e + 1e-9:
-                score += 1 + (2 - min(r.rank, 2))
-        return score
+            if not r.tpot_ms:
+                continue
+            w = 3 - min(r.rank, 2)  # strict classes weigh more
+            if self.requirement(r, t) <= 1.0 + e + 1e-9:
+                met += w
+            else:
+                pred = (r.decode_ms + t) / max(r.n_out + e, 1.0)
+                excess += w * max(0.0, pred / r.tpot_ms - 1.0)
+        return met, -excess
 
     def _overload(self, dec: list[ReqView], best: dict, plan: Plan) -> None:
         bad = set(best["infeasible"])
@@ -269,7 +278,7 @@ class AdaptivePolicy(Policy):
         )
         n_dec = len(view.decoding)
         P = sum(plan.prefill.values())
-        left = max(0, plan.budget - n_dec - P)
+        left = max(0, min(plan.budget - n_dec - P, view.free_kv_slots))
         k = np.zeros(R, dtype=np.int64)
         if self.name == "adaserve":
             t = plan.info.get("t_iter", 0.0)
@@ -295,6 +304,19 @@ class AdaptivePolicy(Policy):
         for i, rid in enumerate(rids):
             out[rid] = np.concatenate(([0], np.sort(order[i, : k[i]])))
         return out
+
+
+def _fit(alloc: np.ndarray, need: np.ndarray, *caps: int) -> np.ndarray:
+    """Trim SLO-phase allocations to the tightest cap, serving the most behind first."""
+    cap = max(0, min(caps))
+    if alloc.sum() <= cap:
+        return alloc
+    out = np.zeros_like(alloc)
+    left = cap
+    for i in np.argsort(-need, kind="stable"):
+        out[i] = min(alloc[i], left)
+        left -= out[i]
+    return out
 
 
 def _greedy_fill(alloc: np.ndarray, marg: np.ndarray, extra: int) -> np.ndarray:

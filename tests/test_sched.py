@@ -1,0 +1,250 @@
+"""SLO-aware selection: budgets, connectivity, requirements, overload, calibration."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+from conftest import random_prompts
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adaserve import LLM, SLO, SamplingParams
+from adaserve.sched.adaptive import AdaptivePolicy
+from adaserve.sched.base import BatchView, ReqView
+from adaserve.sched.calibration import Calibrator
+from adaserve.sched.hardware import HardwareModel
+from adaserve.spec.tree import CandidateTree, is_connected
+
+HW = HardwareModel.from_dict(
+    {
+        "verify": {"tokens": [1, 64, 256, 1024], "latency_ms": [10.0, 11.0, 14.0, 30.0]},
+        "draft_step_ms": 0.2,
+    }
+)
+
+
+def random_tree(rng, n_nodes: int) -> CandidateTree:
+    parents = [0] + [int(rng.integers(0, i)) for i in range(1, n_nodes + 1)]
+    depth = [0]
+    for i in range(1, n_nodes + 1):
+        depth.append(depth[parents[i]] + 1)
+    q = np.concatenate(([1.0], rng.uniform(0.01, 1.0, n_nodes)))
+    t = CandidateTree(
+        tokens=rng.integers(0, 100, n_nodes + 1),
+        parents=np.array(parents),
+        depth=np.array(depth),
+        q=q,
+        rank=np.zeros(n_nodes + 1, dtype=np.int64),
+        f=np.ones(n_nodes + 1),
+    )
+    Calibrator().apply(t)
+    return t
+
+
+def req(rid, tpot, behind_ms=0.0, n_out=10, rank=0) -> ReqView:
+    # decode_ms chosen so the request is `behind_ms` behind its target
+    decode = (n_out - 1) * tpot + behind_ms if tpot else 100.0
+    return ReqView(
+        rid=rid,
+        cls="c",
+        tpot_ms=tpot,
+        ttft_ms=None,
+        n_out=n_out,
+        decode_ms=decode,
+        waited_ms=decode,
+        prefill_left=0,
+        context_len=100,
+        rank=rank,
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    n=st.integers(1, 24),
+    free=st.sampled_from([16, 64, 100_000]),
+    max_budget=st.sampled_from([32, 128, 1024]),
+)
+def test_selection_respects_budgets_and_connectivity(seed, n, free, max_budget):
+    rng = np.random.default_rng(seed)
+    pol = AdaptivePolicy("adaserve")
+    pol.cfg = type(pol.cfg)(max_budget=max(max_budget, n + 1))
+    reqs = [
+        req(i, float(rng.choice([5.0, 12.0, 60.0, 1e5])), float(rng.uniform(-50, 80)))
+        for i in range(n)
+    ]
+    view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=free, hw=HW)
+    plan = pol.plan(view)
+    trees = {
+        r.rid: random_tree(rng, int(rng.integers(1, 60))) for r in reqs if r.rid in plan.shapes
+    }
+    sel = pol.select(view, plan, trees)
+    total = sum(len(s) - 1 for s in sel.values())
+    assert total + n <= max(plan.budget, n)
+    assert total <= free
+    assert plan.budget <= pol.cfg.max_budget or not plan.shapes
+    for rid, s in sel.items():
+        assert s[0] == 0 and list(s) == sorted(set(s))
+        assert is_connected(trees[rid].parents, s)
+        assert len(s) - 1 <= plan.node_cap.get(rid, pol.cfg.node_cap)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 12))
+def test_feasible_requirements_are_met(seed, n):
+    """With ample budget, each request's expected accepted tokens reach A(r) - 1
+    (the bonus token is certain) unless its tree cannot provide that much."""
+    rng = np.random.default_rng(seed)
+    pol = AdaptivePolicy("adaserve")
+    reqs = [req(i, 12.0, float(rng.uniform(0, 40))) for i in range(n)]
+    view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=10**6, hw=HW)
+    plan = pol.plan(view)
+    plan.budget = 10**6
+    plan.shapes = {r.rid: (4, 2) for r in reqs}
+    trees = {r.rid: random_tree(rng, int(rng.integers(5, 60))) for r in reqs}
+    sel = pol.select(view, plan, trees)
+    t_iter = plan.info["t_iter"]
+    for r in reqs:
+        need = pol.requirement(r, t_iter) - 1.0
+        f = trees[r.rid].f
+        got = f[sel[r.rid][1:]].sum()
+        best = np.sort(f[1:])[::-1][: pol.cfg.node_cap].sum()
+        assert got >= min(need, best) - 1e-9
+
+
+def test_infeasible_plan_takes_the_overload_path():
+    pol = AdaptivePolicy("adaserve")
+    pol.cfg = type(pol.cfg)(degrade_after=3)
+    # hopelessly behind strict requests (need far more than any tree gives)
+    reqs = [req(i, 1.0, behind_ms=500.0) for i in range(4)] + [req(9, 1e5)]
+    view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=10**6, hw=HW)
+    plans = [pol.plan(view) for _ in range(3)]
+    assert set(plans[0].info["infeasible"]) == {0, 1, 2, 3}
+    assert not plans[0].degrade
+    assert set(plans[2].degrade) == {0, 1, 2, 3}
+
+
+def test_no_profile_falls_back_and_counts(tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("ADASERVE_CACHE", str(tmp_path))
+    target, draft, _ = tiny_pair
+    prompts = random_prompts(6, seed=31)
+    llm = LLM(
+        model=str(target),
+        draft=str(draft),
+        policy="adaserve",
+        auto_profile=False,
+        kv_cache_bytes=16 << 20,
+    )
+    assert llm.engine.hw is None
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8))
+    assert llm.engine.counters.fallback_iterations.get("no_profile", 0) > 0
+    assert llm.engine.counters.spec_draft_tokens == 0
+    ref = LLM(model=str(target), no_draft=True, policy="ar").generate(
+        prompts, SamplingParams(max_tokens=8)
+    )
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+
+
+def test_selection_uses_calibrated_acceptance():
+    """Node A has the higher draft probability but its bucket is observed to be
+    rejected; node B's bucket is observed to be accepted: with room for one node
+    the policy must pick B."""
+    cal = Calibrator()
+    tree = CandidateTree(
+        tokens=np.array([0, 1, 2]),
+        parents=np.array([0, 0, 0]),
+        depth=np.array([0, 1, 1]),
+        q=np.array([1.0, 0.85, 0.45]),
+        rank=np.array([0, 0, 1]),
+        f=np.ones(3),
+    )
+    cal.apply(tree)
+    assert tree.f[1] > tree.f[2]  # uncalibrated: f follows q
+    for _ in range(200):
+        cal.observe(tree.subtree(np.array([0, 1])), [])  # A tried, rejected
+        cal.observe(tree.subtree(np.array([0, 2])), [1])  # B tried, accepted
+    cal.apply(tree)
+    assert tree.f[2] > 0.9 and tree.f[1] < 0.1
+    pol = AdaptivePolicy("dyn-tree")
+    view = BatchView(now_ms=0, requests=[req(0, None)], free_kv_slots=1000, hw=HW)
+    plan = pol.plan(view)
+    plan.budget = 2  # root + one candidate
+    assert list(pol.select(view, plan, {0: tree})[0]) == [0, 2]
+
+
+@pytest.fixture(scope="module")
+def cheap_profile(tmp_path_factory):
+    p = tmp_path_factory.mktemp("prof") / "p.json"
+    p.write_text(
+        json.dumps(
+            {
+                "verify": {"tokens": [1, 16, 64, 256], "latency_ms": [10.0, 14.0, 40.0, 150.0]},
+                "draft_step_ms": 0.5,
+            }
+        )
+    )
+    return str(p)
+
+
+def test_strict_requests_get_larger_trees_and_output_is_unchanged(tiny_pair, cheap_profile):
+    """Strict requests are behind their target (every iteration takes >= 10 ms) and
+    take candidates in the SLO phase; relaxed ones are far ahead and get only what the
+    goodput phase finds worth verifying. The draft is the target with noisy logits
+    (acceptance around 0.3)."""
+    target, _, _ = tiny_pair
+    prompts = random_prompts(16, seed=32)
+    slos = [
+        SLO(tpot_ms=8.0, cls="interactive") if i % 2 == 0 else SLO(tpot_ms=1e6, cls="batch")
+        for i in range(16)
+    ]
+    llm = LLM(
+        model=str(target),
+        draft=str(target),
+        policy="adaserve",
+        profile=cheap_profile,
+        kv_cache_bytes=32 << 20,
+    )
+    llm.engine.draft_noise = 0.5
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True), slo=slos)
+    strict = np.mean([o.metrics["tree_nodes"] / o.metrics["steps"] for o in outs[::2]])
+    relaxed = np.mean([o.metrics["tree_nodes"] / o.metrics["steps"] for o in outs[1::2]])
+    assert strict > relaxed + 1.0
+    ref = LLM(model=str(target), no_draft=True, policy="ar").generate(
+        prompts, SamplingParams(max_tokens=24, ignore_eos=True)
+    )
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+
+
+def test_strict_burst_does_not_starve_relaxed_request(tiny_pair, cheap_profile):
+    target, _, _ = tiny_pair
+    llm = LLM(
+        model=str(target),
+        draft=str(target),
+        policy="adaserve",
+        profile=cheap_profile,
+        max_num_seqs=2,
+        kv_cache_bytes=16 << 20,
+    )
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    strict = [
+        eng.add_request(p, sp, SLO(tpot_ms=5.0, ttft_ms=100.0, cls="interactive"))
+        for p in random_prompts(24, seed=33)
+    ]
+    time.sleep(0.01)
+    relaxed = eng.add_request(
+        [5, 6, 7], sp, SLO(tpot_ms=1e5, ttft_ms=1e6, max_queue_ms=30.0, cls="batch")
+    )
+    while not relaxed.finished:
+        eng.step()
+        if not relaxed.finished:
+            # the burst keeps coming
+            strict.append(
+                eng.add_request([1, 2, 3], sp, SLO(tpot_ms=5.0, ttft_ms=100.0, cls="interactive"))
+            )
+    earlier = strict[:24]  # arrived before the relaxed request
+    jumped = sum(1 for s in earlier if s.admitted_at is None or s.admitted_at > relaxed.admitted_at)
+    assert jumped >= 12, "relaxed request past its max queue wait still waited behind the burst"

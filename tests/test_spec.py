@@ -1,0 +1,245 @@
+"""Speculation is lossless: greedy equivalence, distribution test, cut paths, KV hygiene."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_prompts, save_tiny
+
+from adaserve import LLM, SamplingParams
+from adaserve.models.loader import load_model
+from adaserve.paths import DEFAULT_DRAFT, DEFAULT_TARGET
+from adaserve.sampling import target_probs
+
+POLICIES = ["spec-chain:4", "spec-tree", "spec-tree:3x2", "adaserve", "dyn-tree", "smartspec"]
+
+# a profile in which speculation pays (cheap draft, flat verification) so that the
+# adaptive policies really build trees on the tiny models
+CHEAP_DRAFT_PROFILE = {
+    "verify": {"tokens": [1, 64, 256, 1024], "latency_ms": [10.0, 11.0, 14.0, 30.0]},
+    "draft_step_ms": 0.2,
+}
+
+
+@pytest.fixture(scope="module")
+def profile_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("prof") / "profile.json"
+    p.write_text(json.dumps(CHEAP_DRAFT_PROFILE))
+    return str(p)
+
+
+def run(model, draft, policy, prompts, sp, profile=None, **kw):
+    llm = LLM(
+        model=str(model),
+        draft=str(draft) if draft else None,
+        no_draft=draft is None,
+        policy=policy,
+        kv_cache_bytes=kw.pop("kv_cache_bytes", 32 << 20),
+        profile=profile,
+        **kw,
+    )
+    outs = llm.generate(prompts, sp, slo=kw.get("slo"))
+    return [o.token_ids for o in outs], llm
+
+
+@pytest.mark.parametrize("which", ["self", "random"])
+def test_greedy_equivalence_all_policies(tiny_pair, profile_file, which):
+    target, draft, _ = tiny_pair
+    draft = target if which == "self" else draft
+    prompts = random_prompts(56, seed=11, lo=2, hi=60)
+    sp = SamplingParams(max_tokens=20)
+    ref, _ = run(target, None, "ar", prompts, sp)
+    for pol in POLICIES:
+        got, llm = run(target, draft, pol, prompts, sp, profile=profile_file)
+        assert got == ref, pol
+        c = llm.engine.counters
+        assert c.spec_draft_tokens > 0, f"{pol} never speculated"
+        if which == "self":
+            # the target as its own draft: every verified candidate on a chain is accepted
+            assert (
+                c.spec_accepted_tokens > 0.3 * c.spec_draft_tokens
+                or pol.startswith("spec-tree")
+                or pol in ("adaserve", "dyn-tree")
+            )
+
+
+@pytest.mark.skipif(not DEFAULT_TARGET.is_dir(), reason="shipped pair not present")
+def test_greedy_equivalence_shipped_pair(tmp_path):
+    from adaserve.train.corpus import held_out_prompts  # noqa: F401  (shipped pair's corpus)
+
+    prompts = random_prompts(52, seed=12, lo=4, hi=48)
+    tok = LLM(model=str(DEFAULT_TARGET), no_draft=True, policy="ar").tokenizer
+    texts = [tok.decode(p) for p in prompts]
+    ids = [tok.encode(t) or [1] for t in texts]
+    sp = SamplingParams(max_tokens=24)
+    ref, _ = run(DEFAULT_TARGET, None, "ar", ids, sp)
+    for pol in POLICIES:
+        got, llm = run(DEFAULT_TARGET, DEFAULT_DRAFT, pol, ids, sp)
+        assert got == ref, pol
+
+
+def test_eos_inside_accepted_path_cuts_it(tiny_pair, profile_file):
+    target, _, _ = tiny_pair
+    prompts = random_prompts(10, seed=13)
+    sp = SamplingParams(max_tokens=12)
+    full, _ = run(target, None, "ar", prompts, sp)
+    stop_tok = full[0][3]
+    sp2 = SamplingParams(max_tokens=12, stop_token_ids=(stop_tok,))
+    ref, _ = run(target, None, "ar", prompts, sp2)
+    got, llm = run(target, target, "spec-chain:6", prompts, sp2)
+    assert got == ref
+    assert got[0][-1] == stop_tok and len(got[0]) == full[0].index(stop_tok) + 1
+    # the eos set of the checkpoint works the same way
+    llm.engine.eos_ids = {stop_tok}
+    outs = llm.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == ref
+
+
+def test_request_finishing_mid_tree(tiny_pair):
+    target, _, _ = tiny_pair
+    prompts = random_prompts(8, seed=14)
+    ref, _ = run(target, None, "ar", prompts, SamplingParams(max_tokens=3))
+    got, llm = run(target, target, "spec-chain:8", prompts, SamplingParams(max_tokens=3))
+    assert got == ref and all(len(g) == 3 for g in got)
+    a = llm.engine.allocator
+    assert a.num_free == a.num_blocks
+
+
+def test_kv_pool_full_after_random_workload_with_preemption(tiny_pair):
+    target, draft, _ = tiny_pair
+    prompts = random_prompts(20, seed=15, lo=20, hi=90)
+    sp = SamplingParams(max_tokens=30)
+    ref, _ = run(target, None, "ar", prompts, sp)
+    # target (512 B/token) + draft (1 layer, 1 kv head x 16: 128 B/token); ~20 blocks
+    got, llm = run(
+        target,
+        draft,
+        "spec-tree:4x2",
+        prompts,
+        sp,
+        kv_cache_bytes=640 * 16 * 20,
+        max_prefill_tokens=32,
+    )
+    assert got == ref
+    assert llm.engine.counters.preemptions > 0
+    a = llm.engine.allocator
+    assert a.num_free == a.num_blocks
+
+
+# ---------------------------------------------------------------- distribution test
+SMALL_VOCAB = 12
+
+
+@pytest.fixture(scope="module")
+def small_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small")
+    kw = dict(
+        vocab_size=SMALL_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        eos_token_id=None,
+        pad_token_id=None,
+        initializer_range=0.5,
+    )
+    save_tiny(root / "t", seed=21, **kw)
+    save_tiny(root / "d", seed=22, num_hidden_layers=1, **kw)
+    return root / "t", root / "d"
+
+
+def exact_joint(model_dir, prompt, sp) -> np.ndarray:
+    """P(x1, x2) of the processed target distribution, by direct forward passes."""
+    m = load_model(model_dir)
+    with torch.inference_mode():
+        p1 = target_probs(m.forward_dense(torch.tensor([prompt]))[0, -1:], sp)[0]
+        seqs = torch.tensor([prompt + [x] for x in range(SMALL_VOCAB)])
+        p2 = target_probs(m.forward_dense(seqs)[:, -1], sp)
+    return (p1[:, None] * p2).double().numpy()
+
+
+def chi_square_rejects(counts: np.ndarray, probs: np.ndarray, alpha_z: float = 3.09) -> bool:
+    """Chi-square goodness of fit at alpha = 0.001 (Wilson-Hilferty critical value).
+
+    Cells with expected count < 5 are pooled; a sample in a zero-probability cell
+    rejects outright.
+    """
+    n = counts.sum()
+    exp = probs * n
+    if (counts[probs == 0] > 0).any():
+        return True
+    big = exp >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    ex = np.append(exp[big], exp[~big].sum())
+    keep = ex > 0
+    stat = float(((obs[keep] - ex[keep]) ** 2 / ex[keep]).sum())
+    df = int(keep.sum()) - 1
+    crit = df * (1 - 2 / (9 * df) + alpha_z * math.sqrt(2 / (9 * df))) ** 3
+    return stat > crit
+
+
+def sample_joint(target, draft, policy, prompt, sp, n, draft_sample=False) -> np.ndarray:
+    llm = LLM(
+        model=str(target),
+        draft=str(draft),
+        policy=policy,
+        kv_cache_bytes=64 << 20,
+        max_num_seqs=512,
+        draft_sample=draft_sample,
+    )
+    params = [
+        SamplingParams(temperature=sp.temperature, top_p=sp.top_p, max_tokens=2, seed=i)
+        for i in range(n)
+    ]
+    outs = llm.generate([prompt] * n, params)
+    counts = np.zeros((SMALL_VOCAB, SMALL_VOCAB))
+    for o in outs:
+        counts[o.token_ids[0], o.token_ids[1]] += 1
+    assert llm.engine.counters.spec_draft_tokens > 0
+    return counts
+
+
+N_SAMPLES = 6000
+PROMPT = [3, 7, 1, 4]
+
+
+@pytest.mark.parametrize(
+    "temperature, top_p, draft_sample",
+    [(1.0, 1.0, False), (1.0, 0.8, False), (1.0, 1.0, True), (0.7, 0.8, True)],
+)
+def test_speculative_sampling_matches_target_distribution(
+    small_pair, temperature, top_p, draft_sample
+):
+    target, draft = small_pair
+    sp = SamplingParams(temperature=temperature, top_p=top_p)
+    probs = exact_joint(target, PROMPT, sp)
+    counts = sample_joint(target, draft, "spec-tree:3x3", PROMPT, sp, N_SAMPLES, draft_sample)
+    assert not chi_square_rejects(counts, probs)
+    tv = 0.5 * np.abs(counts / counts.sum() - probs).sum()
+    assert tv < 0.06
+
+
+def test_broken_verifier_fails_the_distribution_test(small_pair, monkeypatch):
+    """Negative control: accepting any child in the target's top-2 is not lossless."""
+    import adaserve.engine as eng
+
+    def almost_lossless(tokens, children, probs, gen, draft_q=None):
+        node, path = 0, []
+        while True:
+            top2 = set(probs[node].topk(2).indices.tolist())
+            nxt = next((c for c in children[node] if int(tokens[c]) in top2), None)
+            if nxt is None:
+                return path, int(torch.multinomial(probs[node], 1, generator=gen))
+            path.append(nxt)
+            node = nxt
+
+    monkeypatch.setattr(eng, "verify_stochastic", almost_lossless)
+    target, draft = small_pair
+    sp = SamplingParams(temperature=1.0)
+    probs = exact_joint(target, PROMPT, sp)
+    counts = sample_joint(target, draft, "spec-tree:3x3", PROMPT, sp, N_SAMPLES)
+    assert chi_square_rejects(counts, probs)
