@@ -93,10 +93,14 @@ class AdaptivePolicy(Policy):
 
     def requirement(self, r: ReqView, t_iter: float) -> float:
         """A(r): accepted tokens this iteration that keep r's mean TPOT within target."""
-        need = 1.0
-        if r.tpot_ms:
-            need = (r.decode_ms + t_iter) / r.tpot_ms - r.n_out + 1
-        return float(np.clip(need, 1.0, self.cfg.max_depth + 1))
+        return float(self._requirements(_Arrays.of([r]), t_iter)[0])
+
+    def _requirements(self, a: _Arrays, t_iter: float) -> np.ndarray:
+        """A(r) for every request at once: [n]."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            need = (a.decode_ms + t_iter) / a.tpot - a.n_out + 1
+        need = np.where(a.has_tpot, need, 1.0)
+        return np.clip(need, 1.0, self.cfg.max_depth + 1)
 
     def admission_key(self, waiting: ReqView) -> tuple:
         if self.name != "adaserve":
@@ -136,111 +140,103 @@ class AdaptivePolicy(Policy):
         kv = float(sum(r.context_len for r in view.requests))
         acc = self._acc(view)
         w = self._width(n)
+        arr = _Arrays.of(dec)
         best = None
         for d in DEPTHS:
             if d > c.max_depth:
                 break
-            cand = self._evaluate(view, dec, d, w, P, kv, acc)
+            cand = self._evaluate(view, arr, d, w, P, kv, acc)
             if best is None or cand["score"] > best["score"]:
                 best = cand
         d = best["depth"]
         plan = Plan(prefill=prefill, budget=best["budget"], info=best)
         if d > 0:
-            for r, k in zip(dec, best["alloc"]):
+            for r, k in zip(dec, best["alloc"].tolist()):
                 if k > 0:
                     plan.shapes[r.rid] = (d, w)
                     plan.node_cap[r.rid] = c.node_cap
         if self.name == "adaserve":
             self._overload(dec, best, plan)
+        plan.info["arrays"] = arr
         return plan
 
-    def _evaluate(self, view, dec, d, w, P, kv, acc) -> dict:
+    def _evaluate(self, view, arr: _Arrays, d, w, P, kv, acc) -> dict:
         """Predicted outcome of drafting depth d, width w for this batch."""
         c, hw = self.cfg, view.hw
-        n = len(dec)
+        n = len(arr.rid)
+        strict = self.name == "adaserve"
         g = gain_curve(d, w, acc)  # g[k]: expected accepted from best k nodes
         kmax = min(len(g) - 1, c.node_cap)
 
-        def t_iter(total_nodes: float) -> float:
-            return (
-                float(hw.iteration_ms(n + P + total_nodes, kv, d, n * w, n + P if d else 0))
-                * self.iter_scale
-            )
+        def t_iter(total_nodes):
+            """Predicted iteration ms for ``total_nodes`` candidates (scalar or array)."""
+            ms = hw.iteration_ms(n + P + np.asarray(total_nodes), kv, d, n * w, n + P if d else 0)
+            return ms * self.iter_scale if np.ndim(ms) else float(ms) * self.iter_scale
 
         if d == 0:
             t = t_iter(0)
-            score = self._slo_score(dec, t, np.zeros(n)) if self.name == "adaserve" else (0, 0.0)
+            score = self._slo_score(arr, t, np.zeros(n)) if strict else (0, 0.0)
             return {
                 "depth": 0,
                 "budget": n + P,
-                "alloc": [0] * n,
+                "alloc": np.zeros(n, dtype=int),
                 "t_iter": t,
                 "score": (*score, n / t),
                 "rate": n / t,
                 "infeasible": [],
             }
-        strict = self.name == "adaserve"
         alloc = np.zeros(n, dtype=int)
         t = t_iter(0)
         mem = max(0, view.free_kv_slots - n * w * d)  # slots left for candidate nodes
         if strict:
             for _ in range(2):  # fixed point: requirement depends on t_iter
-                need = np.array([self.requirement(r, t) for r in dec]) - 1.0
+                need = self._requirements(arr, t) - 1.0
                 alloc = np.minimum(np.searchsorted(g, need - 1e-9), kmax)
                 alloc = _fit(alloc, need, mem, c.max_budget - n - P)
                 t = t_iter(alloc.sum())
         # goodput phase: add nodes while the predicted rate improves
         marg = np.diff(g)[:kmax]
-        best_rate, best_alloc, best_t = -1.0, alloc.copy(), t
-        extra = 0
-        steps = (0, 4, 8, 16, 32, 64, 128, 256, 512)
-        for extra in steps:
-            if strict or self.name == "dyn-tree":
-                a = _greedy_fill(alloc, marg, extra)
-            else:  # smartspec: one chain length for all
-                a = np.full(n, min(d, kmax))
-                if extra:
-                    break
-            total = int(a.sum())
-            if n + P + total > c.max_budget or total + n * w * d > view.free_kv_slots:
-                break  # token budget, or temporary KV slots for candidates and scratch
-            tt = t_iter(total)
-            exp_tokens = n + float(g[np.minimum(a, len(g) - 1)].sum())
-            rate = exp_tokens / tt
-            if rate > best_rate:
-                best_rate, best_alloc, best_t = rate, a, tt
+        if self.name == "smartspec":  # one chain length for the whole batch
+            options = [np.full(n, min(d, kmax))]
+        else:
+            options = [_greedy_fill(alloc, marg, e) for e in (0, 4, 8, 16, 32, 64, 128, 256, 512)]
+        totals = np.array([int(a.sum()) for a in options])
+        ok = (n + P + totals <= c.max_budget) & (totals + n * w * d <= view.free_kv_slots)
+        # past the token budget or the KV slots (candidates + draft scratch): not an option;
+        # the SLO-phase allocation alone was already fitted to both
+        ok[0] |= self.name != "smartspec"
+        tts = np.asarray(t_iter(totals), dtype=float) * np.ones(len(totals))
+        rates = np.array([n + float(g[np.minimum(a, len(g) - 1)].sum()) for a in options]) / tts
+        rates[~ok] = -1.0
+        b = int(np.argmax(rates))
+        best_rate, best_alloc, best_t = float(rates[b]), options[b], float(tts[b])
         got = g[np.minimum(best_alloc, len(g) - 1)]
-        score = self._slo_score(dec, best_t, got) if strict else (0, 0.0)
+        score = self._slo_score(arr, best_t, got) if strict else (0, 0.0)
         infeasible = []
         if strict:
-            need = np.array([self.requirement(r, best_t) for r in dec]) - 1.0
-            infeasible = [
-                r.rid for r, nd, gt in zip(dec, need, got) if gt + 1e-9 < nd and r.tpot_ms
-            ]
+            need = self._requirements(arr, best_t) - 1.0
+            bad = arr.has_tpot & (got + 1e-9 < need)
+            infeasible = arr.rid[bad].tolist()
         return {
             "depth": d,
             "budget": int(n + P + best_alloc.sum()),
-            "alloc": best_alloc.tolist(),
+            "alloc": best_alloc,
             "t_iter": best_t,
             "rate": best_rate,
             "score": (*score, best_rate),
             "infeasible": infeasible,
         }
 
-    def _slo_score(self, dec, t: float, expected_extra) -> tuple[int, float]:
+    def _slo_score(self, arr: _Arrays, t: float, expected_extra) -> tuple[float, float]:
         """(weighted count of requests whose requirement the plan meets, minus the
         weighted relative excess of the predicted mean TPOT of those it does not)."""
-        met, excess = 0, 0.0
-        for r, e in zip(dec, expected_extra):
-            if not r.tpot_ms:
-                continue
-            w = 3 - min(r.rank, 2)  # strict classes weigh more
-            if self.requirement(r, t) <= 1.0 + e + 1e-9:
-                met += w
-            else:
-                pred = (r.decode_ms + t) / max(r.n_out + e, 1.0)
-                excess += w * max(0.0, pred / r.tpot_ms - 1.0)
-        return met, -excess
+        need = self._requirements(arr, t)
+        met = arr.has_tpot & (need <= 1.0 + expected_extra + 1e-9)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            pred = (arr.decode_ms + t) / np.maximum(arr.n_out + expected_extra, 1.0)
+            excess = np.maximum(0.0, pred / arr.tpot - 1.0)
+        late = arr.has_tpot & ~met
+        return float(arr.weight[met].sum()), -float((arr.weight * excess)[late].sum())
 
     def _overload(self, dec: list[ReqView], best: dict, plan: Plan) -> None:
         bad = set(best["infeasible"])
@@ -262,48 +258,69 @@ class AdaptivePolicy(Policy):
         rids = list(trees)
         if not rids:
             return {}
-        by_id = {r.rid: r for r in view.requests}
-        M = max(len(trees[r].tokens) - 1 for r in rids)
         R = len(rids)
-        F = np.zeros((R, max(M, 1)))
-        order = np.zeros((R, max(M, 1)), dtype=np.int64)
+        sizes = np.array([len(trees[r].tokens) - 1 for r in rids])
+        M = max(int(sizes.max()), 1)
+        F = np.full((R, M), -1.0)
         for i, rid in enumerate(rids):
-            f = trees[rid].f[1:]
-            o = np.lexsort((np.arange(len(f)), -f))
-            F[i, : len(f)] = f[o]
-            order[i, : len(f)] = o + 1
-        counts_avail = np.array([len(trees[r].tokens) - 1 for r in rids])
-        caps = np.minimum(
-            counts_avail, np.array([plan.node_cap.get(r, self.cfg.node_cap) for r in rids])
-        )
+            F[i, : sizes[i]] = trees[rid].f[1:]
+        order = np.argsort(-F, axis=1, kind="stable")  # ties: lower index (parent) first
+        F = np.take_along_axis(F, order, axis=1)
+        caps = np.minimum(sizes, [plan.node_cap.get(r, self.cfg.node_cap) for r in rids])
         n_dec = len(view.decoding)
         P = sum(plan.prefill.values())
         left = max(0, min(plan.budget - n_dec - P, view.free_kv_slots))
         k = np.zeros(R, dtype=np.int64)
         if self.name == "adaserve":
-            t = plan.info.get("t_iter", 0.0)
-            need = np.array([self.requirement(by_id[r], t) - 1.0 for r in rids])
-            cums = np.cumsum(F, axis=1)
+            arr = plan.info.get("arrays")
+            by_id = {r.rid: r for r in view.requests}
+            if arr is None or list(arr.rid) != rids:
+                arr = _Arrays.of([by_id[r] for r in rids])
+            need = self._requirements(arr, plan.info.get("t_iter", 0.0)) - 1.0
+            cums = np.cumsum(np.maximum(F, 0.0), axis=1)
             k_slo = np.minimum((cums < need[:, None] - 1e-9).sum(1) + 1, caps)
             k_slo[need <= 1e-9] = 0
-            # most behind first: largest requirement
-            for i in np.argsort(-need, kind="stable"):
-                take = min(int(k_slo[i]), left)
-                k[i] = take
-                left -= take
+            # most behind first: largest requirement takes its share of the budget first
+            ordr = np.argsort(-need, kind="stable")
+            before = np.cumsum(k_slo[ordr]) - k_slo[ordr]
+            k[ordr] = np.clip(left - before, 0, k_slo[ordr])
+            left -= int(k.sum())
         if left > 0:
-            cols = np.arange(F.shape[1])[None, :]
+            cols = np.arange(M)[None, :]
             avail = (cols >= k[:, None]) & (cols < caps[:, None])
             vals = np.where(avail, F, -1.0).ravel()
             m = min(left, int(avail.sum()))
             if m > 0:
                 top = np.argpartition(-vals, m - 1)[:m]
                 top = top[vals[top] > 0]
-                np.add.at(k, top // F.shape[1], 1)
-        out = {}
-        for i, rid in enumerate(rids):
-            out[rid] = np.concatenate(([0], np.sort(order[i, : k[i]])))
-        return out
+                np.add.at(k, top // M, 1)
+        chosen = np.where(np.arange(M)[None, :] < k[:, None], order + 1, M + 1)
+        chosen.sort(axis=1)
+        return {rid: np.concatenate(([0], chosen[i, : k[i]])) for i, rid in enumerate(rids)}
+
+
+@dataclass
+class _Arrays:
+    """Per-request quantities as arrays (vectorised planning)."""
+
+    rid: np.ndarray
+    decode_ms: np.ndarray
+    n_out: np.ndarray
+    tpot: np.ndarray
+    has_tpot: np.ndarray
+    weight: np.ndarray
+
+    @classmethod
+    def of(cls, reqs: list[ReqView]) -> _Arrays:
+        tp = np.array([r.tpot_ms or np.nan for r in reqs], dtype=float)
+        return cls(
+            rid=np.array([r.rid for r in reqs], dtype=np.int64),
+            decode_ms=np.array([r.decode_ms for r in reqs], dtype=float),
+            n_out=np.array([r.n_out for r in reqs], dtype=float),
+            tpot=tp,
+            has_tpot=~np.isnan(tp),
+            weight=np.array([3 - min(r.rank, 2) for r in reqs], dtype=float),  # strict weigh more
+        )
 
 
 def _fit(alloc: np.ndarray, need: np.ndarray, *caps: int) -> np.ndarray:
@@ -311,30 +328,40 @@ def _fit(alloc: np.ndarray, need: np.ndarray, *caps: int) -> np.ndarray:
     cap = max(0, min(caps))
     if alloc.sum() <= cap:
         return alloc
-    out = np.zeros_like(alloc)
-    left = cap
-    for i in np.argsort(-need, kind="stable"):
-        out[i] = min(alloc[i], left)
-        left -= out[i]
+    order = np.argsort(-need, kind="stable")
+    a = alloc[order]
+    before = np.cumsum(a) - a
+    out = np.empty_like(alloc)
+    out[order] = np.clip(cap - before, 0, a)
     return out
 
 
 def _greedy_fill(alloc: np.ndarray, marg: np.ndarray, extra: int) -> np.ndarray:
-    """Add ``extra`` nodes to ``alloc`` by highest marginal gain (same curve for all)."""
+    """Add ``extra`` nodes to ``alloc`` by highest marginal gain.
+
+    Every request shares the concave curve ``marg`` (marginal gains sorted descending),
+    so the global greedy choice is a water level: all requests are raised to a common
+    node count T (those already above keep theirs), the remainder goes one node each
+    to requests sitting at T. O(n log n) instead of a sort over all n x k gains.
+    """
+    kmax = int((marg > 0).sum())
     a = alloc.copy()
-    if extra <= 0 or len(marg) == 0:
+    if extra <= 0 or kmax == 0:
         return a
-    n = len(a)
-    kmax = len(marg)
-    # marginal gain of the next node of each request is marg[a]; the curve is concave
-    # (sorted f), so a global merge equals repeatedly taking the best next node
-    gains = np.where(np.arange(kmax)[None, :] >= a[:, None], marg[None, :], -1.0).ravel()
-    m = min(extra, int((gains > 0).sum()))
-    if m <= 0:
-        return a
-    top = np.argpartition(-gains, m - 1)[:m]
-    np.add.at(a, top // kmax, 1)
-    del n
+    base = np.minimum(a, kmax)
+    srt = np.sort(base)
+    levels = np.arange(kmax + 1)
+    # nodes needed to raise everyone to level T: sum(max(0, T - a_r))
+    below = np.searchsorted(srt, levels, side="left")
+    csum = np.concatenate(([0], np.cumsum(srt)))
+    need = levels * below - csum[below]
+    level = int(np.searchsorted(need, extra, side="right") - 1)
+    used = int(need[level])
+    a = np.maximum(a, np.where(a < level, level, a))
+    rem = extra - used
+    if rem > 0 and level < kmax:
+        at_level = np.nonzero(a == level)[0][:rem]
+        a[at_level] += 1
     return a
 
 
