@@ -248,3 +248,32 @@ def test_strict_burst_does_not_starve_relaxed_request(tiny_pair, cheap_profile):
     earlier = strict[:24]  # arrived before the relaxed request
     jumped = sum(1 for s in earlier if s.admitted_at is None or s.admitted_at > relaxed.admitted_at)
     assert jumped >= 12, "relaxed request past its max queue wait still waited behind the burst"
+
+
+def test_selection_log_explains_decisions_without_text(tiny_pair, cheap_profile, tmp_path):
+    target, _, _ = tiny_pair
+    log = tmp_path / "sel.jsonl"
+    prompts = random_prompts(4, seed=34)
+    llm = LLM(
+        model=str(target),
+        draft=str(target),
+        policy="adaserve",
+        profile=cheap_profile,
+        selection_log=str(log),
+        kv_cache_bytes=16 << 20,
+    )
+    llm.generate(
+        prompts,
+        SamplingParams(max_tokens=10, ignore_eos=True),
+        slo=SLO(tpot_ms=8.0, cls="interactive"),
+    )
+    llm.engine.close()
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert lines and all(
+        {"request", "class", "requirement", "nodes", "expected_accepted", "accepted"} <= set(x)
+        for x in lines
+    )
+    assert any(x["nodes"] > 0 for x in lines)
+    rids = {str(o) for o in range(10)}
+    assert not any(x["request"] in rids for x in lines)  # hashed, not raw ids
+    assert all(len(json.dumps(x)) < 400 for x in lines)  # no prompt/output text

@@ -6,8 +6,11 @@ chunks, plain decodes (root only) and speculative trees share one forward pass.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -134,6 +137,8 @@ class Engine:
         self.flops_per_token_target = 2.0 * tcfg.num_parameters()
         self.flops_per_token_draft = 2.0 * self.draft.cfg.num_parameters() if self.draft else 0.0
         self.on_step = None  # optional callback(engine, trace)
+        self._sel_log = open(cfg.selection_log, "a") if cfg.selection_log else None  # noqa: SIM115
+        self._log_salt = os.urandom(8).hex()
 
     # ------------------------------------------------------------------ set-up
     def _build_kv(self) -> None:
@@ -300,6 +305,8 @@ class Engine:
             tokens=sum(n for _, n in batch.prefill) + sum(len(t.tokens) for t in subtrees.values()),
             duration_s=dur,
         )
+        if self._sel_log is not None:
+            self._log_selection(view, plan, subtrees, accepted)
         if self.on_step is not None:
             self.on_step(self, self.last_trace)
         return finished
@@ -667,6 +674,38 @@ class Engine:
         r.status = Status.FINISHED
         if r.table is not None:
             r.table.release()
+
+    def _log_selection(self, view: BatchView, plan: Plan, subtrees, accepted) -> None:
+        """One JSON line per speculating request: no prompt or output text, and the
+        request id only as a salted hash."""
+        t_iter = plan.info.get("t_iter")
+        req_fn = getattr(self.policy, "requirement", None)
+        by_id = {r.rid: r for r in view.requests}
+        now = time.time()
+        for rid, t in subtrees.items():
+            rv = by_id.get(rid)
+            if rv is None:
+                continue
+            line = {
+                "ts": round(now, 4),
+                "request": hashlib.sha1(f"{self._log_salt}:{rid}".encode()).hexdigest()[:12],
+                "class": rv.cls,
+                "policy": self.policy.name,
+                "requirement": round(req_fn(rv, t_iter), 3) if req_fn and t_iter else None,
+                "nodes": len(t.tokens) - 1,
+                "expected_accepted": round(float(t.f[1:].sum()), 3),
+                "accepted": accepted.get(rid, 0),
+                "budget": plan.budget if plan.budget < 1 << 30 else None,
+                "fallback": plan.fallback,
+            }
+            self._sel_log.write(json.dumps(line) + "\n")
+        self._sel_log.flush()
+
+    def close(self) -> None:
+        """Release files the engine holds (the selection log)."""
+        if self._sel_log is not None:
+            self._sel_log.close()
+            self._sel_log = None
 
     def _count_fallback(self, reason: str) -> None:
         fb = self.counters.fallback_iterations

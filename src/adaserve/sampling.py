@@ -69,6 +69,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = sorted_x.softmax(-1)
         before = probs.cumsum(-1) - probs  # mass strictly before each token
         drop_sorted = before >= params.top_p
+        drop_sorted[..., 0] = False  # top_p below float32 resolution must not drop all
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return x.softmax(-1)

@@ -1,0 +1,494 @@
+"""``adaserve bench serve`` and ``adaserve bench sweep`` (options: docs/bench.md)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+from adaserve.bench.energy import device_energy
+from adaserve.bench.metrics import shift_convergence, summarize
+from adaserve.bench.report import format_class_table, write_report
+from adaserve.bench.runner import (
+    EngineFactory,
+    class_ranks,
+    class_slos,
+    measure_unloaded_tpot,
+    run_http,
+    run_in_process,
+)
+from adaserve.bench.workload import (
+    DEFAULT_CLASS_MIX,
+    DEFAULT_INPUT_LEN,
+    DEFAULT_OUTPUT_LEN,
+    WorkloadError,
+    WorkloadSpec,
+    build_workload,
+    format_class_mix,
+    parse_class_mix,
+    parse_length_overrides,
+    parse_shift,
+    strict_share_mix,
+)
+from adaserve.errors import AdaServeError
+from adaserve.slo import DEFAULT_CLASSES
+
+DEFAULT_POLICIES = "adaserve,ar,spec-chain:4,spec-tree,smartspec,dyn-tree"
+SWEEPS = ("rate", "strict-share", "slo-scale", "time-varying")
+
+
+def _rate(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError("must be positive (or inf)")
+    return v
+
+
+def _bytes(s: str) -> int:
+    s = s.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    try:
+        return int(float(s[:-1] if mult > 1 else s) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {s!r} (e.g. 268435456, 256M, 2G)") from None
+
+
+def _floats(s: str) -> list[float]:
+    try:
+        return [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+
+
+# ---------------------------------------------------------------------- arguments
+def _add_common(p: argparse.ArgumentParser, default_duration: float) -> None:
+    w = p.add_argument_group("workload")
+    w.add_argument("--seed", type=int, default=0, help="the whole workload is a function of it")
+    w.add_argument("--request-rate", type=_rate, default=2.0, help="requests/s (inf: all at once)")
+    w.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1 = Poisson)"
+    )
+    w.add_argument("--duration", type=float, default=default_duration, help="seconds of arrivals")
+    w.add_argument("--num-prompts", type=int, default=None, help="cap on the number of requests")
+    w.add_argument(
+        "--class-mix",
+        default=format_class_mix(DEFAULT_CLASS_MIX),
+        help="CLASS:SHARE,... (default %(default)s)",
+    )
+    w.add_argument("--slo-scale", type=float, default=1.0, help="multiplies every TPOT target")
+    w.add_argument(
+        "--input-len",
+        action="append",
+        metavar="[CLASS=]DIST",
+        help="prompt length: N, LO-HI or lognormal:MEDIAN:SIGMA[:CAP] (repeatable)",
+    )
+    w.add_argument("--output-len", action="append", metavar="[CLASS=]DIST", help="output length")
+    w.add_argument(
+        "--dataset",
+        default="stdlib",
+        help="stdlib (held-out stdlib code), random, or a ShareGPT .json/.jsonl file",
+    )
+    w.add_argument("--trace", help="arrival trace (Azure LLM trace CSV or one time per line)")
+    w.add_argument(
+        "--trace-lengths", action="store_true", help="take token lengths from the trace too"
+    )
+    w.add_argument(
+        "--shift",
+        action="append",
+        metavar="T:CHANGE",
+        help="at T s: a class mix, draft-noise:X, kv-pressure:F or rate:R (repeatable)",
+    )
+    w.add_argument(
+        "--class-peaks", action="store_true", help="each class peaks at a different time"
+    )
+
+    e = p.add_argument_group("in-process engine")
+    e.add_argument(
+        "--policies", default=DEFAULT_POLICIES, help="comma-separated (default %(default)s)"
+    )
+    e.add_argument("--model", help="target checkpoint directory (default: shipped pair)")
+    g = e.add_mutually_exclusive_group()
+    g.add_argument("--draft", help="draft checkpoint directory")
+    g.add_argument("--no-draft", action="store_true")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    e.add_argument("--kv-cache-bytes", type=_bytes, default=None, help="e.g. 512M")
+    e.add_argument("--max-num-seqs", type=int, default=64)
+    e.add_argument("--profile", help="hardware profile JSON (default: cached / measured)")
+    e.add_argument("--admission", action="store_true", help="enable admission control")
+
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--base-url", help="benchmark a running OpenAI-compatible server instead")
+    h.add_argument("--model-name", help="the 'model' field to send (default: from /v1/models)")
+    h.add_argument("--api-key", default=None)
+    h.add_argument(
+        "--unloaded-tpot-ms", type=float, help="unloaded TPOT for the class targets (else measured)"
+    )
+    h.add_argument("--concurrency", type=int, default=None, help="max requests in flight")
+    h.add_argument("--no-priority", action="store_true", help="do not send vLLM 'priority'")
+    h.add_argument("--tokenizer", help="checkpoint dir whose tokenizer.json sizes the prompts")
+    h.add_argument("--label", default="server", help="result key of the HTTP run")
+
+    o = p.add_argument_group("measurement and output")
+    o.add_argument("--energy-device", default=None, help="cpu, a100, h100 (default: --device)")
+    o.add_argument("--energy-pj-per-flop", type=float, default=None)
+    o.add_argument("--energy-pj-per-byte", type=float, default=None)
+    o.add_argument("--convergence-window", type=float, default=5.0, help="seconds (rolling)")
+    o.add_argument("--out", default=None, help="output directory (default bench-results/...)")
+    o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--no-plots", action="store_true")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    _add_common(p, 30.0)
+
+
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    _add_common(p, 20.0)
+    s = p.add_argument_group("sweep")
+    s.add_argument(
+        "--sweep",
+        default="rate",
+        help=f"comma-separated of {', '.join(SWEEPS)} or 'all' (default %(default)s)",
+    )
+    s.add_argument("--rates", type=_floats, default=[0.5, 1.0, 2.0, 4.0])
+    s.add_argument("--strict-shares", type=_floats, default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    s.add_argument("--slo-scales", type=_floats, default=[0.6, 0.8, 1.0, 1.2, 1.4, 1.6])
+
+
+# ---------------------------------------------------------------------- helpers
+def spec_from_args(args) -> WorkloadSpec:
+    try:
+        return WorkloadSpec(
+            seed=args.seed,
+            request_rate=args.request_rate,
+            burstiness=args.burstiness,
+            duration_s=None
+            if math.isinf(args.request_rate) and args.num_prompts
+            else args.duration,
+            num_prompts=args.num_prompts,
+            class_mix=parse_class_mix(args.class_mix),
+            slo_scale=args.slo_scale,
+            input_len=parse_length_overrides(args.input_len, DEFAULT_INPUT_LEN),
+            output_len=parse_length_overrides(args.output_len, DEFAULT_OUTPUT_LEN),
+            dataset=args.dataset,
+            trace=args.trace,
+            trace_lengths=args.trace_lengths,
+            shifts=tuple(sorted((parse_shift(s) for s in args.shift or []), key=lambda s: s.at_s)),
+            class_peaks=args.class_peaks,
+        )
+    except WorkloadError:
+        raise
+    except ValueError as e:
+        raise WorkloadError(str(e)) from None
+
+
+def _policies(s: str) -> list[str]:
+    out = [p.strip() for p in s.split(",") if p.strip()]
+    if not out:
+        raise AdaServeError("--policies is empty")
+    # spec-tree:DxW:N contains no comma; keep order, drop duplicates
+    return list(dict.fromkeys(out))
+
+
+def _out_dir(args, kind: str) -> Path:
+    if args.out:
+        return Path(args.out)
+    return Path("bench-results") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _strict_class(spec: WorkloadSpec, classes) -> str:
+    names = [c for c, _ in spec.class_mix]
+    ranks = {c.name: c.rank for c in classes}
+    return min(names, key=lambda c: (ranks.get(c, 99), names.index(c)))
+
+
+def _classes_of(spec: WorkloadSpec, items) -> list[str]:
+    names = {c for c, _ in spec.class_mix} | {it.cls for it in items}
+    for s in spec.shifts:
+        if s.kind == "mix":
+            names |= {c for c, _ in s.value}
+    return sorted(names)
+
+
+def _energy_model(args):
+    return device_energy(
+        args.energy_device or args.device, args.energy_pj_per_flop, args.energy_pj_per_byte
+    )
+
+
+def _extra(tl, records, spec, strict: str, energy, window: float) -> dict:
+    info = tl.info
+    out_tok = sum(r.output_tokens for r in records if r.completed)
+    tally = info["energy_tally"]
+    j = energy.joules(tally["flops"], tally["bytes_moved"])
+    shifts = []
+    if spec.shifts:
+        conv = shift_convergence(
+            records,
+            [s.at_s for s in spec.shifts],
+            strict,
+            info["duration_s"],
+            window_s=window,
+        )
+        for s, c in zip(spec.shifts, conv):
+            shifts.append({"change": s.change, "strict_class": strict, **c})
+    keys = (
+        "iterations",
+        "fallback_iterations",
+        "fallback_iterations_total",
+        "shed_by_reason",
+        "degraded_total",
+        "preemptions",
+        "model_time_s",
+        "step_time_s",
+        "peak_kv_usage",
+        "peak_kv_bytes",
+        "wall_s",
+    )
+    extra = {k: info[k] for k in keys if k in info}
+    extra["energy"] = {
+        **energy.as_dict(),
+        "flops": tally["flops"],
+        "bytes_moved": tally["bytes_moved"],
+        "energy_j": j,
+        "energy_per_token_mj": j / out_tok * 1000.0 if out_tok else None,
+    }
+    extra["shifts"] = shifts
+    return extra
+
+
+class _InProcess:
+    """Builds the engine once; runs one policy on one workload."""
+
+    def __init__(self, args):
+        from adaserve.config import EngineConfig
+
+        self.args = args
+        self.cfg = EngineConfig(
+            model=args.model,
+            draft=args.draft,
+            no_draft=args.no_draft,
+            policy="adaserve",
+            device=args.device,
+            dtype=args.dtype,
+            kv_cache_bytes=args.kv_cache_bytes,
+            max_num_seqs=args.max_num_seqs,
+            profile=args.profile,
+            admission=args.admission,
+        )
+        self.classes = self.cfg.classes
+        self.factory = EngineFactory(self.cfg)
+        self.policies = _policies(args.policies)
+        self.engine = self.factory(self.policies[0])
+        self.energy = _energy_model(args)
+
+    def workload(self, spec: WorkloadSpec):
+        eng = self.engine
+        return build_workload(spec, tokenizer=eng.tokenizer, vocab_size=eng.target.cfg.vocab_size)
+
+    def run(self, spec: WorkloadSpec, items, policy: str, progress: bool):
+        slos = class_slos(_classes_of(spec, items), spec.slo_scale, engine=self.engine)
+        records, tl = run_in_process(self.factory, policy, items, spec, progress, slos=slos)
+        strict = _strict_class(spec, self.classes)
+        eng = self.engine
+        summary = summarize(
+            records,
+            tl.info["duration_s"],
+            _extra(tl, records, spec, strict, self.energy, self.args.convergence_window),
+            flops_per_token=(eng.flops_per_token_target, eng.flops_per_token_draft),
+        )
+        return summary, records, tl, slos
+
+    def config(self) -> dict:
+        eng = self.engine
+        return {
+            "mode": "in-process",
+            "policies": self.policies,
+            "model": str(eng.model_dir),
+            "draft": str(eng.draft_dir) if eng.draft_dir else None,
+            "device": self.cfg.device,
+            "dtype": self.cfg.dtype,
+            "kv_pool_bytes": eng.allocator.num_blocks * self.cfg.block_size * eng.kv_bytes_per_slot,
+            "max_num_seqs": self.cfg.max_num_seqs,
+            "admission": self.cfg.admission,
+            "unloaded_tpot_ms": eng.unloaded_tpot_ms(),
+            "energy_model": self.energy.as_dict(),
+        }
+
+
+class _Http:
+    """Runs workloads against a server; class targets from the unloaded TPOT."""
+
+    def __init__(self, args):
+        from adaserve import paths
+        from adaserve.tokenizer import load_tokenizer
+
+        self.args = args
+        self.policies = [args.label]
+        self.classes = DEFAULT_CLASSES
+        tok_dir = args.tokenizer or args.model
+        if tok_dir is None and paths.DEFAULT_TARGET.is_dir():
+            tok_dir = paths.DEFAULT_TARGET
+        self.tokenizer = load_tokenizer(tok_dir) if tok_dir else None
+        self.vocab_size = None
+        if self.tokenizer is None and tok_dir:
+            self.vocab_size = _vocab_of(tok_dir)
+        self.unloaded = args.unloaded_tpot_ms
+        if self.unloaded is None:
+            self.unloaded = measure_unloaded_tpot(args.base_url, api_key=args.api_key)
+        self.energy = None
+
+    def workload(self, spec: WorkloadSpec):
+        return build_workload(spec, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
+
+    def run(self, spec: WorkloadSpec, items, policy: str, progress: bool):
+        slos = class_slos(_classes_of(spec, items), spec.slo_scale, unloaded_tpot_ms=self.unloaded)
+        t0 = time.perf_counter()
+        records = run_http(
+            self.args.base_url,
+            items,
+            spec,
+            self.args.concurrency,
+            slos=slos,
+            model=self.args.model_name,
+            send_priority=not self.args.no_priority,
+            ranks=class_ranks(DEFAULT_CLASSES),
+            progress=progress,
+            api_key=self.args.api_key,
+        )
+        wall = time.perf_counter() - t0
+        ends = [r.finish_s for r in records if r.finish_s is not None]
+        duration = max(ends) if ends else wall
+        strict = _strict_class(spec, DEFAULT_CLASSES)
+        extra = {"wall_s": wall}
+        if spec.shifts:
+            conv = shift_convergence(
+                records,
+                [s.at_s for s in spec.shifts],
+                strict,
+                duration,
+                window_s=self.args.convergence_window,
+            )
+            extra["shifts"] = [
+                {"change": s.change, "strict_class": strict, **c} for s, c in zip(spec.shifts, conv)
+            ]
+        return summarize(records, duration, extra), records, None, slos
+
+    def config(self) -> dict:
+        return {
+            "mode": "http",
+            "base_url": self.args.base_url,
+            "policies": self.policies,
+            "priority_sent": not self.args.no_priority,
+            "concurrency": self.args.concurrency,
+            "unloaded_tpot_ms": self.unloaded,
+        }
+
+
+def _vocab_of(path) -> int | None:
+    import json
+
+    try:
+        return int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _backend(args):
+    return _Http(args) if args.base_url else _InProcess(args)
+
+
+def _serve_once(backend, spec: WorkloadSpec, args, progress: bool):
+    """All policies on the identical workload; returns (result, records, timelines)."""
+    items = backend.workload(spec)
+    if not items:
+        raise AdaServeError("the workload is empty: raise --duration or --request-rate")
+    results, records, timelines = {}, {}, {}
+    slo_targets = {}
+    for pol in backend.policies:
+        summary, recs, tl, slos = backend.run(spec, items, pol, progress)
+        results[pol] = summary
+        records[pol] = recs
+        if tl is not None:
+            timelines[pol] = tl.samples
+        slo_targets = {k: {"tpot_ms": v.tpot_ms, "ttft_ms": v.ttft_ms} for k, v in slos.items()}
+    config = {
+        **spec.to_dict(),
+        **backend.config(),
+        "num_requests": len(items),
+        "slo_targets": slo_targets,
+        "strict_class": _strict_class(spec, getattr(backend, "classes", DEFAULT_CLASSES)),
+        "convergence_window_s": args.convergence_window,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    return {"config": config, "results": results}, records, timelines
+
+
+# ---------------------------------------------------------------------- commands
+def run_serve(args, backend=None) -> int:
+    """``bench serve``; ``backend`` (default: in-process or HTTP from ``args``) may be any
+    object with ``policies``, ``workload(spec)``, ``run(spec, items, policy, progress)``
+    and ``config()`` (the simulator passes its own)."""
+    spec = spec_from_args(args)
+    backend = backend or _backend(args)
+    result, records, timelines = _serve_once(backend, spec, args, not args.no_progress)
+    out = _out_dir(args, "serve")
+    write_report(out, result, "serve", timelines or None, records, plots=not args.no_plots)
+    print(format_class_table(result))
+    print(f"\nwrote {out}/result.json, summary.md and plots", file=sys.stderr)
+    return 0
+
+
+def _sweep_names(s: str) -> list[str]:
+    names = list(SWEEPS) if s.strip() == "all" else [x.strip() for x in s.split(",") if x.strip()]
+    bad = [n for n in names if n not in SWEEPS]
+    if bad or not names:
+        raise AdaServeError(f"unknown sweep {', '.join(bad) or s!r}; known: {', '.join(SWEEPS)}")
+    return names
+
+
+def run_sweep(args, backend=None) -> int:
+    """``bench sweep`` (``backend`` as in ``run_serve``)."""
+    from dataclasses import replace
+
+    base = spec_from_args(args)
+    names = _sweep_names(args.sweep)
+    backend = backend or _backend(args)
+    root = _out_dir(args, "sweep")
+    progress = not args.no_progress
+    for name in names:
+        out = root if len(names) == 1 else root / name
+        if name == "time-varying":
+            spec = replace(base, class_peaks=True)
+            result, records, timelines = _serve_once(backend, spec, args, progress)
+            result["config"]["sweep"] = "time-varying"
+            write_report(out, result, "serve", timelines or None, records, not args.no_plots)
+            print(f"== time-varying ({out})\n" + format_class_table(result) + "\n")
+            continue
+        if name == "rate":
+            values = args.rates
+            specs = [replace(base, request_rate=v) for v in values]
+        elif name == "strict-share":
+            values = args.strict_shares
+            specs = [replace(base, class_mix=strict_share_mix(base.class_mix, v)) for v in values]
+        else:
+            values = args.slo_scales
+            specs = [replace(base, slo_scale=v) for v in values]
+        points = []
+        config = None
+        for v, spec in zip(values, specs):
+            if progress:
+                print(f"[{name}] x = {v:g}", file=sys.stderr)
+            result, _records, _tl = _serve_once(backend, spec, args, progress)
+            points.append({"x": v, "results": result["results"]})
+            config = config or result["config"]
+        swept = {"rate": "request_rate", "strict-share": "class_mix", "slo-scale": "slo_scale"}
+        config = {**(config or {}), swept[name]: "swept", "sweep": name, "values": list(values)}
+        sweep_result = {"config": config, "points": points}
+        write_report(out, sweep_result, "sweep", plots=not args.no_plots)
+        print(f"== {name} ({out})\n" + format_class_table(sweep_result) + "\n")
+    print(f"wrote {root}", file=sys.stderr)
+    return 0

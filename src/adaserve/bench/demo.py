@@ -1,0 +1,150 @@
+"""``adaserve demo`` (``make demo``): serve the shipped pair, drive a short mixed-SLO
+workload against it over HTTP, print the per-class table, stop the server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from adaserve.errors import AdaServeError
+
+HEALTH_TIMEOUT_S = 900.0  # first start may measure the hardware profile
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(base_url: str, proc: subprocess.Popen | None, timeout_s: float) -> None:
+    """Poll ``/health`` until it answers 200; fail early if the server process exits."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AdaServeError(f"the server exited with status {proc.returncode} while starting")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AdaServeError(f"the server did not become healthy within {timeout_s:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after ``timeout_s``."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def demo_workload(duration_s: float, unloaded_tpot_ms: float, seed: int = 0):
+    """A short mixed-SLO workload sized to the server's single-stream speed."""
+    from adaserve.bench.workload import LengthDist, WorkloadSpec
+
+    out_len = 48
+    rate = 2000.0 / max(unloaded_tpot_ms, 1.0) / out_len
+    rate = min(6.0, max(0.5, 8.0 / max(duration_s, 1.0), rate))  # at least ~8 requests
+    return WorkloadSpec(
+        seed=seed,
+        request_rate=rate,
+        duration_s=duration_s,
+        input_len=(
+            ("interactive", LengthDist("uniform", 32, 96)),
+            ("chat", LengthDist("uniform", 32, 128)),
+            ("batch", LengthDist("uniform", 96, 256)),
+        ),
+        output_len=(
+            ("interactive", LengthDist("uniform", 24, 64)),
+            ("chat", LengthDist("uniform", 32, 64)),
+            ("batch", LengthDist("uniform", 48, 96)),
+        ),
+    )
+
+
+def run(args) -> int:
+    from adaserve import paths
+    from adaserve.bench.cli import _vocab_of
+    from adaserve.bench.metrics import summarize
+    from adaserve.bench.report import format_class_table, write_report
+    from adaserve.bench.runner import class_slos, measure_unloaded_tpot, run_http
+    from adaserve.bench.workload import build_workload
+    from adaserve.tokenizer import load_tokenizer
+
+    duration = float(getattr(args, "duration", 20.0) or 20.0)
+    host = "127.0.0.1"
+    port = int(getattr(args, "port", 0) or 0) or free_port(host)
+    base_url = f"http://{host}:{port}"
+    out = Path(getattr(args, "out", None) or tempfile.mkdtemp(prefix="adaserve-demo-"))
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "server.log"
+    cmd = [sys.executable, "-m", "adaserve", "serve", "--host", host, "--port", str(port)]
+    model, draft = getattr(args, "model", None), getattr(args, "draft", None)
+    if model:  # not on the ``adaserve demo`` command line; for tests and experiments
+        cmd += ["--model", str(model)] + (["--draft", str(draft)] if draft else [])
+    print(f"starting the server: {' '.join(cmd[2:])} (log: {log_path})", file=sys.stderr)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+    try:
+        try:
+            wait_healthy(base_url, proc, HEALTH_TIMEOUT_S)
+        except AdaServeError as e:
+            raise AdaServeError(f"{e}\n--- server log tail ---\n{_tail(log_path)}") from None
+        tpot = measure_unloaded_tpot(base_url)
+        spec = demo_workload(duration, tpot)
+        mdir = Path(model) if model else paths.DEFAULT_TARGET
+        tok = load_tokenizer(mdir) if mdir.is_dir() else None
+        items = build_workload(spec, tokenizer=tok, vocab_size=_vocab_of(mdir))
+        slos = class_slos(sorted({i.cls for i in items}), spec.slo_scale, unloaded_tpot_ms=tpot)
+        print(
+            f"unloaded TPOT {tpot:.1f} ms; sending {len(items)} requests over {duration:g} s "
+            f"({spec.request_rate:.2f} req/s, mix interactive/chat/batch 60/20/20)",
+            file=sys.stderr,
+        )
+        t0 = time.perf_counter()
+        records = run_http(base_url, items, spec, slos=slos)
+        ends = [r.finish_s for r in records if r.finish_s is not None]
+        dur = max(ends) if ends else time.perf_counter() - t0
+        result = {
+            "config": {
+                **spec.to_dict(),
+                "mode": "http",
+                "base_url": base_url,
+                "policies": ["server"],
+                "unloaded_tpot_ms": tpot,
+                "slo_targets": {
+                    k: {"tpot_ms": v.tpot_ms, "ttft_ms": v.ttft_ms} for k, v in slos.items()
+                },
+                "strict_class": "interactive",
+            },
+            "results": {"server": summarize(records, dur)},
+        }
+        write_report(out, result, "serve", records={"server": records})
+        print(format_class_table(result))
+        print(f"\nresults in {out}", file=sys.stderr)
+    finally:
+        stop_server(proc)
+    return 0

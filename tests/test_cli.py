@@ -1,0 +1,86 @@
+"""CLI: generate --json, clear errors with non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from adaserve import LLM, SamplingParams
+
+
+def adaserve(*args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "adaserve", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+def test_generate_json_with_token_ids(tiny_pair, tmp_path):
+    target, draft, _ = tiny_pair
+    import os
+
+    env = dict(os.environ, ADASERVE_CACHE=str(tmp_path))
+    r = adaserve(
+        "generate",
+        "--model",
+        str(target),
+        "--draft",
+        str(target),
+        "--policy",
+        "spec-chain:3",
+        "--prompt",
+        "5 6 7 8",
+        "--token-ids",
+        "--max-tokens",
+        "9",
+        "--json",
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out["stats"]) >= {"steps", "drafted_tokens", "accepted_tokens", "tokens_per_step"}
+    assert len(out["token_ids"]) == 9 and out["text"] is None
+    assert out["stats"]["accepted_tokens"] > 0  # the target drafts for itself
+    ref = LLM(model=str(target), no_draft=True, policy="ar").generate(
+        [[5, 6, 7, 8]], SamplingParams(max_tokens=9)
+    )
+    assert out["token_ids"] == ref[0].token_ids
+
+
+def test_cli_errors_are_one_line_and_nonzero(tiny_pair, tmp_path):
+    target, _, _ = tiny_pair
+    r = adaserve("generate", "--model", str(tmp_path / "missing"), "--prompt", "x")
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    r = adaserve("generate", "--model", str(target), "--no-draft", "--prompt", "x")
+    assert r.returncode == 2 and "no tokenizer" in r.stderr
+    r = adaserve(
+        "generate",
+        "--model",
+        str(target),
+        "--no-draft",
+        "--prompt",
+        "1 2",
+        "--token-ids",
+        "--temperature",
+        "-3",
+    )
+    assert r.returncode == 2 and "temperature" in r.stderr
+    r = adaserve(
+        "generate", "--model", str(target), "--policy", "nonsense", "--prompt", "1", "--token-ids"
+    )
+    assert r.returncode == 2 and "policy" in r.stderr
+
+
+def test_bfloat16_runs(tiny_pair):
+    target, _, _ = tiny_pair
+    llm = LLM(
+        model=str(target), no_draft=True, policy="ar", dtype="bfloat16", kv_cache_bytes=8 << 20
+    )
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5))[0]
+    assert len(out.token_ids) == 5
+    assert llm.engine.kv_target.layers[0][0].dtype.is_floating_point
+    assert str(llm.engine.kv_target.layers[0][0].dtype) == "torch.bfloat16"
