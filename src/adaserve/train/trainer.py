@@ -6,7 +6,9 @@ teacher (KL(teacher || student) over the full vocabulary on the same windows). T
 learning rate follows warmup + cosine over the *fraction of the budget* used, so a
 phase always ends its schedule on time. Every ``ckpt_every_s`` seconds the phase writes
 ``<ckpt_dir>/<name>.pt`` (model, optimizer, RNG, elapsed time); rerunning with the same
-checkpoint directory resumes there, and a finished phase is not trained again.
+checkpoint directory resumes there; a finished phase is not trained again unless the
+rerun gives it a larger budget, in which case it continues (the cosine schedule is
+re-stretched over the new budget, so the learning rate rises again: a warm restart).
 """
 
 from __future__ import annotations
@@ -190,8 +192,8 @@ def train_phase(
     if ckpt_path.is_file():
         ck = torch.load(ckpt_path, weights_only=False)
         model.load_state_dict(ck["model"])
-        if ck.get("done"):
-            return ck["summary"]
+        if ck.get("done") and ck["elapsed"] >= pc.budget_s:
+            return ck["summary"]  # finished; a larger budget on rerun extends the phase
         opt.load_state_dict(ck["opt"])
         gen.set_state(ck["rng"])
         step, elapsed, tokens = ck["step"], ck["elapsed"], ck["tokens"]

@@ -1,0 +1,10 @@
+"""OpenAI-compatible HTTP server with per-request SLOs, tenants, quotas and metrics.
+
+``create_app(engine_or_config, server_config)`` builds the FastAPI app;
+``adaserve serve`` / ``python -m adaserve.server`` run it (see docs/server.md).
+"""
+
+from adaserve.server.app import create_app
+from adaserve.server.tenants import ServerConfig, load_config, parse_config
+
+__all__ = ["ServerConfig", "create_app", "load_config", "parse_config"]

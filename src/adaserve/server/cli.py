@@ -1,0 +1,189 @@
+"""``adaserve serve``: run the OpenAI-compatible server (also ``python -m adaserve.server``).
+
+Start-up order: read the TOML config, build the engine on its thread (a bad checkpoint
+fails here, with one line, before any port is bound), then serve with uvicorn. On
+SIGINT/SIGTERM the listener closes, new requests get 503, in-flight requests get
+``shutdown_grace_s`` to finish and are then cancelled with a ``server_shutdown`` error;
+the process exits 0. A second SIGINT forces the exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import signal
+import sys
+import threading
+
+from adaserve.config import EngineConfig
+from adaserve.errors import AdaServeError, InvalidRequestError
+from adaserve.server.tenants import ConfigError, ServerConfig, check_against_classes, load_config
+
+log = logging.getLogger("adaserve.server")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``adaserve serve`` (flags override the config file)."""
+    p.add_argument("--model", help="target checkpoint directory (default: the shipped model)")
+    p.add_argument("--draft", help="draft checkpoint directory (default: the shipped draft)")
+    p.add_argument("--no-draft", action="store_true", help="serve without speculation")
+    p.add_argument("--policy", help="scheduling policy (default: adaserve)")
+    p.add_argument("--host", help="bind address (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default: 8000)")
+    p.add_argument("--config", help="TOML file: server, engine, classes, tenants, service_tiers")
+    p.add_argument("--served-model-name", help="model id in /v1/models and responses")
+    p.add_argument("--device", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", help="float32, bfloat16 or float16")
+    p.add_argument("--kv-cache-bytes", type=int, help="KV pool size (target + draft)")
+    p.add_argument("--max-num-seqs", type=int, help="most requests in the running batch")
+    p.add_argument("--max-model-len", type=int, help="context length cap")
+    p.add_argument("--shutdown-grace", type=float, help="seconds in-flight requests may finish")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
+    """Engine and server configuration from the file and the flags (flags win)."""
+    cfg = load_config(args.config) if args.config else ServerConfig()
+    kw = dict(cfg.engine)
+    flags = {
+        "model": args.model,
+        "draft": args.draft,
+        "policy": args.policy,
+        "device": args.device,
+        "dtype": args.dtype,
+        "kv_cache_bytes": args.kv_cache_bytes,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
+    }
+    kw.update({k: v for k, v in flags.items() if v is not None})
+    if args.no_draft:
+        kw["no_draft"] = True
+    from adaserve.server.app import engine_config_for_server
+
+    if cfg.classes is not None:
+        kw["classes"] = cfg.classes
+        names = [c.name for c in cfg.classes]
+        if kw.get("default_class") not in names:
+            kw["default_class"] = cfg.default_class or names[0]
+    try:
+        ecfg = engine_config_for_server(EngineConfig(**kw), cfg)
+    except TypeError as e:
+        raise ConfigError(f"engine: {e}") from None
+    except InvalidRequestError as e:
+        raise ConfigError(f"engine: {e}") from None
+    check_against_classes(cfg, ecfg.classes)
+    repl = {}
+    if args.host is not None:
+        repl["host"] = args.host
+    if args.port is not None:
+        repl["port"] = args.port
+    if args.served_model_name:
+        repl["model_name"] = args.served_model_name
+    if args.shutdown_grace is not None:
+        repl["shutdown_grace_s"] = args.shutdown_grace
+    if repl:
+        cfg = dataclasses.replace(cfg, **repl)
+    return ecfg, cfg
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn with a graceful drain: new requests get 503 as soon as a signal
+        arrives; in-flight ones finish within the grace period or are cancelled."""
+
+        def __init__(self, config, state):
+            super().__init__(config)
+            self.state = state
+
+        def handle_exit(self, sig, frame) -> None:
+            self.state.draining = True  # plain flag: safe inside a signal handler
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None) -> None:
+            self.state.begin_drain()
+            await super().shutdown(sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # like uvicorn's, but does not re-raise the signal after a clean shutdown
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            old = {s: signal.signal(s, self.handle_exit) for s in sigs}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+    return Server
+
+
+def make_server(app, cfg: ServerConfig, log_level: str = "info", sockets=None):
+    """A uvicorn server (with graceful drain) for an app made by ``create_app``."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level=log_level,
+        timeout_graceful_shutdown=cfg.shutdown_grace_s + 5.0,
+        lifespan="on",
+    )
+    return _server_class()(config, app.state.adaserve)
+
+
+def run(args) -> int:
+    """Serve until SIGINT/SIGTERM; 0 on a clean shutdown, 1 if start-up fails, 2 on a
+    configuration error."""
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    from adaserve.server.app import create_app
+    from adaserve.server.engine_loop import EngineLoop
+
+    try:
+        ecfg, cfg = build_configs(args)
+    except (ConfigError, InvalidRequestError) as e:
+        print(f"adaserve serve: {e}", file=sys.stderr)
+        return 2
+    eloop = EngineLoop(ecfg, max_waiting=cfg.max_waiting, step_delay_s=cfg.step_delay_s)
+    try:
+        eloop.start()
+    except Exception as e:  # one line, not a traceback
+        msg = str(e) if isinstance(e, AdaServeError) else f"{type(e).__name__}: {e}"
+        print(f"adaserve serve: cannot start the engine: {msg}", file=sys.stderr)
+        return 1
+    app = create_app(eloop, cfg)
+    server = make_server(app, cfg, args.log_level)
+    mode = (
+        "open local mode (no API keys configured)"
+        if cfg.open_mode
+        else f"{len(cfg.tenants)} tenant(s)"
+    )
+    print(
+        f"adaserve: serving {app.state.adaserve.model_name} on http://{cfg.host}:{cfg.port} "
+        f"(policy {eloop.info.policy}; {mode})",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        server.run()
+    finally:
+        eloop.stop()
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="adaserve serve", description="OpenAI-compatible server with per-request SLOs"
+    )
+    add_arguments(p)
+    return run(p.parse_args(argv))

@@ -1,0 +1,444 @@
+"""The engine thread and its bridge to asyncio.
+
+The ``Engine`` is not thread-safe, so exactly one thread (``adaserve-engine``) creates
+it and calls it. HTTP handlers talk to that thread through a FIFO inbox of commands
+(add, abort, drain, stop) and never block the event loop:
+
+- ``submit(handle)`` queues an add and awaits a ``concurrent.futures.Future`` that the
+  engine thread resolves with the ``Request`` (or the validation / admission error);
+- after every step (and after every batch of commands) the engine thread hands each
+  tracked request's new token ids, and on finish a ``Final`` (text, metrics), to its
+  asyncio queue with ``loop.call_soon_threadsafe``;
+- ``abort(handle)`` queues an abort; the thread drains the inbox before every step, so
+  a disconnected client's request and KV are freed within one iteration.
+
+Read-only views for other threads (``snapshot``, ``class_slos``, ``info``) are
+immutable objects replaced by reference on the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from adaserve.api import request_metrics
+from adaserve.config import EngineConfig
+from adaserve.errors import AdaServeError, AdmissionRejected
+from adaserve.request import Status
+from adaserve.sampling import SamplingParams
+from adaserve.slo import SLO, SLOClass
+
+log = logging.getLogger("adaserve.server")
+
+SHUTDOWN = "server_shutdown"
+DISCONNECTED = "client_disconnected"
+ENGINE_ERROR = "engine_error"
+
+
+class ShuttingDown(AdaServeError):
+    """The server is shutting down and takes no new requests."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Static facts about the loaded engine (safe to read from any thread)."""
+
+    model_dir: str
+    draft_dir: str | None
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any  # adaserve.tokenizer.Tokenizer | None (encode/decode are thread-safe)
+    classes: tuple[SLOClass, ...]
+    default_class: str
+    policy: str
+    flops_per_token_target: float
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine gauges and counters as of the last step (copied on the engine thread)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    counters: dict = field(default_factory=dict)
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class Final:
+    """What a finished request hands back."""
+
+    reason: str
+    text: str | None
+    output_ids: list[int]
+    prompt_tokens: int
+    metrics: dict
+    token_times: tuple[float, ...]
+    arrival: float
+    finished_at: float
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+
+class Handle:
+    """One engine request as the HTTP side sees it.
+
+    ``sink`` receives ``(index, new_ids, final)`` tuples (``final`` None until done);
+    with ``want_tokens`` False only the final tuple is sent. ``ctx`` is opaque data
+    for the finish callback (tenant, class, price).
+    """
+
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        slo: SLO,
+        *,
+        sink: asyncio.Queue,
+        index: int = 0,
+        want_tokens: bool = True,
+        ctx: Any = None,
+    ):
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.slo = slo
+        self.sink = sink
+        self.index = index
+        self.want_tokens = want_tokens
+        self.ctx = ctx
+        self.loop = asyncio.get_running_loop()
+        self.arrival = time.perf_counter()
+        self.req = None  # engine Request, set on the engine thread
+        self.sent = 0  # output tokens handed over so far (engine thread)
+        self.final: Final | None = None  # set on the event loop when delivered
+        self.aborted = False
+
+    @property
+    def done(self) -> bool:
+        return self.final is not None
+
+    def _deliver(self, new_ids: list[int], final: Final | None) -> None:
+        if final is not None:
+            self.final = final
+        self.sink.put_nowait((self.index, new_ids, final))
+
+
+class EngineLoop:
+    """Owns the engine thread. ``source`` is an ``Engine`` or an ``EngineConfig``
+    (the engine is then built on the engine thread)."""
+
+    def __init__(
+        self,
+        source,
+        *,
+        max_waiting: int | None = None,
+        step_delay_s: float = 0.0,
+        on_finish=None,
+    ):
+        self._source = source
+        self.max_waiting = max_waiting
+        self.step_delay_s = step_delay_s
+        self.on_finish = on_finish  # callback(handle, final), called on the engine thread
+        self._inbox: queue.Queue = queue.Queue()
+        self._tracked: dict[int, Handle] = {}
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self.engine = None
+        self.error: BaseException | None = None
+        self.info: EngineInfo | None = None
+        self.snapshot = EngineSnapshot()
+        self.class_slos: dict[str, SLO] = {}
+        self._class_slos_at = 0.0
+        self._owns_engine = isinstance(source, EngineConfig)
+        self._drain_deadline: float | None = None
+        self._closed = False  # no more adds (draining past its deadline, or stopping)
+        self.alive = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, timeout: float | None = None) -> None:
+        """Start the thread and wait until the engine is built (re-raises its error)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="adaserve-engine", daemon=True)
+            self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the engine did not start in time")
+        if self.error is not None:
+            raise self.error
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort whatever is in flight (reason ``server_shutdown``) and end the thread."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        self._inbox.put(("stop",))
+        self._thread.join(timeout)
+
+    def drain(self, grace_s: float) -> None:
+        """Refuse new requests now; abort those still running after ``grace_s``."""
+        self._inbox.put(("drain", time.monotonic() + grace_s))
+
+    # ------------------------------------------------------------------ async API
+    async def submit(self, h: Handle):
+        """Queue ``h`` in the engine; returns its ``Request`` or raises the engine's
+        ``InvalidRequestError`` / ``AdmissionRejected``, or ``ShuttingDown``."""
+        if self._closed or not self.alive:
+            raise ShuttingDown("the server is shutting down")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("add", h, fut))
+        return await asyncio.wrap_future(fut)
+
+    def abort(self, h: Handle, reason: str = DISCONNECTED) -> None:
+        """Cancel ``h`` (no-op once finished); thread-safe and non-blocking."""
+        if h.done or h.aborted:
+            return
+        h.aborted = True
+        self._inbox.put(("abort", h, reason))
+
+    def call(self, fn) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread between steps."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, fut))
+        return fut
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            if isinstance(self._source, EngineConfig):
+                from adaserve.engine import Engine
+
+                self.engine = Engine(self._source)
+            else:
+                self.engine = self._source
+            e = self.engine
+            self.info = EngineInfo(
+                model_dir=str(e.model_dir),
+                draft_dir=str(e.draft_dir) if e.draft_dir else None,
+                max_model_len=e.max_model_len,
+                vocab_size=e.target.cfg.vocab_size,
+                tokenizer=e.tokenizer,
+                classes=tuple(e.cfg.classes),
+                default_class=e.cfg.default_class,
+                policy=e.policy.name,
+                flops_per_token_target=float(e.flops_per_token_target),
+            )
+            self._refresh_class_slos(force=True)
+            self._publish_snapshot()
+        except BaseException as exc:  # noqa: BLE001 - reported to the starter
+            self.error = exc
+            self._ready.set()
+            return
+        self.alive = True
+        self._ready.set()
+        try:
+            self._loop()
+        finally:
+            self.alive = False
+            self._closed = True
+            self._fail_pending()
+            close = getattr(self.engine, "close", None)
+            if self._owns_engine and close is not None:
+                close()
+
+    def _loop(self) -> None:
+        e = self.engine
+        while True:
+            cmds = []
+            if not e.has_work():
+                timeout = None
+                if self._drain_deadline is not None:
+                    timeout = max(0.0, self._drain_deadline - time.monotonic()) + 0.01
+                with contextlib.suppress(queue.Empty):
+                    cmds.append(self._inbox.get(timeout=timeout))
+            while True:
+                try:
+                    cmds.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            stop = False
+            for c in cmds:
+                if c[0] == "stop":
+                    stop = True
+                else:
+                    self._command(c)
+            if stop:
+                self._closed = True
+                self._abort_all(SHUTDOWN)
+                self._publish()
+                return
+            if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
+                self._closed = True
+                self._drain_deadline = None
+                self._abort_all(SHUTDOWN)
+            if e.has_work():
+                try:
+                    e.step()
+                except Exception:
+                    log.exception("engine step failed; aborting the requests in flight")
+                    self._abort_all(ENGINE_ERROR)
+                if self.step_delay_s:
+                    time.sleep(self.step_delay_s)
+            self._publish()
+
+    def _command(self, c) -> None:
+        kind = c[0]
+        if kind == "add":
+            _, h, fut = c
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                if self._closed:
+                    raise ShuttingDown("the server is shutting down")
+                if self.max_waiting is not None and len(self.engine.waiting) >= self.max_waiting:
+                    raise AdmissionRejected(
+                        f"the queue is full ({len(self.engine.waiting)} requests waiting)",
+                        "queue_full",
+                        1.0,
+                    )
+                r = self.engine.add_request(h.prompt_ids, h.params, h.slo, arrival=h.arrival)
+            except Exception as exc:  # handed to the awaiting handler
+                fut.set_exception(exc)
+                return
+            h.req = r
+            self._tracked[r.rid] = h
+            fut.set_result(r)
+        elif kind == "abort":
+            _, h, reason = c
+            if h.req is not None and not h.req.finished:
+                self.engine.abort(h.req, reason)
+        elif kind == "drain":
+            self._drain_deadline = c[1]
+            if c[1] <= time.monotonic():
+                self._closed = True
+        elif kind == "call":
+            _, fn, fut = c
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except Exception as exc:
+                    fut.set_exception(exc)
+
+    def _abort_all(self, reason: str) -> None:
+        for h in list(self._tracked.values()):
+            r = h.req
+            if r is not None and not r.finished:
+                try:
+                    self.engine.abort(r, reason)
+                except Exception:  # never leave a client waiting on a broken engine
+                    log.exception("abort failed")
+                    r.finish_reason = reason
+                    r.finished_at = time.perf_counter()
+                    r.status = Status.FINISHED
+
+    def _publish(self) -> None:
+        """Hand new tokens / finals to their consumers; refresh the snapshot."""
+        for rid, h in list(self._tracked.items()):
+            r = h.req
+            n = r.num_output
+            if n <= h.sent and not r.finished:
+                continue
+            new = r.output_ids[h.sent : n] if h.want_tokens else []
+            h.sent = n
+            final = None
+            if r.finished:
+                del self._tracked[rid]
+                final = self._final(h)
+            elif not h.want_tokens:
+                continue
+            with contextlib.suppress(RuntimeError):  # the event loop is gone
+                h.loop.call_soon_threadsafe(h._deliver, new, final)
+        self._publish_snapshot()
+        self._refresh_class_slos()
+
+    def _final(self, h: Handle) -> Final:
+        e = self.engine
+        r = h.req
+        try:
+            text = e.output_text(r)
+        except Exception:
+            text = None
+        try:
+            metrics = request_metrics(e, r)
+        except Exception:
+            log.exception("request_metrics failed")
+            metrics = {"slo_class": r.slo.cls, "slo_attained": False}
+        final = Final(
+            reason=r.finish_reason or "abort",
+            text=text,
+            output_ids=list(r.output_ids),
+            prompt_tokens=len(r.prompt_ids),
+            metrics=_clean(metrics),
+            token_times=tuple(r.token_times),
+            arrival=r.arrival,
+            finished_at=r.finished_at or time.perf_counter(),
+        )
+        if self.on_finish is not None:
+            try:
+                self.on_finish(h, final)
+            except Exception:
+                log.exception("finish callback failed")
+        return final
+
+    def _publish_snapshot(self) -> None:
+        e = self.engine
+        self.snapshot = EngineSnapshot(
+            running=len(e.running),
+            waiting=len(e.waiting),
+            kv_usage=float(e.kv_usage()),
+            counters=dataclasses.asdict(e.counters),
+            time=time.time(),
+        )
+
+    def _refresh_class_slos(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._class_slos_at < 10.0:
+            return
+        self._class_slos_at = now
+        self.class_slos = {c.name: self.engine.class_slo(c.name) for c in self.engine.cfg.classes}
+
+    def _fail_pending(self) -> None:
+        """After the loop ends: answer queued adds and unfinished handles."""
+        while True:
+            try:
+                c = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if c[0] in ("add", "call") and c[2].set_running_or_notify_cancel():
+                c[2].set_exception(ShuttingDown("the server is shutting down"))
+        if self.engine is not None and self._tracked:
+            self._abort_all(SHUTDOWN)
+            self._publish()
+
+
+def _clean(v):
+    """JSON-safe copy: NaN/inf floats become None."""
+    if isinstance(v, float):
+        return v if v == v and v not in (float("inf"), float("-inf")) else None
+    if isinstance(v, dict):
+        return {str(k): _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+def model_name_of(source) -> str:
+    """A default served model id: the checkpoint directory's name (``adaserve`` for the
+    shipped pair)."""
+    from adaserve import paths
+
+    if isinstance(source, EngineConfig):
+        return Path(source.model).name if source.model else "adaserve"
+    md = getattr(source, "model_dir", None)
+    if md is None or Path(md) == paths.DEFAULT_TARGET:
+        return "adaserve"
+    return Path(md).name

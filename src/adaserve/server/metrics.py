@@ -1,0 +1,254 @@
+"""Prometheus metrics: vLLM names (labelled ``model_name``) plus ``adaserve:`` ones.
+
+Each app owns its ``CollectorRegistry``. Per-request histograms and per-class counters
+are updated when a request finishes (on the engine thread; prometheus-client is
+thread-safe); engine gauges and counters are read from the engine snapshot at scrape
+time by a custom collector, so they always equal the engine's own numbers.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from adaserve.server.engine_loop import EngineSnapshot, Final
+
+TTFT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+TOKEN_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+    0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+VLLM_NAMES = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:request_time_per_output_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+)
+
+SHED_REASONS = ("queue_full", "server_shutdown")
+
+
+class ServerMetrics:
+    """The app's registry and the hooks that feed it."""
+
+    def __init__(self, model_name: str, class_names, snapshot_fn, attainment_fn):
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        m = ["model_name"]
+        mc = ["model_name", "slo_class"]
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token (arrival to first output token).",
+            m, buckets=TTFT_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between consecutive output tokens (0 inside one speculative step).",
+            m, buckets=TOKEN_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            m, buckets=TOKEN_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Arrival to finish.",
+            m, buckets=E2E_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.queue = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Arrival to admission into the running batch.",
+            m, buckets=E2E_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.finished = Counter(
+            "adaserve:requests_finished",
+            "Finished requests by class and finish reason.",
+            ["model_name", "slo_class", "finish_reason"], registry=reg,
+        )  # fmt: skip
+        self.attained = Counter(
+            "adaserve:slo_attained_requests",
+            "Finished requests that met their TPOT and TTFT targets.",
+            mc, registry=reg,
+        )  # fmt: skip
+        self.verify_tokens = Counter(
+            "adaserve:verification_tokens",
+            "Speculative candidate tokens verified for requests of this class.",
+            mc, registry=reg,
+        )  # fmt: skip
+        self.accepted = Counter(
+            "adaserve:accepted_tokens",
+            "Speculative tokens accepted for requests of this class.",
+            mc, registry=reg,
+        )  # fmt: skip
+        self.output_tokens = Counter(
+            "adaserve:output_tokens", "Output tokens by class.", mc, registry=reg
+        )
+        self.goodput_tokens = Counter(
+            "adaserve:goodput_tokens",
+            "Output tokens of requests that met their SLO.",
+            mc, registry=reg,
+        )  # fmt: skip
+        self.shed = Counter(
+            "adaserve:shed_requests",
+            "Requests refused by admission control or shutdown, by reason.",
+            ["model_name", "slo_class", "reason"], registry=reg,
+        )  # fmt: skip
+        self.rate_limited = Counter(
+            "adaserve:rate_limited_requests",
+            "Requests refused by a tenant quota, by reason.",
+            ["model_name", "tenant", "reason"], registry=reg,
+        )  # fmt: skip
+        self.charges = Counter(
+            "adaserve:charges",
+            "Charges (price per 1k output tokens of the class) by tenant and class.",
+            ["model_name", "tenant", "slo_class"], registry=reg,
+        )  # fmt: skip
+        self.tenant_tokens = Counter(
+            "adaserve:tenant_output_tokens",
+            "Output tokens by tenant and class.",
+            ["model_name", "tenant", "slo_class"], registry=reg,
+        )  # fmt: skip
+        for h in (self.ttft, self.itl, self.tpot, self.e2e, self.queue):
+            h.labels(model_name)
+        for c in class_names:
+            for ctr in (
+                self.attained,
+                self.verify_tokens,
+                self.accepted,
+                self.output_tokens,
+                self.goodput_tokens,
+            ):
+                ctr.labels(model_name, c)
+            for r in SHED_REASONS:
+                self.shed.labels(model_name, c, r)
+        reg.register(_EngineCollector(model_name, snapshot_fn, attainment_fn))
+
+    def observe_finish(self, cls: str, tenant: str, final: Final, charge: float) -> None:
+        """Record one finished request."""
+        mn = self.model_name
+        m = final.metrics
+        self.finished.labels(mn, cls, final.reason).inc()
+        if m.get("ttft_ms") is not None:
+            self.ttft.labels(mn).observe(m["ttft_ms"] / 1000)
+        if m.get("tpot_ms") is not None:
+            self.tpot.labels(mn).observe(m["tpot_ms"] / 1000)
+        if m.get("e2e_ms") is not None:
+            self.e2e.labels(mn).observe(m["e2e_ms"] / 1000)
+        if m.get("queue_ms") is not None:
+            self.queue.labels(mn).observe(m["queue_ms"] / 1000)
+        times = final.token_times
+        itl = self.itl.labels(mn)
+        for a, b in zip(times, times[1:]):
+            itl.observe(max(0.0, b - a))
+        n = final.completion_tokens
+        self.output_tokens.labels(mn, cls).inc(n)
+        self.verify_tokens.labels(mn, cls).inc(m.get("tree_nodes") or 0)
+        self.accepted.labels(mn, cls).inc(m.get("accepted_tokens") or 0)
+        if m.get("slo_attained"):
+            self.attained.labels(mn, cls).inc()
+            self.goodput_tokens.labels(mn, cls).inc(n)
+        self.tenant_tokens.labels(mn, tenant, cls).inc(n)
+        self.charges.labels(mn, tenant, cls).inc(charge)
+
+    def observe_shed(self, cls: str, reason: str) -> None:
+        self.shed.labels(self.model_name, cls, reason).inc()
+
+    def observe_rate_limited(self, tenant: str, reason: str) -> None:
+        self.rate_limited.labels(self.model_name, tenant, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Engine gauges and counters, read from the latest snapshot at scrape time."""
+
+    def __init__(self, model_name: str, snapshot_fn, attainment_fn):
+        self.model_name = model_name
+        self.snapshot_fn = snapshot_fn
+        self.attainment_fn = attainment_fn
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        mn = self.model_name
+        s: EngineSnapshot = self.snapshot_fn()
+        c = s.counters or {}
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([mn], value)
+            return g
+
+        def counter(name, doc, value):
+            f = CounterMetricFamily(name, doc, labels=["model_name"])
+            f.add_metric([mn], value)
+            return f
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting for admission.", s.waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", s.kv_usage)
+        yield counter("vllm:prompt_tokens", "Prefilled prompt tokens.", c.get("prompt_tokens", 0))
+        yield counter("vllm:generation_tokens", "Generated tokens.", c.get("generation_tokens", 0))
+        yield counter(
+            "vllm:spec_decode_num_drafts",
+            "Request-iterations that verified at least one draft token.",
+            c.get("spec_drafts", 0),
+        )
+        yield counter(
+            "vllm:spec_decode_num_draft_tokens",
+            "Draft tokens verified.",
+            c.get("spec_draft_tokens", 0),
+        )
+        yield counter(
+            "vllm:spec_decode_num_accepted_tokens",
+            "Draft tokens accepted.",
+            c.get("spec_accepted_tokens", 0),
+        )
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the speculated path (0 = first).",
+            labels=["model_name", "position"],
+        )
+        for pos, v in sorted((c.get("accepted_per_pos") or {}).items()):
+            per_pos.add_metric([mn, str(pos)], v)
+        yield per_pos
+        fb = CounterMetricFamily(
+            "adaserve:fallback_iterations",
+            "Iterations (or requests within one) that fell back to plain decoding, by reason.",
+            labels=["model_name", "reason"],
+        )
+        for reason, v in sorted((c.get("fallback_iterations") or {}).items()):
+            fb.add_metric([mn, str(reason)], v)
+        yield fb
+        yield counter("adaserve:engine_iterations", "Engine iterations.", c.get("iterations", 0))
+        yield counter("adaserve:preemptions", "Preempted requests.", c.get("preemptions", 0))
+        att = GaugeMetricFamily(
+            "adaserve:slo_attainment",
+            "Share of finished requests of the class that met their SLO.",
+            labels=["model_name", "slo_class"],
+        )
+        for cls, ratio in self.attainment_fn().items():
+            att.add_metric([mn, cls], ratio)
+        yield att

@@ -1,0 +1,209 @@
+"""OpenAI-compatible request and response models (pydantic), plus SLO extensions.
+
+Request models are strict about types (``strict=True``: no "5" for 5) and about the
+shape of nested objects (``extra="forbid"``). Unknown *top-level* fields are kept in
+``model_extra`` and rejected by the server when ``strict_fields`` is on (the default),
+the way the OpenAI API answers "Unrecognized request argument supplied".
+
+Extensions over the OpenAI API (all optional, sent by clients through ``extra_body``):
+``slo`` (explicit targets), ``slo_class``, ``priority`` (vLLM-style integer),
+``top_k``, ``seed``, ``stop_token_ids``, ``ignore_eos``. Responses carry a per-request
+``metrics`` object.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from adaserve.sampling import MAX_TOKENS_LIMIT
+
+MAX_SLO_MS = 1e9
+INT32 = 2**31 - 1
+
+
+class _Nested(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _TopLevel(BaseModel):
+    # unknown fields are kept and refused by the server when strict_fields is on (the
+    # documented default, hence additionalProperties: false in the schema)
+    model_config = ConfigDict(
+        extra="allow", strict=True, json_schema_extra={"additionalProperties": False}
+    )
+
+
+class SLOSpec(_Nested):
+    """Explicit latency targets of one request, in milliseconds."""
+
+    tpot_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS, description="time per output token")
+    ttft_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS, description="time to first token")
+    max_queue_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS)
+    deadline_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS)
+
+
+class StreamOptions(_Nested):
+    include_usage: bool = False
+
+
+class _Sampling(_TopLevel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = Field(None, max_length=1024)
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=INT32, description="0 or -1 = off")
+    n: int = Field(1, ge=1, le=64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    ignore_eos: bool = False
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(None, max_length=1024)
+    # --- SLO extensions (see docs/server.md for the precedence)
+    slo: SLOSpec | None = None
+    slo_class: str | None = Field(None, min_length=1, max_length=128)
+    priority: int | None = Field(None, ge=-INT32, le=INT32)
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=64)
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class TextPart(_Nested):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Nested):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(None, max_length=256)
+
+    def text(self) -> str:
+        """The message content as one string (text parts concatenated)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ResponseFormat(_Nested):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+
+
+# ---------------------------------------------------------------------- responses
+# Documentation models for /openapi.json; handlers build plain dicts of the same shape.
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class RequestMetrics(BaseModel):
+    """Per-request metrics (more fields may be present)."""
+
+    model_config = ConfigDict(extra="allow")
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    queue_ms: float | None = None
+    e2e_ms: float | None = None
+    slo_class: str
+    slo_attained: bool
+    accepted_tokens: int = 0
+    tree_nodes: int = 0
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: Any = None
+    metrics: RequestMetrics | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    metrics: RequestMetrics | None = None
+    service_tier: str | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: Any = None
+    metrics: RequestMetrics | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    metrics: RequestMetrics | None = None
+    service_tier: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,132 @@
+"""``python -m adaserve.server`` as a real process: start-up, graceful SIGTERM, exit code;
+and the CLI's configuration errors."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from server_fixtures import model_pair, server_test_env, wait_for
+
+from adaserve.server.cli import add_arguments, build_configs, run
+from adaserve.server.tenants import ConfigError
+
+_env = pytest.fixture(scope="module", autouse=True)(server_test_env)
+
+
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_drains_then_cancels_and_exits_zero(tmp_path_factory, tmp_path):
+    target, _ = model_pair(tmp_path_factory)
+    cfg = tmp_path / "server.toml"
+    cfg.write_text(
+        "[server]\nstep_delay_s = 0.05\nshutdown_grace_s = 3.0\nmodel_name = 'm'\n"
+        "[engine]\nkv_cache_bytes = 8388608\n"
+    )
+    port = _free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "adaserve.server", "--model", str(target), "--no-draft",
+         "--policy", "ar", "--port", str(port), "--config", str(cfg)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def up():
+            if proc.poll() is not None:
+                raise AssertionError(proc.stdout.read())
+            try:
+                return httpx.get(url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_for(up, timeout=120, every=0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        long = client.completions.create(
+            model="m", prompt="a", max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+        )
+        first = next(iter(long))
+        assert first.choices[0].text is not None
+        short = {}
+
+        def run_short():
+            short["r"] = client.completions.create(
+                model="m", prompt="b", max_tokens=15, extra_body={"ignore_eos": True}
+            )
+
+        t = threading.Thread(target=run_short)
+        t.start()
+        time.sleep(0.3)
+        t_sig = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        # the in-flight stream is cut after the grace period with a clear error
+        with pytest.raises(openai.APIError) as ei:
+            for _ in long:
+                pass
+        assert "shutting down" in str(ei.value.message)
+        assert time.monotonic() - t_sig < 3.0 + 5.0
+        t.join(30)
+        # the short request finished normally inside the grace period
+        assert short["r"].choices[0].finish_reason == "length"
+        assert short["r"].usage.completion_tokens == 15
+        rc = proc.wait(timeout=30)
+        out = proc.stdout.read()
+        assert rc == 0, out
+        assert "open local mode" in out and "shutting down" in out
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_config_errors_exit_2_with_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server]\nportt = 3\n")
+    assert run(_args("--config", str(bad))) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "portt" in err
+    assert run(_args("--config", str(tmp_path / "missing.toml"))) == 2
+
+
+def test_unloadable_model_exits_1(tmp_path, capsys):
+    assert run(_args("--model", str(tmp_path / "nowhere"), "--no-draft")) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("adaserve serve: cannot start the engine") and "\n" not in err
+
+
+def test_flags_override_the_file(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        "[server]\nport = 9000\n[engine]\npolicy = 'ar'\nmax_num_seqs = 8\n"
+        "[classes.fast]\ntpot_ms = 20\n[classes.slow]\ntpot_ms = 200\nrank = 1\n"
+    )
+    ecfg, scfg = build_configs(
+        _args("--config", str(cfg), "--port", "9100", "--policy", "priority")
+    )
+    assert (scfg.port, ecfg.policy, ecfg.max_num_seqs) == (9100, "priority", 8)
+    assert [c.name for c in ecfg.classes] == ["fast", "slow"] and ecfg.default_class == "fast"
+    cfg.write_text("[engine]\nwarp_speed = 9\n")
+    with pytest.raises(ConfigError, match="warp_speed"):
+        build_configs(_args("--config", str(cfg)))

@@ -1,0 +1,117 @@
+"""``adaserve train`` (smoke run) and the shipped default model pair."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from adaserve.models.loader import load_model
+from adaserve.paths import DEFAULT_DRAFT, DEFAULT_STATS, DEFAULT_TARGET
+from adaserve.train import cli, corpus, stats
+from adaserve.train.tokenizer import EOS_TOKEN, load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _max_logit_diff(path, ids: torch.Tensor) -> float:
+    ours = load_model(path)
+    theirs = _hf(path)
+    with torch.no_grad():
+        a = ours.forward_dense(ids)
+        b = theirs(ids).logits.float()
+    return (a - b).abs().max().item()
+
+
+def _heldout_prompts(path, num: int, length: int) -> torch.Tensor:
+    tok = load_tokenizer(path)
+    texts = corpus.heldout_prompt_texts(corpus.load_split("heldout"), per_file=2)
+    return stats.heldout_prompts(tok, texts, num, length)
+
+
+@pytest.fixture(scope="module")
+def smoke_pair(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pair")
+    argv = ["--out", str(out), "--smoke", "--minutes", "0.05", "--no-progress"]
+    assert cli.main(argv) == 0
+    return out
+
+
+def test_corpus_split_is_stable_and_disjoint():
+    files = corpus.list_files()
+    assert files == sorted(files)
+    assert not any(part in corpus.EXCLUDED_DIRS for f in files for part in f.split("/")[:-1])
+    held = [f for f in files if corpus.is_heldout(f)]
+    assert 0 < len(held) < len(files) // 10
+    assert corpus.is_heldout(held[0]) and corpus.is_heldout(held[0])
+
+
+def test_smoke_run_writes_loadable_pair(smoke_pair):
+    stats_file = json.loads((smoke_pair / "pair_stats.json").read_text())
+    assert 0.0 <= stats_file["greedy_agreement"] <= 1.0
+    assert len(stats_file["acceptance_by_rank"]) == 8
+    assert len(stats_file["acceptance_by_depth"]) == 8
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    for role in ("target", "draft"):
+        d = smoke_pair / role
+        for name in (
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+            "README.md",
+        ):
+            assert (d / name).is_file(), name
+        cfg = json.loads((d / "config.json").read_text())
+        assert cfg["architectures"] == ["LlamaForCausalLM"]
+        assert (
+            json.loads((d / "generation_config.json").read_text())["eos_token_id"]
+            == cfg["eos_token_id"]
+        )
+        assert json.loads((d / "tokenizer_config.json").read_text())["eos_token"] == EOS_TOKEN
+        assert _max_logit_diff(d, ids) <= 1e-4
+        out = _hf(d).generate(ids[:1, :8], max_new_tokens=6, do_sample=False)
+        assert out.shape[1] > 8
+
+
+def test_smoke_tokenizer_round_trips(smoke_pair):
+    tok = load_tokenizer(smoke_pair / "target")
+    text = "class A:\n    def f(self, x):\n\t\treturn  x  # ünïcode ✓\n\n\n"
+    assert tok.decode(tok.encode(text).ids) == text
+    hf_tok = transformers.AutoTokenizer.from_pretrained(smoke_pair / "target")
+    assert hf_tok.eos_token == EOS_TOKEN
+    chat = hf_tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert chat.endswith("### assistant:\n")
+
+
+def test_smoke_rerun_resumes_from_checkpoints(smoke_pair):
+    before = (smoke_pair / "draft" / "model.safetensors").read_bytes()
+    argv = ["--out", str(smoke_pair), "--smoke", "--minutes", "0.05", "--no-progress"]
+    assert cli.main(argv) == 0
+    assert (smoke_pair / "draft" / "model.safetensors").read_bytes() == before
+
+
+def test_shipped_pair_matches_transformers():
+    ids = _heldout_prompts(DEFAULT_TARGET, 4, 64)
+    assert _max_logit_diff(DEFAULT_TARGET, ids) <= 1e-4
+    assert _max_logit_diff(DEFAULT_DRAFT, ids) <= 1e-4
+    total = sum(f.stat().st_size for d in (DEFAULT_TARGET, DEFAULT_DRAFT) for f in d.iterdir())
+    assert total <= 50 * 1024 * 1024
+    assert json.loads(DEFAULT_STATS.read_text())["greedy_agreement"] > 0.5
+
+
+def test_shipped_draft_agrees_with_target():
+    prompts = _heldout_prompts(DEFAULT_TARGET, 8, 64)
+    target, draft = load_model(DEFAULT_TARGET), load_model(DEFAULT_DRAFT)
+    res = stats.pair_stats(target, draft, prompts, new_tokens=32)
+    assert res["greedy_agreement"] > 0.5
+    depth = res["acceptance_by_depth"]
+    assert all(a >= b for a, b in zip(depth, depth[1:]))
