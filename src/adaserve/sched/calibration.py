@@ -89,7 +89,7 @@ class Calibrator:
             tab = np.asarray(data["calibration"]["acceptance"], dtype=float)
         except (OSError, KeyError, ValueError, TypeError):
             return False
-        rank = data.get("calibration", {}).get("acceptance_by_rank")
+        rank = data["calibration"].get("acceptance_by_rank") or data.get("acceptance_by_rank")
         if isinstance(rank, list) and rank:
             r = np.clip(np.asarray(rank[:MAX_RANK], dtype=float), 0.0, 1.0)
             self.rank_prior[: len(r)] = r

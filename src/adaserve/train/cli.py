@@ -207,9 +207,17 @@ def run(
     def strip(s: dict) -> dict:
         return {k: v for k, v in s.items() if k != "loss_history"}
 
+    calib = stats.engine_calibration(
+        target_dir,
+        draft_dir,
+        [p.tolist() for p in prompts[: 8 if smoke else 24]],
+        8 if smoke else 48,
+    )
+    _log(f"engine calibration: acceptance by rank {calib['acceptance_by_rank'][:3]}")
     result = {
         "format": 1,
         **pair,
+        "calibration": calib,
         "target": info(target, t_spec, t_loss, t_cost, target_dir),
         "draft": info(draft, d_spec, d_loss, d_cost, draft_dir),
         "draft_heldout_loss_before_distillation": round(d_loss_ce, 4),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from adaserve.models.attention import AttnMetadata, SeqSpec
@@ -150,3 +151,36 @@ def forward_costs(model: LlamaModel, context: int = 128, repeats: int = 40) -> d
                 times.append(time.perf_counter() - t0)
         res[key] = round(statistics.median(times) * 1e3, 3)
     return res
+
+
+def engine_calibration(
+    target_dir, draft_dir, prompts: list[list[int]], new_tokens: int = 48
+) -> dict:
+    """Acceptance measured by the engine itself on held-out prompts.
+
+    Runs a static width-3 depth-4 tree over ``prompts`` and returns the calibrator's
+    counts: acceptance of a tried child by (depth, draft-probability bucket) and by
+    sibling rank. The engine seeds its online calibration from this table.
+    """
+    from adaserve.api import LLM
+    from adaserve.sampling import SamplingParams
+
+    llm = LLM(
+        model=str(target_dir),
+        draft=str(draft_dir),
+        policy="spec-tree:4x3:100",
+        auto_profile=False,
+        kv_cache_bytes=256 << 20,
+    )
+    llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    cal = llm.engine.calibrator
+    rank_tried = np.maximum(cal.rank_tried, 1.0)
+    return {
+        "policy": "spec-tree:4x3:100",
+        "prompts": len(prompts),
+        "new_tokens": new_tokens,
+        "acceptance": cal.table().round(4).tolist(),
+        "tried": cal.tried.astype(int).tolist(),
+        "accepted": cal.accepted.astype(int).tolist(),
+        "acceptance_by_rank": (cal.rank_accepted / rank_tried).round(4).tolist(),
+    }
