@@ -1,0 +1,120 @@
+"""Small fidelity check of the simulator against the real engine, on one pair.
+
+The pair is a tiny 4-layer random target whose first layer (the later layers damped)
+is the draft, so that it agrees with the target often enough for speculation to
+matter. The acceptance model is calibrated from the pair's teacher-forced statistics
+(``adaserve.train.stats.pair_stats``, as for the shipped pair); both the engine and the
+simulator then serve the same prompts with the same policies, and the test compares
+what does not depend on wall-clock time: tokens per verification step (the product of
+the acceptance model, the tree shapes and the calibrator) and the step counts.
+Attainment and goodput against the engine are compared in docs/simulator.md
+("Fidelity"): on a shared CPU the real engine's own run-to-run spread is too large for
+a unit test.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from adaserve.bench.runner import class_slos
+from adaserve.bench.workload import WorkItem
+from adaserve.sched.hardware import HardwareModel
+from adaserve.sched.registry import make_policy
+from adaserve.sim.acceptance import AcceptanceModel, AcceptanceParams
+from adaserve.sim.loop import SimConfig, Simulator
+
+V = 320
+PROFILE = {"verify": {"tokens": [1, 64, 256], "latency_ms": [2.0, 3.0, 8.0]}, "draft_step_ms": 0.5}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine two spinning OpenMP threads
+    make tiny forwards 20x slower whenever another process is busy."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def fid_pair(tmp_path_factory, one_thread):
+    import transformers
+
+    from adaserve.models.loader import load_model
+    from adaserve.train.stats import pair_stats
+
+    root = tmp_path_factory.mktemp("fid")
+    base = dict(
+        vocab_size=V,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        eos_token_id=V - 1,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    t = transformers.LlamaForCausalLM(transformers.LlamaConfig(**base)).eval()
+    with torch.no_grad():  # damp layers 1..3 so that layer 0 alone is a decent draft
+        for layer in t.model.layers[1:]:
+            layer.self_attn.o_proj.weight.mul_(0.1)
+            layer.mlp.down_proj.weight.mul_(0.1)
+    t.save_pretrained(root / "target")
+    sd = t.state_dict()
+    d = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**{**base, "num_hidden_layers": 1})
+    ).eval()
+    d.load_state_dict(
+        {k: v for k, v in sd.items() if not k.startswith("model.layers.") or ".layers.0." in k}
+    )
+    d.save_pretrained(root / "draft")
+    tm, dm = load_model(root / "target"), load_model(root / "draft")
+    g = torch.Generator().manual_seed(0)
+    stats = pair_stats(tm, dm, torch.randint(1, V - 1, (16, 32), generator=g), new_tokens=40)
+    (root / "profile.json").write_text(json.dumps(PROFILE))
+    return root, stats
+
+
+def _prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(1, V - 1, (32,), generator=g).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("policy", ["spec-chain:4", "spec-tree:3x2"])
+def test_tokens_per_step_match_the_engine(fid_pair, policy):
+    from adaserve import LLM, SamplingParams
+
+    root, stats = fid_pair
+    assert stats["greedy_agreement"] > 0.4  # the pair really speculates
+    prompts, n_out = _prompts(16), 40
+    llm = LLM(
+        model=str(root / "target"),
+        draft=str(root / "draft"),
+        policy=policy,
+        profile=str(root / "profile.json"),
+        kv_cache_bytes=64 << 20,
+    )
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n_out, ignore_eos=True))
+    real_steps = sum(o.metrics["steps"] for o in outs)
+    real_acc = sum(o.metrics["accepted_tokens"] for o in outs)
+
+    hw = HardwareModel.from_dict(PROFILE)
+    sim = Simulator(hw, AcceptanceModel(AcceptanceParams.from_stats_dict(stats)), SimConfig(seed=1))
+    items = [WorkItem(i, 0.0, "chat", None, p, len(p), n_out) for i, p in enumerate(prompts)]
+    slos = class_slos(["chat"], 1.0, unloaded_tpot_ms=hw.unloaded_tpot_ms())
+    recs, _ = sim.run(make_policy(policy), items, slos)
+    sim_steps = sum(r.steps for r in recs)
+    sim_acc = sum(r.accepted for r in recs)
+    assert all(r.output_tokens == n_out for r in recs)
+    # accepted tokens per verification step (engine vs simulator)
+    real_rate, sim_rate = real_acc / real_steps, sim_acc / sim_steps
+    assert sim_rate == pytest.approx(real_rate, rel=0.15), (real_rate, sim_rate)
+    assert sim_steps == pytest.approx(real_steps, rel=0.15)
