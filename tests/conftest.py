@@ -7,6 +7,10 @@ import torch
 
 VOCAB = 320
 
+# the tiny test models are overhead-bound: one intra-op thread avoids oversubscribing
+# the cores when several processes (server subprocesses, pytest) run at once
+torch.set_num_threads(1)
+
 
 def save_tiny(path, arch: str = "llama", seed: int = 0, **overrides):
     """Build a tiny random HF model of ``arch`` and ``save_pretrained`` it to ``path``."""

@@ -69,8 +69,6 @@ def test_greedy_equivalence_all_policies(tiny_pair, profile_file, which):
 
 @pytest.mark.skipif(not DEFAULT_TARGET.is_dir(), reason="shipped pair not present")
 def test_greedy_equivalence_shipped_pair(tmp_path):
-    from adaserve.train.corpus import held_out_prompts  # noqa: F401  (shipped pair's corpus)
-
     prompts = random_prompts(52, seed=12, lo=4, hi=48)
     tok = LLM(model=str(DEFAULT_TARGET), no_draft=True, policy="ar").tokenizer
     texts = [tok.decode(p) for p in prompts]

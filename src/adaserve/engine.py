@@ -522,7 +522,7 @@ class Engine:
             k = len(t.tokens)
             new_mask = None
             if k > 1:
-                new_mask = torch.from_numpy(ancestor_mask(t.parents))
+                new_mask = ancestor_mask(t.parents)
             seqs.append(
                 SeqSpec(
                     r.table.slots(0, C - 1),

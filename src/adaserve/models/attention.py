@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -49,8 +50,9 @@ class SeqSpec:
                   order, then any draft-tree scratch slots)
     new_slots:    cache slots the new tokens are written to
     positions:    position id of each new token
-    new_mask:     [q, q] bool (torch, on CPU) or None for causal
-    prefix_mask:  [q, len(prefix_slots)] bool or None when the whole prefix is visible
+    new_mask:     [q, q] bool (numpy or CPU torch) or None for causal
+    prefix_mask:  [q, len(prefix_slots)] bool (numpy or CPU torch) or None when the whole
+                  prefix is visible
 
     The sliding window (Mistral) is applied to the prefix only when ``prefix_mask`` is
     None (the prefix is then positions ``0..c-1``).
@@ -59,8 +61,8 @@ class SeqSpec:
     prefix_slots: list[int]
     new_slots: list[int]
     positions: list[int]
-    new_mask: torch.Tensor | None = None
-    prefix_mask: torch.Tensor | None = None
+    new_mask: np.ndarray | torch.Tensor | None = None
+    prefix_mask: np.ndarray | torch.Tensor | None = None
 
 
 @dataclass
@@ -104,39 +106,55 @@ class AttnMetadata:
 def _make_group(
     seqs: list[SeqSpec], starts: list[int], device: torch.device, window: int | None
 ) -> AttnGroup:
+    # built with numpy (cheap per-request host work), moved to ``device`` once
     R = len(seqs)
     Q = max(len(s.new_slots) for s in seqs)
     L = max(len(s.prefix_slots) + len(s.new_slots) for s in seqs)
-    tok_idx = torch.zeros(R, Q, dtype=torch.long)
-    ctx = torch.zeros(R, L, dtype=torch.long)
-    mask = torch.zeros(R, Q, L, dtype=torch.bool)
-    valid = torch.zeros(R, Q, dtype=torch.bool)
+    tok_idx = np.zeros((R, Q), dtype=np.int64)
+    ctx = np.zeros((R, L), dtype=np.int64)
+    mask = np.zeros((R, Q, L), dtype=bool)
+    valid = np.zeros((R, Q), dtype=bool)
     for r, (s, start) in enumerate(zip(seqs, starts)):
         q, c = len(s.new_slots), len(s.prefix_slots)
-        tok_idx[r, :q] = torch.arange(start, start + q)
-        ctx[r, :c] = torch.tensor(s.prefix_slots, dtype=torch.long)
-        ctx[r, c : c + q] = torch.tensor(s.new_slots, dtype=torch.long)
+        tok_idx[r, :q] = np.arange(start, start + q)
+        ctx[r, :c] = s.prefix_slots
+        ctx[r, c : c + q] = s.new_slots
         if s.prefix_mask is None:
             mask[r, :q, :c] = True
         else:
-            mask[r, :q, :c] = s.prefix_mask
-        nm = s.new_mask if s.new_mask is not None else torch.ones(q, q, dtype=torch.bool).tril()
-        mask[r, :q, c : c + q] = nm
+            mask[r, :q, :c] = np.asarray(s.prefix_mask, dtype=bool)
+        if s.new_mask is None:
+            mask[r, :q, c : c + q] = _tril(q)
+        else:
+            mask[r, :q, c : c + q] = np.asarray(s.new_mask, dtype=bool)
         if window is not None and s.prefix_mask is None:
-            pos_q = torch.tensor(s.positions).unsqueeze(1)
-            pos_k = torch.cat([torch.arange(c), torch.tensor(s.positions)]).unsqueeze(0)
+            pos_q = np.asarray(s.positions)[:, None]
+            pos_k = np.concatenate([np.arange(c), np.asarray(s.positions)])[None, :]
             mask[r, :q, : c + q] &= (pos_q - pos_k) < window
         mask[r, q:, 0] = True  # pad rows attend to something so softmax stays finite
         valid[r, :q] = True
     valid = valid.reshape(-1)
     out_idx = tok_idx.reshape(-1)[valid]
     return AttnGroup(
-        tok_idx=tok_idx.to(device),
-        ctx_slots=ctx.to(device),
-        mask=mask.unsqueeze(1).to(device),
-        valid=valid.to(device),
-        out_idx=out_idx.to(device),
+        tok_idx=torch.from_numpy(tok_idx).to(device),
+        ctx_slots=torch.from_numpy(ctx).to(device),
+        mask=torch.from_numpy(mask).unsqueeze(1).to(device),
+        valid=torch.from_numpy(valid).to(device),
+        out_idx=torch.from_numpy(out_idx).to(device),
     )
+
+
+_TRIL: dict[int, np.ndarray] = {}
+
+
+def _tril(q: int) -> np.ndarray:
+    """Causal [q, q] mask (cached)."""
+    m = _TRIL.get(q)
+    if m is None:
+        m = np.tril(np.ones((q, q), dtype=bool))
+        if q <= 4096:
+            _TRIL[q] = m
+    return m
 
 
 def paged_attention(

@@ -51,6 +51,7 @@ class _Growing:
         self.rank = [0]
         self.logp = [0.0]
         self.fed_nodes: list[int] = []  # scratch order
+        self.level_start = 1  # first node index of the newest depth level
         self.q_rows: dict[int, torch.Tensor] = {}
 
     def add(self, parent: int, token: int, q: float, rank: int) -> int:
@@ -129,18 +130,17 @@ def expand(
         seqs, ids, new_frontier = [], [], {}
         for i in nxt_active:
             g, w = grows[i], shapes[i][1]
-            cand = [n for n in range(len(g.tokens)) if g.depth[n] == t]
-            cand.sort(key=lambda n: -g.logp[n])
-            chosen = sorted(cand[:w])
+            cand = range(g.level_start, len(g.tokens))  # nodes added at depth t
+            chosen = sorted(sorted(cand, key=lambda n: -g.logp[n])[:w])
             new_frontier[i] = chosen
             r = reqs[i]
             C = len(r.tokens)
             n_prev = len(g.fed_nodes)
-            prefix = r.table.slots(0, C) + r.table.slots(C, C + n_prev)
-            pmask = torch.ones(len(chosen), C + n_prev, dtype=torch.bool)
+            prefix = r.table.slots(0, C + n_prev)
+            pmask = np.ones((len(chosen), C + n_prev), dtype=bool)
             for row, node in enumerate(chosen):
                 anc = g.ancestors(node)
-                pmask[row, C:] = torch.tensor([f in anc for f in g.fed_nodes], dtype=torch.bool)
+                pmask[row, C:] = [f in anc for f in g.fed_nodes]
             new_slots = r.table.slots(C + n_prev, C + n_prev + len(chosen))
             g.fed_nodes.extend(chosen)
             seqs.append(
@@ -148,7 +148,7 @@ def expand(
                     prefix,
                     new_slots,
                     [C - 1 + t] * len(chosen),
-                    new_mask=torch.eye(len(chosen), dtype=torch.bool),
+                    new_mask=np.eye(len(chosen), dtype=bool),
                     prefix_mask=pmask,
                 )
             )
@@ -171,6 +171,7 @@ def _add_children(logits, grows, frontier, active, reqs, shapes, sample: bool) -
     for i in active:
         g, w = grows[i], shapes[i][1]
         n = len(frontier[i])
+        g.level_start = len(g.tokens)
         if not sample or reqs[i].params.greedy:
             for node in frontier[i]:
                 for k in range(w):
