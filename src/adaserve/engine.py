@@ -119,14 +119,6 @@ class Engine:
 
         if self.draft_dir is not None and Path(self.draft_dir) == _p.DEFAULT_DRAFT:
             self.calibrator.seed_from_stats(_p.DEFAULT_STATS)
-        self.hw = None
-        if self.policy.uses_draft or cfg.profile:
-            from adaserve.profile import load_or_profile
-
-            try:
-                self.hw = load_or_profile(self, auto=cfg.auto_profile)
-            except ValueError as e:
-                raise ModelLoadError(str(e)) from None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -139,6 +131,15 @@ class Engine:
         self.on_step = None  # optional callback(engine, trace)
         self._sel_log = open(cfg.selection_log, "a") if cfg.selection_log else None  # noqa: SIM115
         self._log_salt = os.urandom(8).hex()
+        self.hw = None
+        if self.policy.uses_draft or cfg.profile:
+            from adaserve.profile import load_or_profile
+
+            try:
+                self.hw = load_or_profile(self, auto=cfg.auto_profile)
+            except ValueError as e:
+                raise ModelLoadError(str(e)) from None
+        self.counters = EngineCounters()  # profiling may have run a few steps
 
     # ------------------------------------------------------------------ set-up
     def _build_kv(self) -> None:
@@ -684,7 +685,7 @@ class Engine:
         now = time.time()
         for rid, t in subtrees.items():
             rv = by_id.get(rid)
-            if rv is None:
+            if rv is None or (len(t.tokens) == 1 and not plan.fallback):
                 continue
             line = {
                 "ts": round(now, 4),
