@@ -55,16 +55,31 @@ def gain_curve(depth: int, width: int, acc: tuple[float, ...]) -> np.ndarray:
     accepted (given its parent) with probability ``acc[j]``; f of a node is the
     product along its path. Returns the cumulative sums of f sorted descending.
     """
+    return _typical_tree(depth, width, acc)[0]
+
+
+@lru_cache(maxsize=256)
+def depth_curve(depth: int, width: int, acc: tuple[float, ...]) -> np.ndarray:
+    """Tree depth the best k candidates of the typical tree reach, k = 0..N (the
+    draft must expand that deep to offer them; best-f order follows the top chain
+    first, so this is far less than a breadth-first fill would need)."""
+    return _typical_tree(depth, width, acc)[1]
+
+
+def _typical_tree(depth: int, width: int, acc: tuple[float, ...]):
     if depth <= 0:
-        return np.zeros(1)
+        return np.zeros(1), np.zeros(1, dtype=np.int64)
     a = np.asarray(acc[:width]) if width <= len(acc) else np.pad(acc, (0, width - len(acc)))
-    fs: list[float] = []
+    nodes: list[tuple[float, int]] = []  # (f, depth)
     frontier = [1.0]
-    for _ in range(depth):
+    for t in range(1, depth + 1):
         kids = sorted((f * a[j] for f in frontier for j in range(width)), reverse=True)
-        fs.extend(kids)
+        nodes.extend((f, t) for f in kids)
         frontier = kids[:width]
-    return np.concatenate(([0.0], np.cumsum(sorted(fs, reverse=True))))
+    nodes.sort(key=lambda x: (-x[0], x[1]))
+    f = np.array([x[0] for x in nodes])
+    d = np.maximum.accumulate(np.array([x[1] for x in nodes], dtype=np.int64))
+    return np.concatenate(([0.0], np.cumsum(f))), np.concatenate(([0], d))
 
 
 class AdaptivePolicy(Policy):
@@ -151,12 +166,12 @@ class AdaptivePolicy(Policy):
         d = best["depth"]
         plan = Plan(prefill=prefill, budget=best["budget"], info=best)
         if d > 0:
-            # per-request shapes: a request drafts only as deep as its allocation needs
-            # (a depth-t beam tree of width w holds w + (t - 1) w^2 candidates)
+            # per-request shapes: a request drafts only as deep as its best k candidates
+            # reach in the typical tree
+            dc = depth_curve(d, w, acc)
             for r, k in zip(dec, best["alloc"].tolist()):
                 if k > 0:
-                    depth = 1 if k <= w else 1 + -(-(k - w) // (w * w))
-                    plan.shapes[r.rid] = (min(d, depth), w)
+                    plan.shapes[r.rid] = (int(max(1, dc[min(k, len(dc) - 1)])), w)
                     plan.node_cap[r.rid] = c.node_cap
         if self.name == "adaserve":
             self._overload(dec, best, plan)
