@@ -12,6 +12,16 @@ VOCAB = 320
 torch.set_num_threads(1)
 
 
+# the shape of the tiny draft beside the tiny target (shares its vocabulary)
+TINY_DRAFT = dict(
+    num_hidden_layers=1,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
+
+
 def save_tiny(path, arch: str = "llama", seed: int = 0, **overrides):
     """Build a tiny random HF model of ``arch`` and ``save_pretrained`` it to ``path``."""
     import transformers
@@ -49,15 +59,7 @@ def tiny_pair(tmp_path_factory):
     """(target_dir, draft_dir, hf_target): a 2-layer target and a 1-layer random draft."""
     root = tmp_path_factory.mktemp("pair")
     hf = save_tiny(root / "target", seed=0)
-    save_tiny(
-        root / "draft",
-        seed=1,
-        num_hidden_layers=1,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
+    save_tiny(root / "draft", seed=1, **TINY_DRAFT)
     return root / "target", root / "draft", hf
 
 

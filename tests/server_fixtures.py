@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import openai
-from conftest import VOCAB, save_tiny
+from conftest import TINY_DRAFT, VOCAB, save_tiny
 
 from adaserve.config import EngineConfig
 from adaserve.server import ServerConfig, create_app
@@ -63,15 +63,7 @@ def model_pair(tmp_path_factory) -> tuple[Path, Path]:
         root = tmp_path_factory.mktemp("server_pair")
         save_tiny(root / "target", seed=0)
         build_tokenizer(root / "target")
-        save_tiny(
-            root / "draft",
-            seed=1,
-            num_hidden_layers=1,
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-        )
+        save_tiny(root / "draft", seed=1, **TINY_DRAFT)
         _CACHE["pair"] = root
     root = _CACHE["pair"]
     return root / "target", root / "draft"

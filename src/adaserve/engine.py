@@ -31,6 +31,7 @@ from adaserve.kv.cache import KVCache
 from adaserve.models.attention import AttnMetadata, SeqSpec
 from adaserve.models.loader import load_model, resolve_dtype
 from adaserve.request import Request, Status
+from adaserve.resources import default_kv_budget
 from adaserve.sampling import SamplingParams, make_generator, target_probs
 from adaserve.sched.base import BatchView, Plan, ReqView
 from adaserve.sched.calibration import Calibrator
@@ -150,7 +151,7 @@ class Engine:
             per_slot += self.draft.cfg.kv_bytes_per_token(esize)
         budget = cfg.kv_cache_bytes
         if budget is None:
-            budget = min(_available_ram() // 4, 4 << 30)
+            budget = default_kv_budget()
         num_blocks = max(4, budget // (per_slot * cfg.block_size))
         num_slots = int(num_blocks) * cfg.block_size
         self.kv_bytes_per_slot = per_slot
@@ -723,14 +724,3 @@ class Engine:
 
     def kv_usage(self) -> float:
         return self.allocator.usage
-
-
-def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30

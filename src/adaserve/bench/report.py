@@ -326,15 +326,21 @@ def serve_summary_md(result: dict) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def sweep_summary_md(result: dict) -> str:
-    cfg = result.get("config", {})
-    pts = result.get("points", [])
-    xname = cfg.get("sweep", "x")
+def _sweep_policies(pts: list[dict]) -> list[str]:
+    """Policy names over all sweep points, in first-seen order."""
     pols: list[str] = []
     for p in pts:
         for k in p["results"]:
             if k not in pols:
                 pols.append(k)
+    return pols
+
+
+def sweep_summary_md(result: dict) -> str:
+    cfg = result.get("config", {})
+    pts = result.get("points", [])
+    xname = cfg.get("sweep", "x")
+    pols = _sweep_policies(pts)
     classes = _class_order([p["results"] for p in pts])
 
     def table(title: str, get) -> str:
@@ -540,11 +546,7 @@ def _plot_sweep(out: Path, result: dict) -> list[Path]:
     cfg = result.get("config", {})
     pts = result.get("points", [])
     xname = cfg.get("sweep", "x")
-    pols: list[str] = []
-    for p in pts:
-        for k in p["results"]:
-            if k not in pols:
-                pols.append(k)
+    pols = _sweep_policies(pts)
     xs = [p["x"] for p in pts]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for q in pols:

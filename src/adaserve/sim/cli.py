@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from adaserve.errors import AdaServeError
+from adaserve.resources import default_kv_budget
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -176,19 +177,8 @@ def _default_kv_slots(hw, block_size: int = 16) -> int:
     per_slot = hw.kv_bytes_target + hw.kv_bytes_draft
     if per_slot <= 0:
         return 1 << 20
-    budget = min(_available_ram() // 4, 4 << 30)
+    budget = default_kv_budget()
     return int(max(4, budget // (per_slot * block_size)) * block_size)
-
-
-def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
 
 
 def _model_dir(args) -> Path | None:
