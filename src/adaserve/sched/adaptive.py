@@ -100,11 +100,18 @@ class AdaptivePolicy(Policy):
             self.acc_by_rank = tuple(round(float(x), 2) for x in acc[: self.cfg.max_width])
         return self.acc_by_rank
 
+    def _widths(self, n: int) -> tuple[int, ...]:
+        """Beam widths to evaluate: a chain always; wider trees only at low load."""
+        if self.name == "smartspec":
+            return (1,)
+        wide = self._width(n)
+        return (1,) if wide == 1 else (1, wide)
+
     def _width(self, n: int) -> int:
         """Beam width from load: wide trees only when few requests share the pass."""
         if self.name == "smartspec":
             return 1
-        return int(np.clip(16 // max(n, 1), 1, self.cfg.max_width))
+        return int(np.clip(8 // max(n, 1), 1, self.cfg.max_width))
 
     def requirement(self, r: ReqView, t_iter: float) -> float:
         """A(r): accepted tokens this iteration that keep r's mean TPOT within target."""
@@ -154,16 +161,17 @@ class AdaptivePolicy(Policy):
         P = sum(prefill.values())
         kv = float(sum(r.context_len for r in view.requests))
         acc = self._acc(view)
-        w = self._width(n)
         arr = _Arrays.of(dec)
         best = None
-        for d in DEPTHS:
-            if d > c.max_depth:
-                break
-            cand = self._evaluate(view, arr, d, w, P, kv, acc)
-            if best is None or cand["score"] > best["score"]:
-                best = cand
-        d = best["depth"]
+        for w in self._widths(n):
+            for d in DEPTHS:
+                if d > c.max_depth or (d == 0 and best is not None):
+                    continue
+                cand = self._evaluate(view, arr, d, w, P, kv, acc)
+                cand["width"] = w
+                if best is None or cand["score"] > best["score"]:
+                    best = cand
+        d, w = best["depth"], best["width"]
         plan = Plan(prefill=prefill, budget=best["budget"], info=best)
         if d > 0:
             # per-request shapes: a request drafts only as deep as its best k candidates
