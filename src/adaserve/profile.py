@@ -162,6 +162,37 @@ def measure_step_overhead(engine, new_tokens: int = 24) -> float:
     return statistics.median(times[2:]) if len(times) > 3 else statistics.median(times)
 
 
+def measure_draft_host(engine, requests: int = 8, depth: int = 4, width: int = 2) -> float:
+    """Host ms per speculating request per draft step: a real tree expansion of
+    ``requests`` requests minus the profiled forward passes it ran."""
+    from adaserve.kv.blocks import BlockTable
+    from adaserve.sampling import SamplingParams
+    from adaserve.slo import SLO
+    from adaserve.spec.draft import expand, scratch_slots_needed
+
+    if engine.draft is None:
+        return 0.0
+    V = engine.target.cfg.vocab_size
+    reqs = [
+        engine.add_request([(7 * i + j) % V for j in range(24)], SamplingParams(), SLO())
+        for i in range(requests)
+    ]
+    for r in reqs:  # as if prefilled: give them blocks, no engine step needed
+        engine.waiting.remove(r)
+        r.table = BlockTable(engine.allocator)
+        r.table.ensure(len(r.tokens) + scratch_slots_needed(depth, width))
+    times = []
+    for _ in range(4):
+        for r in reqs:
+            r.draft_cached = 0
+        t0 = time.perf_counter()
+        expand(engine.draft, engine.kv_draft, reqs, [(depth, width)] * requests)
+        times.append((time.perf_counter() - t0) * 1000)
+    for r in reqs:
+        r.table.release()
+    return statistics.median(times[1:])
+
+
 def profile_engine(engine, reps: int = 5) -> dict:
     """Profile the engine's loaded pair and annotate it with paths and fingerprints."""
     prof = measure(engine.target, engine.draft, reps=reps)
@@ -169,6 +200,12 @@ def profile_engine(engine, reps: int = 5) -> dict:
     one = float(HardwareModel.from_dict(prof).verify_latency(1, 40))
     prof["overhead_ms"] = round(max(0.0, step - one), 3)
     prof["decode_step_ms"] = round(step, 3)
+    if engine.draft is not None:
+        n, d, w = 8, 4, 2
+        total = measure_draft_host(engine, n, d, w)
+        hw = HardwareModel.from_dict(prof)
+        forwards = float(hw.draft_latency(n * 24) + (d - 1) * hw.draft_latency(n * w))
+        prof["draft_host_ms"] = round(max(0.0, (total - forwards) / (n * d)), 4)
     prof["target"].update(path=str(engine.model_dir), fingerprint=fingerprint(engine.model_dir))
     if prof["draft"] is not None:
         prof["draft"].update(path=str(engine.draft_dir), fingerprint=fingerprint(engine.draft_dir))

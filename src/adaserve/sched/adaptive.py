@@ -196,7 +196,9 @@ class AdaptivePolicy(Policy):
 
         def t_iter(total_nodes):
             """Predicted iteration ms for ``total_nodes`` candidates (scalar or array)."""
-            ms = hw.iteration_ms(n + P + np.asarray(total_nodes), kv, d, n * w, n + P if d else 0)
+            ms = hw.iteration_ms(
+                n + P + np.asarray(total_nodes), kv, d, n * w, n + P if d else 0, n if d else 0
+            )
             return ms * self.iter_scale if np.ndim(ms) else float(ms) * self.iter_scale
 
         if d == 0:

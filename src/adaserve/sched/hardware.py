@@ -12,6 +12,7 @@ Profile JSON schema (``adaserve.profile/1``; written by ``adaserve profile``)::
       "draft_step": {"tokens": [t...], "latency_ms": [ms...]},
       "draft_step_ms": float,                                      # one step, few tokens
       "overhead_ms": float,                                        # host work per iteration
+      "draft_host_ms": float,                  # host work per speculating request per step
       "kv_bytes_per_token": {"target": int, "draft": int}
     }
 
@@ -41,6 +42,7 @@ class HardwareModel:
     draft_ms: tuple[float, ...]
     kv_ms_per_token: float = 0.0
     overhead_ms: float = 0.0
+    draft_host_ms: float = 0.0  # host work per speculating request per draft step
     kv_bytes_target: int = 0
     kv_bytes_draft: int = 0
     source: str = "profile"
@@ -81,13 +83,18 @@ class HardwareModel:
         draft_depth: int = 0,
         draft_tokens_per_step: float = 0.0,
         catchup_tokens: float = 0.0,
+        draft_requests: float = 0.0,
     ):
-        """Predicted iteration: draft steps + verification + host overhead."""
+        """Predicted iteration: draft steps + verification + host overhead.
+
+        ``draft_requests`` speculating requests each cost ``draft_host_ms`` of host work
+        (tree bookkeeping, masks) per draft step on top of the forward passes."""
         draft = 0.0
         if draft_depth > 0:
             draft = self.draft_latency(max(catchup_tokens, 1.0)) + (draft_depth - 1) * (
                 self.draft_latency(max(draft_tokens_per_step, 1.0))
             )
+            draft = draft + draft_depth * draft_requests * self.draft_host_ms
         return self.verify_latency(verify_tokens, kv_tokens) + draft + self.overhead_ms
 
     def unloaded_tpot_ms(self, kv_tokens: float = 256.0) -> float:
@@ -110,6 +117,7 @@ class HardwareModel:
             draft_ms=tuple(float(x) for x in dm),
             kv_ms_per_token=float(v.get("kv_ms_per_token", 0.0)),
             overhead_ms=float(d.get("overhead_ms", 0.0)),
+            draft_host_ms=float(d.get("draft_host_ms", 0.0)),
             kv_bytes_target=int(kvb.get("target", 0)),
             kv_bytes_draft=int(kvb.get("draft") or 0),
             source=source,
