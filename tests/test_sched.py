@@ -312,3 +312,23 @@ def test_selection_log_explains_decisions_without_text(tiny_pair, cheap_profile,
     rids = {str(o) for o in range(10)}
     assert not any(x["request"] in rids for x in lines)  # hashed, not raw ids
     assert all(len(json.dumps(x)) < 400 for x in lines)  # no prompt/output text
+
+
+def test_online_correction_learns_marginal_cost_of_tokens():
+    """Iterations that cost 0.1 ms more per verified token than the profile says:
+    the fitted correction recovers the slope, so bigger plans are priced higher."""
+    from adaserve.sched.adaptive import OnlineCorrection
+
+    corr = OnlineCorrection()
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        tokens, steps, reqs = (
+            int(rng.integers(1, 200)),
+            int(rng.integers(0, 6)),
+            int(rng.integers(1, 9)),
+        )
+        x = OnlineCorrection.features(tokens, steps, reqs)
+        corr.update(x, 2.0 + 0.1 * tokens + 0.05 * steps * reqs)
+    small = corr.predict(OnlineCorrection.features(10, 2, 4))
+    big = corr.predict(OnlineCorrection.features(110, 2, 4))
+    assert abs((big - small) - 10.0) < 1.0

@@ -91,7 +91,7 @@ class AdaptivePolicy(Policy):
         self.engine = engine
         self._infeasible_streak: dict[int, int] = {}
         self.acc_by_rank: tuple[float, ...] = (0.6, 0.15, 0.07, 0.04)
-        self.iter_scale = 1.0  # measured / predicted iteration time (EWMA)
+        self.correction = OnlineCorrection()  # measured - profiled iteration time
 
     # ------------------------------------------------------------------ helpers
     def _acc(self, view: BatchView) -> tuple[float, ...]:
@@ -137,11 +137,10 @@ class AdaptivePolicy(Policy):
         return (overdue, deadline)
 
     def feedback(self, plan: Plan, measured_ms: float) -> None:
-        """Correct the static profile with measured iteration times (EWMA of the ratio)."""
-        pred = plan.info.get("t_iter")
-        if pred and measured_ms > 0:
-            ratio = measured_ms / (pred / self.iter_scale)
-            self.iter_scale = float(np.clip(0.9 * self.iter_scale + 0.1 * ratio, 0.25, 4.0))
+        """Fit the gap between measured and profiled iteration times (see OnlineCorrection)."""
+        x, static = plan.info.get("features"), plan.info.get("t_static")
+        if x is not None and static is not None and measured_ms > 0:
+            self.correction.update(np.asarray(x, dtype=float), measured_ms - static)
 
     # ------------------------------------------------------------------ plan
     def plan(self, view: BatchView) -> Plan:
@@ -194,12 +193,24 @@ class AdaptivePolicy(Policy):
         g = gain_curve(d, w, acc)  # g[k]: expected accepted from best k nodes
         kmax = min(len(g) - 1, c.node_cap)
 
-        def t_iter(total_nodes):
-            """Predicted iteration ms for ``total_nodes`` candidates (scalar or array)."""
-            ms = hw.iteration_ms(
+        def static_ms(total_nodes):
+            return hw.iteration_ms(
                 n + P + np.asarray(total_nodes), kv, d, n * w, n + P if d else 0, n if d else 0
             )
-            return ms * self.iter_scale if np.ndim(ms) else float(ms) * self.iter_scale
+
+        def t_iter(total_nodes):
+            """Predicted iteration ms for ``total_nodes`` candidates (scalar or array):
+            the profile plus the fitted correction, never below half the profile."""
+            st = static_ms(total_nodes)
+            x = OnlineCorrection.features(n + P + np.asarray(total_nodes), d, n if d else 0)
+            ms = np.maximum(st + self.correction.predict(x), 0.5 * st)
+            return ms if np.ndim(ms) else float(ms)
+
+        def extras(total: int) -> dict:
+            return {
+                "features": OnlineCorrection.features(n + P + total, d, n if d else 0).tolist(),
+                "t_static": float(static_ms(total)),
+            }
 
         if d == 0:
             t = t_iter(0)
@@ -209,6 +220,7 @@ class AdaptivePolicy(Policy):
                 "budget": n + P,
                 "alloc": np.zeros(n, dtype=int),
                 "t_iter": t,
+                **extras(0),
                 "score": (*score, n / t),
                 "rate": n / t,
                 "infeasible": [],
@@ -250,6 +262,7 @@ class AdaptivePolicy(Policy):
             "budget": int(n + P + best_alloc.sum()),
             "alloc": best_alloc,
             "t_iter": best_t,
+            **extras(int(best_alloc.sum())),
             "rate": best_rate,
             "score": (*score, best_rate),
             "infeasible": infeasible,
@@ -325,6 +338,35 @@ class AdaptivePolicy(Policy):
         chosen = np.where(np.arange(M)[None, :] < k[:, None], order + 1, M + 1)
         chosen.sort(axis=1)
         return {rid: np.concatenate(([0], chosen[i, : k[i]])) for i, rid in enumerate(rids)}
+
+
+class OnlineCorrection:
+    """Measured minus profiled iteration time, fitted online as a linear function of
+    [1, verified tokens, draft steps, draft steps x speculating requests] by ridge
+    regression with exponential forgetting. Unlike one measured/predicted ratio, it
+    corrects the *marginal* cost of candidates and draft steps, which is what decides
+    between plans."""
+
+    def __init__(self, decay: float = 0.98, ridge: float = 5.0):
+        self.decay = decay
+        self.ridge = ridge
+        self.A = np.eye(4) * ridge
+        self.b = np.zeros(4)
+        self.theta = np.zeros(4)
+
+    @staticmethod
+    def features(tokens, steps: int, spec_requests: int) -> np.ndarray:
+        t = np.asarray(tokens, dtype=float)
+        one = np.ones_like(t)
+        return np.stack([one, t, one * steps, one * steps * spec_requests], axis=-1)
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        return x @ self.theta
+
+    def update(self, x: np.ndarray, residual_ms: float) -> None:
+        self.A = self.decay * self.A + np.outer(x, x) + (1 - self.decay) * self.ridge * np.eye(4)
+        self.b = self.decay * self.b + x * residual_ms
+        self.theta = np.linalg.solve(self.A, self.b)
 
 
 @dataclass
