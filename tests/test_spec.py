@@ -59,12 +59,12 @@ def test_greedy_equivalence_all_policies(tiny_pair, profile_file, which):
         c = llm.engine.counters
         assert c.spec_draft_tokens > 0, f"{pol} never speculated"
         if which == "self":
-            # the target as its own draft: every verified candidate on a chain is accepted
-            assert (
-                c.spec_accepted_tokens > 0.3 * c.spec_draft_tokens
-                or pol.startswith("spec-tree")
-                or pol in ("adaserve", "dyn-tree")
-            )
+            # the target as its own draft: the draft's top-1 child is always the target's
+            # argmax, so chains are accepted whole (trees: one child per level at least)
+            if pol in ("spec-chain:4", "smartspec"):
+                assert c.spec_accepted_tokens >= 0.9 * c.spec_draft_tokens, pol
+            else:
+                assert c.spec_accepted_tokens >= c.spec_drafts, pol
 
 
 @pytest.mark.skipif(not DEFAULT_TARGET.is_dir(), reason="shipped pair not present")
