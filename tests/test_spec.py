@@ -42,7 +42,7 @@ def run(model, draft, policy, prompts, sp, profile=None, **kw):
         profile=profile,
         **kw,
     )
-    outs = llm.generate(prompts, sp, slo=kw.get("slo"))
+    outs = llm.generate(prompts, sp)
     return [o.token_ids for o in outs], llm
 
 

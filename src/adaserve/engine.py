@@ -116,10 +116,8 @@ class Engine:
         self._class_names = {c.name for c in cfg.classes}
         self.policy = make_policy(cfg.policy, engine=self)
         self.calibrator = Calibrator()
-        from adaserve import paths as _p
-
-        if self.draft_dir is not None and Path(self.draft_dir) == _p.DEFAULT_DRAFT:
-            self.calibrator.seed_from_stats(_p.DEFAULT_STATS)
+        if self.draft_dir is not None and Path(self.draft_dir) == paths.DEFAULT_DRAFT:
+            self.calibrator.seed_from_stats(paths.DEFAULT_STATS)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -428,7 +426,6 @@ class Engine:
 
     def _reserve(self, plan: Plan) -> Engine._Batch:
         """Pick this iteration's requests and give each the KV slots it needs."""
-        by_id = {r.rid: r for r in self.running}
         prefill, decode, spec = [], [], []
         for r in sorted(self.running, key=lambda x: x.admit_seq):
             if r.status is not Status.RUNNING:
@@ -455,7 +452,6 @@ class Engine:
         prefill = [(r, n) for r, n in prefill if r.rid in alive]
         decode = [r for r in decode if r.rid in alive]
         spec = [(r, s) for r, s in spec if r.rid in alive]
-        del by_id
         return Engine._Batch(prefill, decode, spec)
 
     def _reserve_tree_slots(
