@@ -34,19 +34,26 @@ def _parser() -> argparse.ArgumentParser:
         "--out", required=True, help="output directory (target/, draft/, pair_stats.json)"
     )
     p.add_argument(
-        "--minutes", type=float, default=None, help="total training minutes (default 38; smoke 0.1)"
+        "--minutes", type=float, default=None, help="total training minutes (default 56; smoke 0.1)"
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--target-minutes-share",
         type=float,
-        default=0.7,
+        default=0.72,
         help="fraction of the minutes spent on the target; the rest trains and distils the draft",
     )
     p.add_argument("--smoke", action="store_true", help="tiny models, a few seconds (for tests)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     p.add_argument(
         "--vocab-size", type=int, default=None, help="BPE vocabulary (default 4096; smoke 512)"
+    )
+    p.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="matmul precision while training (master weights stay fp32); auto = bf16 "
+        "autocast when the CPU has native bf16 (AVX512/AMX), else fp32",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -57,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0.0 < args.target_minutes_share < 1.0:
         print("adaserve train: --target-minutes-share must be in (0, 1)", file=sys.stderr)
         return 2
-    minutes = args.minutes if args.minutes is not None else (0.1 if args.smoke else 38.0)
+    minutes = args.minutes if args.minutes is not None else (0.1 if args.smoke else 56.0)
     if minutes <= 0:
         print("adaserve train: --minutes must be positive", file=sys.stderr)
         return 2
@@ -72,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size=args.vocab_size or (512 if args.smoke else 4096),
         progress=not args.no_progress,
         command=command,
+        bf16=args.precision == "bf16" or (args.precision == "auto" and trainer.bf16_is_fast()),
     )
     return 0
 
@@ -89,6 +97,7 @@ def run(
     vocab_size: int,
     progress: bool,
     command: str,
+    bf16: bool = False,
 ) -> dict:
     t0 = time.perf_counter()
     ckpt = out / ".ckpt"
@@ -129,14 +138,16 @@ def run(
     draft_ce_s = (total_s - target_s) * 0.3
     draft_kl_s = total_s - target_s - draft_ce_s
     if smoke:
-        t_phase = trainer.PhaseConfig("target", target_s, 2, 64, 3e-3, ckpt_every_s=1.0)
-        d_ce = trainer.PhaseConfig("draft_ce", draft_ce_s, 2, 64, 3e-3, ckpt_every_s=1.0)
-        d_kl = trainer.PhaseConfig("draft_kl", draft_kl_s, 2, 64, 2e-3, kind="kl", ckpt_every_s=1.0)
+        t_phase = trainer.PhaseConfig("target", target_s, 2, 64, 3e-3, bf16=bf16, ckpt_every_s=1.0)
+        d_ce = trainer.PhaseConfig("draft_ce", draft_ce_s, 2, 64, 3e-3, bf16=bf16, ckpt_every_s=1.0)
+        d_kl = trainer.PhaseConfig(
+            "draft_kl", draft_kl_s, 2, 64, 2e-3, kind="kl", bf16=bf16, ckpt_every_s=1.0
+        )
         eval_seq, eval_n = 64, 4
     else:
-        t_phase = trainer.PhaseConfig("target", target_s, 4, 512, 2e-3)
-        d_ce = trainer.PhaseConfig("draft_ce", draft_ce_s, 8, 256, 3e-3)
-        d_kl = trainer.PhaseConfig("draft_kl", draft_kl_s, 4, 512, 2e-3, kind="kl")
+        t_phase = trainer.PhaseConfig("target", target_s, 4, 512, 2e-3, bf16=bf16)
+        d_ce = trainer.PhaseConfig("draft_ce", draft_ce_s, 8, 256, 3e-3, bf16=bf16)
+        d_kl = trainer.PhaseConfig("draft_kl", draft_kl_s, 4, 512, 2e-3, kind="kl", bf16=bf16)
         eval_seq, eval_n = 512, 64
     windows = trainer.eval_windows(heldout_stream, eval_seq, eval_n)
 
@@ -232,6 +243,7 @@ def run(
             "wall_seconds": round(time.perf_counter() - t0, 1),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            "bf16_autocast": bf16,
             "machine": platform.machine(),
         },
         "corpus": {
@@ -312,7 +324,7 @@ forward on the training machine ({tr["threads"]} CPU threads, {tr["machine"]}).
 
     {tr["command"]}
 
-Seed {tr["seed"]}, {tr["minutes"]} minutes budget, fp32 on CPU, AdamW (betas 0.9/0.95,
+Seed {tr["seed"]}, {tr["minutes"]} minutes budget, on CPU with fp32 master weights{" and bf16 autocast" if tr.get("bf16_autocast") else ""}, AdamW (betas 0.9/0.95,
 weight decay 0.1), warmup + cosine learning rate over the time budget, random windows of
 the token stream. Wall time {tr["wall_seconds"]:.0f} s in total.
 
