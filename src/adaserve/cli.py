@@ -185,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:
+        # argparse's REMAINDER drops a leading "--option" inside a subparser, so the
+        # train command (which owns its own parser) is dispatched before parsing.
+        return int(_delegate("adaserve.train.cli", "main")(argv[1:]) or 0)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -193,17 +193,24 @@ class AdaptivePolicy(Policy):
         g = gain_curve(d, w, acc)  # g[k]: expected accepted from best k nodes
         kmax = min(len(g) - 1, c.node_cap)
 
+        # iteration ms = verify(tokens) + a per-plan constant (draft steps, host work);
+        # the fitted correction is linear in the tokens (OnlineCorrection.features)
+        tok0 = n + P
+        draft_ms = float(
+            hw.iteration_ms(tok0, kv, d, n * w, tok0 if d else 0, n if d else 0)
+            - hw.verify_latency(tok0, kv)
+        )
+        th = self.correction.theta
+        corr0 = float(th[0] + th[2] * d + th[3] * d * (n if d else 0))
+
         def static_ms(total_nodes):
-            return hw.iteration_ms(
-                n + P + np.asarray(total_nodes), kv, d, n * w, n + P if d else 0, n if d else 0
-            )
+            return hw.verify_latency(tok0 + np.asarray(total_nodes), kv) + draft_ms
 
         def t_iter(total_nodes):
             """Predicted iteration ms for ``total_nodes`` candidates (scalar or array):
             the profile plus the fitted correction, never below half the profile."""
             st = static_ms(total_nodes)
-            x = OnlineCorrection.features(n + P + np.asarray(total_nodes), d, n if d else 0)
-            ms = np.maximum(st + self.correction.predict(x), 0.5 * st)
+            ms = np.maximum(st + corr0 + th[1] * (tok0 + np.asarray(total_nodes)), 0.5 * st)
             return ms if np.ndim(ms) else float(ms)
 
         def extras(total: int) -> dict:
@@ -236,20 +243,28 @@ class AdaptivePolicy(Policy):
                 t = t_iter(alloc.sum())
         # goodput phase: add nodes while the predicted rate improves
         marg = np.diff(g)[:kmax]
+        base_gain = float(g[np.minimum(alloc, len(g) - 1)].sum())
         if self.name == "smartspec":  # one chain length for the whole batch
-            options = [np.full(n, min(d, kmax))]
+            fixed = np.full(n, min(d, kmax))
+            totals = np.array([int(fixed.sum())])
+            gains = np.array([float(g[fixed].sum())])
         else:
-            options = [_greedy_fill(alloc, marg, e) for e in (0, 4, 8, 16, 32, 64, 128, 256, 512)]
-        totals = np.array([int(a.sum()) for a in options])
+            totals, added = _fill_curve(alloc, marg, _EXTRAS)
+            totals = totals + int(alloc.sum())
+            gains = base_gain + added
         ok = (n + P + totals <= c.max_budget) & (totals + n * w * d <= view.free_kv_slots)
         # past the token budget or the KV slots (candidates + draft scratch): not an option;
         # the SLO-phase allocation alone was already fitted to both
         ok[0] |= self.name != "smartspec"
         tts = np.asarray(t_iter(totals), dtype=float) * np.ones(len(totals))
-        rates = np.array([n + float(g[np.minimum(a, len(g) - 1)].sum()) for a in options]) / tts
+        rates = (n + gains) / tts
         rates[~ok] = -1.0
         b = int(np.argmax(rates))
-        best_rate, best_alloc, best_t = float(rates[b]), options[b], float(tts[b])
+        best_rate, best_t = float(rates[b]), float(tts[b])
+        if self.name == "smartspec":
+            best_alloc = fixed
+        else:
+            best_alloc = _greedy_fill(alloc, marg, int(_EXTRAS[b]))
         got = g[np.minimum(best_alloc, len(g) - 1)]
         score = self._slo_score(arr, best_t, got) if strict else (0, 0.0)
         infeasible = []
@@ -404,6 +419,33 @@ def _fit(alloc: np.ndarray, need: np.ndarray, *caps: int) -> np.ndarray:
     out = np.empty_like(alloc)
     out[order] = np.clip(cap - before, 0, a)
     return out
+
+
+_EXTRAS = np.array([0, 4, 8, 16, 32, 64, 128, 256, 512])  # goodput-phase sizes tried
+
+
+def _fill_curve(alloc: np.ndarray, marg: np.ndarray, extras: np.ndarray):
+    """What ``_greedy_fill(alloc, marg, e)`` adds, for every e in ``extras`` at once.
+
+    Returns (nodes added [len(extras)], expected accepted tokens added [len(extras)]).
+    Raising the water level from T to T + 1 adds one node of gain ``marg[T]`` to every
+    request at or below T, so both curves are cumulative sums over levels.
+    """
+    kmax = int((marg > 0).sum())
+    e = np.asarray(extras, dtype=np.int64)
+    if kmax == 0:
+        return np.zeros(len(e), dtype=np.int64), np.zeros(len(e))
+    srt = np.sort(np.minimum(alloc, kmax))
+    levels = np.arange(kmax + 1)
+    below = np.searchsorted(srt, levels, side="left")  # requests under level T
+    csum = np.concatenate(([0], np.cumsum(srt)))
+    need = levels * below - csum[below]  # nodes to raise everyone to T
+    at_or_below = np.searchsorted(srt, levels[:-1], side="right")  # requests <= T
+    gain = np.concatenate(([0.0], np.cumsum(at_or_below * marg[:kmax])))
+    level = np.searchsorted(need, e, side="right") - 1
+    rem = np.where(level < kmax, e - need[level], 0)
+    step = np.where(level < kmax, marg[np.minimum(level, kmax - 1)], 0.0)
+    return need[level] + rem, gain[level] + rem * step
 
 
 def _greedy_fill(alloc: np.ndarray, marg: np.ndarray, extra: int) -> np.ndarray:
