@@ -117,10 +117,13 @@ class AdaptivePolicy(Policy):
         """A(r): accepted tokens this iteration that keep r's mean TPOT within target."""
         return float(self._requirements(_Arrays.of([r]), t_iter)[0])
 
-    def _requirements(self, a: _Arrays, t_iter: float) -> np.ndarray:
-        """A(r) for every request at once: [n]."""
+    def _requirements(self, a: _Arrays, t_iter) -> np.ndarray:
+        """A(r) for every request at once: [n], or [E, n] for E iteration times [E]."""
+        t = np.asarray(t_iter, dtype=float)
+        if t.ndim:
+            t = t[:, None]
         with np.errstate(invalid="ignore", divide="ignore"):
-            need = (a.decode_ms + t_iter) / a.tpot - a.n_out + 1
+            need = (a.decode_ms + t) / a.tpot - a.n_out + 1
         need = np.where(a.has_tpot, need, 1.0)
         return np.clip(need, 1.0, self.cfg.max_depth + 1)
 
@@ -243,30 +246,30 @@ class AdaptivePolicy(Policy):
                 t = t_iter(alloc.sum())
         # goodput phase: add nodes while the predicted rate improves
         marg = np.diff(g)[:kmax]
-        base_gain = float(g[np.minimum(alloc, len(g) - 1)].sum())
         if self.name == "smartspec":  # one chain length for the whole batch
-            fixed = np.full(n, min(d, kmax))
-            totals = np.array([int(fixed.sum())])
-            gains = np.array([float(g[fixed].sum())])
+            A = np.full((1, n), min(d, kmax))
         else:
-            totals, added = _fill_curve(alloc, marg, _EXTRAS)
-            totals = totals + int(alloc.sum())
-            gains = base_gain + added
+            A = _fill_options(alloc, marg, _EXTRAS)  # [E, n]
+        totals = A.sum(axis=1)
+        gots = g[np.minimum(A, len(g) - 1)]  # [E, n] expected extra tokens
         ok = (n + P + totals <= c.max_budget) & (totals + n * w * d <= view.free_kv_slots)
         # past the token budget or the KV slots (candidates + draft scratch): not an option;
         # the SLO-phase allocation alone was already fitted to both
         ok[0] |= self.name != "smartspec"
         tts = np.asarray(t_iter(totals), dtype=float) * np.ones(len(totals))
-        rates = (n + gains) / tts
-        rates[~ok] = -1.0
-        b = int(np.argmax(rates))
-        best_rate, best_t = float(rates[b]), float(tts[b])
-        if self.name == "smartspec":
-            best_alloc = fixed
+        rates = (n + gots.sum(axis=1)) / tts
+        if strict:
+            # the goodput phase may not buy rate with SLOs: a bigger pass lengthens the
+            # iteration, which raises every request's requirement
+            met, late = self._slo_scores(arr, tts, gots)
+            met[~ok] = -np.inf
+            b = int(np.lexsort((rates, late, met))[-1])
         else:
-            best_alloc = _greedy_fill(alloc, marg, int(_EXTRAS[b]))
-        got = g[np.minimum(best_alloc, len(g) - 1)]
-        score = self._slo_score(arr, best_t, got) if strict else (0, 0.0)
+            rates[~ok] = -1.0
+            b = int(np.argmax(rates))
+        best_rate, best_t, best_alloc = float(rates[b]), float(tts[b]), A[b]
+        got = gots[b]
+        score = (float(met[b]), float(late[b])) if strict else (0, 0.0)
         infeasible = []
         if strict:
             need = self._requirements(arr, best_t) - 1.0
@@ -286,13 +289,20 @@ class AdaptivePolicy(Policy):
     def _slo_score(self, arr: _Arrays, t: float, expected_extra) -> tuple[float, float]:
         """(weighted count of requests whose requirement the plan meets, minus the
         weighted relative excess of the predicted mean TPOT of those it does not)."""
-        need = self._requirements(arr, t)
-        met = arr.has_tpot & (need <= 1.0 + expected_extra + 1e-9)
+        met, late = self._slo_scores(arr, np.array([t]), np.asarray(expected_extra)[None, :])
+        return float(met[0]), float(late[0])
+
+    def _slo_scores(self, arr: _Arrays, t: np.ndarray, extra: np.ndarray):
+        """``_slo_score`` of E options at once: iteration ms t [E], extra tokens [E, n]
+        -> (met [E], late [E])."""
+        need = self._requirements(arr, t)  # [E, n]
+        met = arr.has_tpot & (need <= 1.0 + extra + 1e-9)
         with np.errstate(invalid="ignore", divide="ignore"):
-            pred = (arr.decode_ms + t) / np.maximum(arr.n_out + expected_extra, 1.0)
+            pred = (arr.decode_ms + t[:, None]) / np.maximum(arr.n_out + extra, 1.0)
             excess = np.maximum(0.0, pred / arr.tpot - 1.0)
         late = arr.has_tpot & ~met
-        return float(arr.weight[met].sum()), -float((arr.weight * excess)[late].sum())
+        w = arr.weight
+        return (met * w).sum(axis=1), -np.where(late, w * excess, 0.0).sum(axis=1)
 
     def _overload(self, dec: list[ReqView], best: dict, plan: Plan) -> None:
         bad = set(best["infeasible"])
@@ -424,57 +434,29 @@ def _fit(alloc: np.ndarray, need: np.ndarray, *caps: int) -> np.ndarray:
 _EXTRAS = np.array([0, 4, 8, 16, 32, 64, 128, 256, 512])  # goodput-phase sizes tried
 
 
-def _fill_curve(alloc: np.ndarray, marg: np.ndarray, extras: np.ndarray):
-    """What ``_greedy_fill(alloc, marg, e)`` adds, for every e in ``extras`` at once.
+def _fill_options(alloc: np.ndarray, marg: np.ndarray, extras: np.ndarray) -> np.ndarray:
+    """Allocations after adding e nodes by highest marginal gain, for every e: [E, n].
 
-    Returns (nodes added [len(extras)], expected accepted tokens added [len(extras)]).
-    Raising the water level from T to T + 1 adds one node of gain ``marg[T]`` to every
-    request at or below T, so both curves are cumulative sums over levels.
+    Every request shares the concave curve ``marg`` (marginal gains sorted descending),
+    so the global greedy choice is a water level: all requests are raised to a common
+    node count T (those already above keep theirs), the remainder goes one node each,
+    in request order, to requests sitting at T. O(n log n + E n), no sort over n x k.
     """
     kmax = int((marg > 0).sum())
     e = np.asarray(extras, dtype=np.int64)
     if kmax == 0:
-        return np.zeros(len(e), dtype=np.int64), np.zeros(len(e))
+        return np.repeat(alloc[None, :], len(e), axis=0)
     srt = np.sort(np.minimum(alloc, kmax))
     levels = np.arange(kmax + 1)
     below = np.searchsorted(srt, levels, side="left")  # requests under level T
     csum = np.concatenate(([0], np.cumsum(srt)))
-    need = levels * below - csum[below]  # nodes to raise everyone to T
-    at_or_below = np.searchsorted(srt, levels[:-1], side="right")  # requests <= T
-    gain = np.concatenate(([0.0], np.cumsum(at_or_below * marg[:kmax])))
-    level = np.searchsorted(need, e, side="right") - 1
+    need = levels * below - csum[below]  # nodes to raise everyone to level T
+    level = np.searchsorted(need, e, side="right") - 1  # [E]
     rem = np.where(level < kmax, e - need[level], 0)
-    step = np.where(level < kmax, marg[np.minimum(level, kmax - 1)], 0.0)
-    return need[level] + rem, gain[level] + rem * step
-
-
-def _greedy_fill(alloc: np.ndarray, marg: np.ndarray, extra: int) -> np.ndarray:
-    """Add ``extra`` nodes to ``alloc`` by highest marginal gain.
-
-    Every request shares the concave curve ``marg`` (marginal gains sorted descending),
-    so the global greedy choice is a water level: all requests are raised to a common
-    node count T (those already above keep theirs), the remainder goes one node each
-    to requests sitting at T. O(n log n) instead of a sort over all n x k gains.
-    """
-    kmax = int((marg > 0).sum())
-    a = alloc.copy()
-    if extra <= 0 or kmax == 0:
-        return a
-    base = np.minimum(a, kmax)
-    srt = np.sort(base)
-    levels = np.arange(kmax + 1)
-    # nodes needed to raise everyone to level T: sum(max(0, T - a_r))
-    below = np.searchsorted(srt, levels, side="left")
-    csum = np.concatenate(([0], np.cumsum(srt)))
-    need = levels * below - csum[below]
-    level = int(np.searchsorted(need, extra, side="right") - 1)
-    used = int(need[level])
-    a = np.maximum(a, np.where(a < level, level, a))
-    rem = extra - used
-    if rem > 0 and level < kmax:
-        at_level = np.nonzero(a == level)[0][:rem]
-        a[at_level] += 1
-    return a
+    A = np.maximum(alloc[None, :], level[:, None])
+    at = level[:, None] == A
+    A += at & (np.cumsum(at, axis=1) <= rem[:, None])
+    return A
 
 
 def make_adaptive(name: str, engine=None, **kwargs) -> AdaptivePolicy:
