@@ -23,6 +23,7 @@ No torch here: the simulator uses this class too.
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,27 +55,21 @@ class HardwareModel:
             raise ValueError("profile: verify.tokens must be increasing")
         if any(v <= 0 for v in self.verify_ms) or any(v <= 0 for v in self.draft_ms):
             raise ValueError("profile: latencies must be positive")
+        # lookup tables, built once: the policies call these thousands of times a second
+        object.__setattr__(self, "_vtab", _Table.of(self.verify_tokens, self.verify_ms))
+        object.__setattr__(self, "_dtab", _Table.of(self.draft_tokens, self.draft_ms))
 
     # ------------------------------------------------------------------ predictions
     def verify_latency(self, tokens, kv_tokens=0.0):
         """Target pass over ``tokens`` new tokens attending ``kv_tokens`` cached ones."""
-        t = np.asarray(tokens, dtype=float)
-        x, y = np.asarray(self.verify_tokens), np.asarray(self.verify_ms)
-        base = np.interp(t, x, y)
-        if len(x) > 1:  # linear extrapolation past the last point
-            slope = (y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-9)
-            base = np.where(t > x[-1], y[-1] + slope * (t - x[-1]), base)
-        return base + self.kv_ms_per_token * np.asarray(kv_tokens, dtype=float)
+        kv = self.kv_ms_per_token * (
+            kv_tokens if np.ndim(kv_tokens) == 0 else np.asarray(kv_tokens)
+        )
+        return self._vtab(tokens) + kv
 
     def draft_latency(self, tokens):
         """One batched draft step over ``tokens`` tokens."""
-        t = np.asarray(tokens, dtype=float)
-        x, y = np.asarray(self.draft_tokens), np.asarray(self.draft_ms)
-        base = np.interp(t, x, y)
-        if len(x) > 1:
-            slope = (y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-9)
-            base = np.where(t > x[-1], y[-1] + slope * (t - x[-1]), base)
-        return base
+        return self._dtab(tokens)
 
     def iteration_ms(
         self,
@@ -133,3 +128,35 @@ class HardwareModel:
             raise ValueError(f"cannot read profile {path}: {e}") from None
         except (KeyError, TypeError) as e:
             raise ValueError(f"profile {path} lacks or mistypes {e}") from None
+
+
+@dataclass(frozen=True)
+class _Table:
+    """Piecewise-linear latency curve: interpolation inside the points, the last
+    segment's slope past the last point, the first value before the first point."""
+
+    x: tuple[float, ...]
+    y: tuple[float, ...]
+    xa: np.ndarray
+    ya: np.ndarray
+    slope: float
+
+    @classmethod
+    def of(cls, xs, ys) -> _Table:
+        x, y = tuple(float(v) for v in xs), tuple(float(v) for v in ys)
+        slope = (y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-9) if len(x) > 1 else 0.0
+        return cls(x, y, np.asarray(x), np.asarray(y), slope)
+
+    def __call__(self, t):
+        if np.ndim(t) == 0:  # scalar: pure Python, no array round trip
+            t = float(t)
+            x, y = self.x, self.y
+            i = bisect.bisect_right(x, t)
+            if i == 0:
+                return y[0]
+            if i == len(x):
+                return y[-1] + self.slope * (t - x[-1])
+            return y[i - 1] + (y[i] - y[i - 1]) * (t - x[i - 1]) / (x[i] - x[i - 1])
+        t = np.asarray(t, dtype=float)
+        base = np.interp(t, self.xa, self.ya)
+        return np.where(t > self.x[-1], self.y[-1] + self.slope * (t - self.x[-1]), base)
