@@ -240,7 +240,8 @@ def run(
             "seed": seed,
             "smoke": smoke,
             "phases": [strip(t_sum), strip(d_ce_sum), strip(d_kl_sum)],
-            "wall_seconds": round(time.perf_counter() - t0, 1),
+            "wall_seconds": round(time.perf_counter() - t0, 1),  # this invocation
+            "training_seconds": round(sum(p["seconds"] for p in (t_sum, d_ce_sum, d_kl_sum)), 1),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "bf16_autocast": bf16,
@@ -326,7 +327,9 @@ forward on the training machine ({tr["threads"]} CPU threads, {tr["machine"]}).
 
 Seed {tr["seed"]}, {tr["minutes"]} minutes budget, on CPU with fp32 master weights{" and bf16 autocast" if tr.get("bf16_autocast") else ""}, AdamW (betas 0.9/0.95,
 weight decay 0.1), warmup + cosine learning rate over the time budget, random windows of
-the token stream. Wall time {tr["wall_seconds"]:.0f} s in total.
+the token stream. {tr["training_seconds"] / 60:.1f} minutes of training in all phases; the
+invocation that wrote this card took {tr["wall_seconds"]:.0f} s (a rerun of the command
+resumes finished phases and only re-measures).
 
 | phase | objective | seconds | steps | tokens | batch x seq | peak lr | final loss (EMA) |
 |---|---|---|---|---|---|---|---|

@@ -137,11 +137,16 @@ def sample_windows(stream: torch.Tensor, batch: int, seq: int, gen: torch.Genera
 
 
 def eval_windows(stream: torch.Tensor, seq: int, max_windows: int) -> torch.Tensor:
-    """Consecutive non-overlapping windows from the start of ``stream`` -> [n, seq + 1]."""
-    n = min(max_windows, (stream.numel() - 1) // seq)
+    """Up to ``max_windows`` non-overlapping windows spread evenly over the whole of
+    ``stream`` -> [n, seq + 1]. Evenly spread, because loss differs a lot between
+    source files (a table of constants vs a parser) and the first files alone are not
+    representative."""
+    total = (stream.numel() - 1) // seq
+    n = min(max_windows, total)
     if n <= 0:
         raise ValueError("held-out stream is shorter than one window")
-    return torch.stack([stream[i * seq : i * seq + seq + 1] for i in range(n)])
+    picks = torch.linspace(0, total - 1, n).round().long().tolist()
+    return torch.stack([stream[i * seq : i * seq + seq + 1] for i in picks])
 
 
 @torch.no_grad()
