@@ -96,7 +96,7 @@ def _server_cmd(name: str, port: int, target: Path, draft: Path) -> tuple[list[s
     env = {
         # the whole 2-core machine for the engine; KV pool in GiB
         "VLLM_CPU_KVCACHE_SPACE": "2",
-        "VLLM_CPU_OMP_THREADS_BIND": "all",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 2) - 1}",
         "OMP_NUM_THREADS": str(os.cpu_count() or 2),
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
