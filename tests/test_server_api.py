@@ -223,6 +223,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "service_tier": "gold"}, 400, "service_tier"),
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
     ({"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 0.1}, 400, "min_p"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
 ]
 
@@ -318,6 +321,8 @@ def test_extreme_but_valid_sampling_values_work(srv):
         {"top_p": 1e-300, "temperature": 1.0},
         {"temperature": 1e-300, "top_k": 2**31 - 1, "seed": 2**63 - 1},
         {"temperature": 100, "top_p": 1.0},
+        # what vLLM's benchmark client sends (neutral vLLM extras, null logprobs)
+        {"repetition_penalty": 1.0, "min_p": 0.0, "logprobs": None, "ignore_eos": True},
     ):
         kw = {k: extra.pop(k) for k in ("top_p", "temperature", "seed") if k in extra}
         r = c.completions.create(model=MODEL, prompt="z", max_tokens=3, extra_body=extra, **kw)

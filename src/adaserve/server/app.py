@@ -247,6 +247,12 @@ class ServerState:
                 raise _unsupported(name, "penalties are not supported")
         if body.logit_bias:
             raise _unsupported("logit_bias", "logit_bias is not supported")
+        if body.repetition_penalty not in (None, 1.0):
+            raise _unsupported(
+                "repetition_penalty", "repetition_penalty other than 1 is not supported"
+            )
+        if body.min_p:
+            raise _unsupported("min_p", "min_p other than 0 is not supported")
 
     def resolve(self, body, headers, tenant: Tenant) -> SLOChoice:
         info = self.loop.info
