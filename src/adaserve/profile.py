@@ -40,9 +40,9 @@ def profile_key(target: str | Path, draft: str | Path | None, device: str, dtype
     return f"{fingerprint(target)}-{fingerprint(draft)}-{device}-{dtype}-{machine}"
 
 
-def _time_forward(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int, reps: int) -> float:
-    """Median ms of one paged forward: ``n_tokens`` new tokens split over up to 8
-    sequences (tree-shaped: each attends ``ctx`` cached tokens + causal new tokens)."""
+def _forward_timer(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int):
+    """A function timing (ms) one paged forward: ``n_tokens`` new tokens split over up
+    to 8 sequences (tree-shaped: each attends ``ctx`` cached tokens + causal new tokens)."""
     device = model.embed_tokens.weight.device
     n_seq = min(8, n_tokens)
     per = [n_tokens // n_seq + (1 if i < n_tokens % n_seq else 0) for i in range(n_seq)]
@@ -59,16 +59,37 @@ def _time_forward(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int, reps:
     if base > kv.num_slots:
         raise ValueError("profile cache too small")
     ids = torch.randint(0, model.cfg.vocab_size, (n_tokens,), device=device)
-    times = []
-    with torch.inference_mode():
-        for i in range(reps + 1):
+
+    def once() -> float:
+        with torch.inference_mode():
             t0 = time.perf_counter()
             meta = AttnMetadata.build(seqs, device, model.cfg.sliding_window)
             h = model(ids, meta, kv.layers)
             model.logits(h[-n_seq:]).argmax(-1).tolist()  # include the host sync
-            if i:
-                times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
+            return (time.perf_counter() - t0) * 1000
+
+    return once
+
+
+def _time_forwards(model: LlamaModel, kv: KVCache, sizes, ctx: int, reps: int, progress=None):
+    """Median ms per pass size. The sizes are timed round-robin (after one warm-up
+    each), so a burst of noise on a shared machine spreads over every size instead of
+    landing on one; the medians are then made non-decreasing in the size (a suffix
+    minimum: a larger pass never costs less), which removes the remaining spikes."""
+    timers = [_forward_timer(model, kv, n, ctx) for n in sizes]
+    for t in timers:
+        t()
+    times: list[list[float]] = [[] for _ in sizes]
+    for _ in range(reps):
+        for i, t in enumerate(timers):
+            times[i].append(t())
+    med = [statistics.median(x) for x in times]
+    for i in range(len(med) - 2, -1, -1):
+        med[i] = min(med[i], med[i + 1])
+    if progress:
+        for _ in sizes:
+            progress()
+    return med
 
 
 def measure(
@@ -87,11 +108,7 @@ def measure(
     kv_t = KVCache(target.cfg, slots, device, dtype)
     lat = {}
     for ctx in kv_lens:
-        lat[ctx] = []
-        for n in verify_tokens:
-            lat[ctx].append(_time_forward(target, kv_t, n, ctx, reps))
-            if progress:
-                progress()
+        lat[ctx] = _time_forwards(target, kv_t, verify_tokens, ctx, reps, progress)
     k0, k1 = kv_lens[0], kv_lens[-1]
     # extra cost per attended KV token, averaged over pass sizes (>= 0)
     n_seqs = [min(8, n) for n in verify_tokens]
@@ -123,11 +140,7 @@ def measure(
     }
     if draft is not None:
         kv_d = KVCache(draft.cfg, slots, device, dtype)
-        dl = []
-        for n in draft_tokens:
-            dl.append(_time_forward(draft, kv_d, n, kv_lens[0], reps))
-            if progress:
-                progress()
+        dl = _time_forwards(draft, kv_d, draft_tokens, kv_lens[0], reps, progress)
         out["draft"] = {"params": draft.cfg.num_parameters()}
         out["draft_step"] = {"tokens": list(draft_tokens), "latency_ms": dl}
         out["draft_step_ms"] = dl[0]

@@ -42,10 +42,15 @@ class AdaptiveConfig:
     # every Nth plan tries every depth; the others hill-climb from the last best depth
     # (the score is close to unimodal in depth), ~3 evaluations instead of 8
     full_search_every: int = 8
+    # plan to beat each TPOT target by this fraction: iteration times on a shared CPU
+    # (and acceptance) vary, and a plan aimed exactly at the target misses half the time
+    slo_margin: float = 0.15
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_depth <= 16 or not 1 <= self.max_width <= 8:
             raise ValueError("max_depth must be in [1, 16] and max_width in [1, 8]")
+        if not 0.0 <= self.slo_margin < 0.9:
+            raise ValueError("slo_margin must be in [0, 0.9)")
         if self.full_search_every < 0:
             raise ValueError("full_search_every must be >= 0 (0 or 1: always a full search)")
         if self.node_cap < 1 or self.prefill_chunk < 1 or self.max_budget < 1:
@@ -130,7 +135,7 @@ class AdaptivePolicy(Policy):
         if t.ndim:
             t = t[:, None]
         with np.errstate(invalid="ignore", divide="ignore"):
-            need = (a.decode_ms + t) / a.tpot - a.n_out + 1
+            need = (a.decode_ms + t) / (a.tpot * (1.0 - self.cfg.slo_margin)) - a.n_out + 1
         need = np.where(a.has_tpot, need, 1.0)
         return np.clip(need, 1.0, self.cfg.max_depth + 1)
 
@@ -311,7 +316,7 @@ class AdaptivePolicy(Policy):
         met = arr.has_tpot & (need <= 1.0 + extra + 1e-9)
         with np.errstate(invalid="ignore", divide="ignore"):
             pred = (arr.decode_ms + t[:, None]) / np.maximum(arr.n_out + extra, 1.0)
-            excess = np.maximum(0.0, pred / arr.tpot - 1.0)
+            excess = np.maximum(0.0, pred / (arr.tpot * (1.0 - self.cfg.slo_margin)) - 1.0)
         late = arr.has_tpot & ~met
         w = arr.weight
         return (met * w).sum(axis=1), -np.where(late, w * excess, 0.0).sum(axis=1)
@@ -382,12 +387,17 @@ class OnlineCorrection:
     [1, verified tokens, draft steps, draft steps x speculating requests] by ridge
     regression with exponential forgetting. Unlike one measured/predicted ratio, it
     corrects the *marginal* cost of candidates and draft steps, which is what decides
-    between plans."""
+    between plans.
+
+    The slopes are penalised far more than the constant: with the narrow range of pass
+    sizes a policy actually tries, an equal penalty would put most of a constant
+    residual on the per-token slope (the minimum-norm split), price every bigger tree
+    out, and the policy would never try one to learn otherwise."""
 
     def __init__(self, decay: float = 0.98, ridge: float = 5.0):
         self.decay = decay
-        self.ridge = ridge
-        self.A = np.eye(4) * ridge
+        self.ridge = np.diag(ridge * np.array([1.0, 2000.0, 10.0, 10.0]))
+        self.A = self.ridge.copy()
         self.b = np.zeros(4)
         self.theta = np.zeros(4)
 
@@ -401,7 +411,7 @@ class OnlineCorrection:
         return x @ self.theta
 
     def update(self, x: np.ndarray, residual_ms: float) -> None:
-        self.A = self.decay * self.A + np.outer(x, x) + (1 - self.decay) * self.ridge * np.eye(4)
+        self.A = self.decay * self.A + np.outer(x, x) + (1 - self.decay) * self.ridge
         self.b = self.decay * self.b + x * residual_ms
         self.theta = np.linalg.solve(self.A, self.b)
 
