@@ -45,10 +45,15 @@ class AdaptiveConfig:
     # plan to beat each TPOT target by this fraction: iteration times on a shared CPU
     # (and acceptance) vary, and a plan aimed exactly at the target misses half the time
     slo_margin: float = 0.15
+    # consider trees wider than a chain only when the calibrated acceptance of a
+    # second-ranked child reaches this (0 = always consider them)
+    min_sibling_acceptance: float = 0.2
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_depth <= 16 or not 1 <= self.max_width <= 8:
             raise ValueError("max_depth must be in [1, 16] and max_width in [1, 8]")
+        if not 0.0 <= self.min_sibling_acceptance <= 1.0:
+            raise ValueError("min_sibling_acceptance must be in [0, 1]")
         if not 0.0 <= self.slo_margin < 0.9:
             raise ValueError("slo_margin must be in [0, 0.9)")
         if self.full_search_every < 0:
@@ -113,8 +118,14 @@ class AdaptivePolicy(Policy):
         return self.acc_by_rank
 
     def _widths(self, n: int) -> tuple[int, ...]:
-        """Beam widths to evaluate: a chain always; wider trees only at low load."""
+        """Beam widths to evaluate: a chain always; wider trees only at low load, and
+        only while second-ranked children are accepted often enough to pay for a node
+        (each sibling costs a draft token, a verified token and host work per step,
+        which the profile prices lower than the engine pays on a CPU)."""
         if self.name == "smartspec":
+            return (1,)
+        acc = self.acc_by_rank
+        if len(acc) < 2 or acc[1] < self.cfg.min_sibling_acceptance:
             return (1,)
         wide = self._width(n)
         return (1,) if wide == 1 else (1, wide)
