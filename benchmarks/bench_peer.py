@@ -45,6 +45,9 @@ from pathlib import Path
 
 import httpx
 
+from adaserve.bench.report import write_report
+from adaserve.bench.runner import measure_unloaded_tpot
+
 ROOT = Path(__file__).resolve().parents[1]
 PEER_PY = ROOT / ".venv-peer" / "bin" / "python"
 OUR_PY = Path(sys.executable)
@@ -168,9 +171,6 @@ def _saturate(url: str, label: str, args, out: Path, unloaded: float, priority: 
 
 
 def _unloaded_tpot(url: str) -> float:
-    sys.path.insert(0, str(ROOT / "src"))
-    from adaserve.bench.runner import measure_unloaded_tpot
-
     return float(measure_unloaded_tpot(url, n=5))
 
 
@@ -324,9 +324,6 @@ def main(argv: list[str] | None = None) -> int:
             except (RuntimeError, subprocess.CalledProcessError) as e:
                 failures[name] = str(e)
                 print(f"[peer] {name} failed: {e}", file=sys.stderr)
-
-    sys.path.insert(0, str(ROOT / "src"))
-    from adaserve.bench.report import write_report
 
     merged = _merge(per_server)
     merged["config"]["unloaded_tpot_ms"] = unloaded
