@@ -146,32 +146,31 @@ def running_server(name: str, out: Path, target: Path, draft: Path, timeout_s: f
         log.close()
 
 
-def _bench(url: str, label: str, args, out: Path, unloaded: float, priority: bool) -> dict:
-    argv = [str(OUR_PY), "-m", "adaserve", "bench", "sweep", "--sweep", "rate"]
-    argv += ["--rates", args.rates, "--duration", str(args.duration), "--seed", str(args.seed)]
+def _client(url: str, label: str, mode: list[str], out_dir: Path, unloaded: float, priority: bool):
+    """Run ``adaserve bench <mode> --base-url url`` with the shared SLO targets; returns
+    its result.json."""
+    argv = [str(OUR_PY), "-m", "adaserve", "bench", *mode]
     argv += ["--base-url", url, "--label", label, "--unloaded-tpot-ms", f"{unloaded:.3f}"]
-    argv += ["--out", str(out / label), "--no-plots", "--no-progress"]
+    argv += ["--out", str(out_dir), "--no-plots", "--no-progress"]
     if not priority:
         argv.append("--no-priority")
     subprocess.run(argv, check=True, cwd=ROOT)
-    return json.loads((out / label / "result.json").read_text())
+    return json.loads((out_dir / "result.json").read_text())
+
+
+def _bench(url: str, label: str, args, out: Path, unloaded: float, priority: bool) -> dict:
+    """The rate sweep on the shared workload."""
+    mode = ["sweep", "--sweep", "rate", "--rates", args.rates]
+    mode += ["--duration", str(args.duration), "--seed", str(args.seed)]
+    return _client(url, label, mode, out / label, unloaded, priority)
 
 
 def _saturate(url: str, label: str, args, out: Path, unloaded: float, priority: bool) -> dict:
     """Capacity: ``--saturate-prompts`` requests all at once (rate inf), overall metrics."""
-    argv = [str(OUR_PY), "-m", "adaserve", "bench", "serve", "--request-rate", "inf"]
-    argv += ["--num-prompts", str(args.saturate_prompts), "--seed", str(args.seed)]
-    argv += ["--base-url", url, "--label", label, "--unloaded-tpot-ms", f"{unloaded:.3f}"]
-    argv += ["--out", str(out / f"{label}-saturated"), "--no-plots", "--no-progress"]
-    if not priority:
-        argv.append("--no-priority")
-    subprocess.run(argv, check=True, cwd=ROOT)
-    res = json.loads((out / f"{label}-saturated" / "result.json").read_text())
+    mode = ["serve", "--request-rate", "inf", "--num-prompts", str(args.saturate_prompts)]
+    mode += ["--seed", str(args.seed)]
+    res = _client(url, label, mode, out / f"{label}-saturated", unloaded, priority)
     return res["results"][label]["overall"]
-
-
-def _unloaded_tpot(url: str) -> float:
-    return float(measure_unloaded_tpot(url, n=5))
 
 
 def _vllm_client(url: str, out: Path, args) -> dict | None:
@@ -302,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copytree(ASSETS / "draft", draft)
 
         with running_server("adaserve-ar", out, target, draft) as url:
-            unloaded = _unloaded_tpot(url)
+            unloaded = float(measure_unloaded_tpot(url, n=5))
         print(f"[peer] unloaded TPOT (adaserve-ar) {unloaded:.2f} ms", file=sys.stderr)
 
         per_server: dict[str, dict] = {}

@@ -140,13 +140,14 @@ class AdaptivePolicy(Policy):
         """A(r): accepted tokens this iteration that keep r's mean TPOT within target."""
         return float(self._requirements(_Arrays.of([r]), t_iter)[0])
 
-    def _requirements(self, a: _Arrays, t_iter) -> np.ndarray:
-        """A(r) for every request at once: [n], or [E, n] for E iteration times [E]."""
-        t = np.asarray(t_iter, dtype=float)
-        if t.ndim:
-            t = t[:, None]
+    def _aim(self, a: _Arrays) -> np.ndarray:
+        """The TPOT each request is planned for: its target less the margin [n]."""
+        return a.tpot * (1.0 - self.cfg.slo_margin)
+
+    def _requirements(self, a: _Arrays, t_iter: float) -> np.ndarray:
+        """A(r) for every request at once: [n]."""
         with np.errstate(invalid="ignore", divide="ignore"):
-            need = (a.decode_ms + t) / (a.tpot * (1.0 - self.cfg.slo_margin)) - a.n_out + 1
+            need = (a.decode_ms + t_iter) / self._aim(a) - a.n_out + 1
         need = np.where(a.has_tpot, need, 1.0)
         return np.clip(need, 1.0, self.cfg.max_depth + 1)
 
@@ -317,20 +318,13 @@ class AdaptivePolicy(Policy):
     def _slo_score(self, arr: _Arrays, t: float, expected_extra) -> tuple[float, float]:
         """(weighted count of requests whose requirement the plan meets, minus the
         weighted relative excess of the predicted mean TPOT of those it does not)."""
-        met, late = self._slo_scores(arr, np.array([t]), np.asarray(expected_extra)[None, :])
-        return float(met[0]), float(late[0])
-
-    def _slo_scores(self, arr: _Arrays, t: np.ndarray, extra: np.ndarray):
-        """``_slo_score`` of E options at once: iteration ms t [E], extra tokens [E, n]
-        -> (met [E], late [E])."""
-        need = self._requirements(arr, t)  # [E, n]
-        met = arr.has_tpot & (need <= 1.0 + extra + 1e-9)
+        need = self._requirements(arr, t)
+        met = arr.has_tpot & (need <= 1.0 + expected_extra + 1e-9)
         with np.errstate(invalid="ignore", divide="ignore"):
-            pred = (arr.decode_ms + t[:, None]) / np.maximum(arr.n_out + extra, 1.0)
-            excess = np.maximum(0.0, pred / (arr.tpot * (1.0 - self.cfg.slo_margin)) - 1.0)
+            pred = (arr.decode_ms + t) / np.maximum(arr.n_out + expected_extra, 1.0)
+            excess = np.maximum(0.0, pred / self._aim(arr) - 1.0)
         late = arr.has_tpot & ~met
-        w = arr.weight
-        return (met * w).sum(axis=1), -np.where(late, w * excess, 0.0).sum(axis=1)
+        return float(arr.weight[met].sum()), -float((arr.weight * excess)[late].sum())
 
     def _overload(self, dec: list[ReqView], best: dict, plan: Plan) -> None:
         bad = set(best["infeasible"])
