@@ -172,17 +172,30 @@ def paged_attention(
     returns   [T, n_heads, head_dim]
     """
     T, H, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = H // Hkv
     out = torch.empty_like(q)
-    gqa = k_cache.shape[1] != H
     for g in groups:
         R, Q = g.tok_idx.shape
-        qg = q[g.tok_idx].transpose(1, 2)  # [R, H, Q, D]
-        kg = k_cache[g.ctx_slots].transpose(1, 2)  # [R, Hkv, L, D]
-        vg = v_cache[g.ctx_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=gqa
-        )  # [R, H, Q, D]
-        o = o.transpose(1, 2).reshape(R * Q, H, D)
+        L = g.ctx_slots.shape[1]
+        # index_select over the flat slot list is ~2x faster than advanced indexing
+        flat = g.ctx_slots.reshape(-1)
+        kg = k_cache.index_select(0, flat).view(R, L, Hkv, D).transpose(1, 2)  # [R, Hkv, L, D]
+        vg = v_cache.index_select(0, flat).view(R, L, Hkv, D).transpose(1, 2)
+        qg = q[g.tok_idx]  # [R, Q, H, D]
+        if G > 1 and Q == 1:
+            # decode: the G query heads sharing a KV head become G query rows of that
+            # head, so the kernel reads each KV row once instead of once per query head
+            qg = qg.view(R, Hkv, G, D)  # [R, Hkv, G, D]
+            o = F.scaled_dot_product_attention(
+                qg, kg, vg, attn_mask=g.mask.expand(R, 1, G, L), scale=scale
+            )  # [R, Hkv, G, D]
+            o = o.reshape(R, H, D)
+        else:
+            o = F.scaled_dot_product_attention(
+                qg.transpose(1, 2), kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=G > 1
+            )  # [R, H, Q, D]
+            o = o.transpose(1, 2).reshape(R * Q, H, D)
         if o.shape[0] == g.out_idx.shape[0]:
             out[g.out_idx] = o
         else:
