@@ -271,6 +271,40 @@ def _goal_lines(merged: dict) -> list[str]:
     return lines
 
 
+def _capacity_only(args) -> int:
+    """Plain vLLM and ``adaserve serve --policy ar`` at capacity, side by side."""
+    out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
+    out.mkdir(parents=True, exist_ok=True)
+    if not PEER_PY.exists():
+        sys.exit(f"{PEER_PY} is missing: run `make bench-peer` (it creates .venv-peer)")
+    res: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        target, draft = Path(tmp) / "target", Path(tmp) / "draft"
+        shutil.copytree(ASSETS / "target", target)
+        shutil.copytree(ASSETS / "draft", draft)
+        for name in ("adaserve-ar", "vllm"):
+            with running_server(name, out, target, draft) as url:
+                res[name] = _saturate(url, name, args, out, 10.0, priority=False)
+    a, v = res["adaserve-ar"], res["vllm"]
+    lines = [
+        f"# Capacity: {args.saturate_prompts} requests at once (seed {args.seed})",
+        "",
+        "| server | output tok/s | TTFT p50 ms | TPOT p50 ms | duration s |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in res.items():
+        lines.append(
+            f"| {name} | {r['throughput_tok_s']:.0f} | {r['ttft_ms']['p50']:.0f} | "
+            f"{r['tpot_ms']['p50']:.1f} | {r['duration_s']:.2f} |"
+        )
+    ratio = a["throughput_tok_s"] / max(v["throughput_tok_s"], 1e-9)
+    lines += ["", f"adaserve-ar / vllm = **{ratio:.2f}x** (goal >= 0.8x)", ""]
+    lines += ["## Versions", *(f"- {k}: {x}" for k, x in _versions().items())]
+    (out / "capacity.md").write_text("\n".join(lines) + "\n")
+    print((out / "capacity.md").read_text())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", default="2,4,6", help="request rates (req/s), comma-separated")
@@ -282,7 +316,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-client-prompts", type=int, default=40)
     p.add_argument("--vllm-client-rate", type=float, default=2.0)
     p.add_argument("--no-vllm-client", action="store_true")
+    p.add_argument(
+        "--capacity-only",
+        action="store_true",
+        help="only the capacity runs of vllm and adaserve-ar (no rate sweep, no vLLM client)",
+    )
     args = p.parse_args(argv)
+    if args.capacity_only:
+        return _capacity_only(args)
     names = [n for n in args.configs.split(",") if n]
     bad = [n for n in names if n not in CONFIGS]
     if bad:
