@@ -19,6 +19,9 @@ from adaserve.sched.hardware import SCHEMA, HardwareModel
 VERIFY_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DRAFT_TOKENS = (1, 4, 16, 64, 256)
 KV_LENS = (64, 512)
+# Part of the cache key: bump when the forward code's speed changes (e.g. the paged
+# attention kernel), so that cached profiles measured with the old code are not reused.
+FORWARD_VERSION = 2
 
 
 def fingerprint(path: str | Path | None) -> str:
@@ -37,7 +40,8 @@ def fingerprint(path: str | Path | None) -> str:
 
 def profile_key(target: str | Path, draft: str | Path | None, device: str, dtype: str) -> str:
     machine = f"{platform.machine()}-{torch.get_num_threads()}t"
-    return f"{fingerprint(target)}-{fingerprint(draft)}-{device}-{dtype}-{machine}"
+    fp = f"{fingerprint(target)}-{fingerprint(draft)}"
+    return f"{fp}-{device}-{dtype}-{machine}-f{FORWARD_VERSION}"
 
 
 def _forward_timer(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int):
