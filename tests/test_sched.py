@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adaserve import LLM, SLO, SamplingParams
-from adaserve.sched.adaptive import AdaptivePolicy
+from adaserve.sched.adaptive import AdaptivePolicy, _Arrays
 from adaserve.sched.base import BatchView, ReqView
 from adaserve.sched.calibration import Calibrator
 from adaserve.sched.hardware import HardwareModel
@@ -346,3 +347,42 @@ def test_online_correction_puts_a_constant_gap_on_the_constant():
     big = corr.predict(OnlineCorrection.features(40, 1, 2))
     assert abs(small - 5.0) < 0.5
     assert big - small < 2.0
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    n=st.integers(1, 40),
+    free=st.sampled_from([24, 200, 100_000]),
+    max_budget=st.sampled_from([48, 256, 1024]),
+    name=st.sampled_from(["adaserve", "dyn-tree"]),
+    w=st.sampled_from([1, 2, 4]),
+    prefill=st.sampled_from([0, 100]),
+)
+def test_vectorised_depth_evaluation_equals_the_per_depth_one(
+    seed, n, free, max_budget, name, w, prefill
+):
+    """The planner scores all depths of a width as one array program; it must give what
+    evaluating each depth on its own gives (allocation, time, rate, SLO score)."""
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for i in range(n):
+        tpot = float(rng.choice([8.0, 15.0, 40.0])) if rng.random() < 0.85 else None
+        behind = float(rng.uniform(-30, 60))
+        reqs.append(req(i, tpot, behind_ms=behind, n_out=int(rng.integers(1, 60)), rank=i % 3))
+    pol = AdaptivePolicy(name)
+    pol.cfg = dataclasses.replace(pol.cfg, max_budget=max_budget)
+    pol.correction.theta = rng.normal(0, [1.0, 0.01, 0.3, 0.02])
+    view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=free, hw=HW)
+    acc = tuple(round(float(x), 2) for x in np.sort(rng.uniform(0.02, 0.9, 4))[::-1])
+    arr = _Arrays.of(reqs)
+    depths = [1, 2, 3, 4, 5, 6, 8]
+    fast = pol._evaluate_depths(view, arr, depths, w, prefill, 5000.0, acc)
+    for d, got in zip(depths, fast):
+        ref = pol._evaluate(view, arr, d, w, prefill, 5000.0, acc)
+        assert got["depth"] == d
+        np.testing.assert_array_equal(got["alloc"], ref["alloc"])
+        assert got["budget"] == ref["budget"]
+        assert got["t_iter"] == pytest.approx(ref["t_iter"], rel=1e-12)
+        assert got["rate"] == pytest.approx(ref["rate"], rel=1e-12)
+        assert got["score"] == pytest.approx(ref["score"], rel=1e-9, abs=1e-12)

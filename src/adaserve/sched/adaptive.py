@@ -39,9 +39,6 @@ class AdaptiveConfig:
     prefill_chunk: int = 256
     degrade_after: int = 16  # consecutive infeasible iterations before degrading
     max_budget: int = 1024  # verification tokens per pass, hard ceiling
-    # every Nth plan tries every depth; the others hill-climb from the last best depth
-    # (the score is close to unimodal in depth), ~3 evaluations instead of 8
-    full_search_every: int = 8
     # plan to beat each TPOT target by this fraction: iteration times on a shared CPU
     # (and acceptance) vary, and a plan aimed exactly at the target misses half the time
     slo_margin: float = 0.15
@@ -56,8 +53,6 @@ class AdaptiveConfig:
             raise ValueError("min_sibling_acceptance must be in [0, 1]")
         if not 0.0 <= self.slo_margin < 0.9:
             raise ValueError("slo_margin must be in [0, 0.9)")
-        if self.full_search_every < 0:
-            raise ValueError("full_search_every must be >= 0 (0 or 1: always a full search)")
         if self.node_cap < 1 or self.prefill_chunk < 1 or self.max_budget < 1:
             raise ValueError("node_cap, prefill_chunk and max_budget must be positive")
 
@@ -107,8 +102,6 @@ class AdaptivePolicy(Policy):
         self._infeasible_streak: dict[int, int] = {}
         self.acc_by_rank: tuple[float, ...] = (0.6, 0.15, 0.07, 0.04)
         self.correction = OnlineCorrection()  # measured - profiled iteration time
-        self._plans = 0
-        self._last_depth: dict[int, int] = {}  # width -> index in DEPTHS of the last best
 
     # ------------------------------------------------------------------ helpers
     def _acc(self, view: BatchView) -> tuple[float, ...]:
@@ -151,6 +144,13 @@ class AdaptivePolicy(Policy):
         need = np.where(a.has_tpot, need, 1.0)
         return np.clip(need, 1.0, self.cfg.max_depth + 1)
 
+    def _requirements_at(self, a: _Arrays, t_iter: np.ndarray) -> np.ndarray:
+        """``_requirements`` for several iteration times at once: [m] -> [m, n]."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            need = (a.decode_ms + t_iter[:, None]) / self._aim(a) - a.n_out + 1
+        need = np.where(a.has_tpot, need, 1.0)
+        return np.clip(need, 1.0, self.cfg.max_depth + 1)
+
     def admission_key(self, waiting: ReqView) -> tuple:
         if self.name != "adaserve":
             return super().admission_key(waiting)
@@ -189,24 +189,18 @@ class AdaptivePolicy(Policy):
         acc = self._acc(view)
         arr = _Arrays.of(dec)
         depths = [d for d in DEPTHS if d <= c.max_depth]
-        self._plans += 1
-        full = c.full_search_every <= 1 or self._plans % c.full_search_every == 1
         best = None
         for w in self._widths(n):
-
-            def ev(i: int, w=w) -> dict:
-                cand = self._evaluate(view, arr, depths[i], w, P, kv, acc)
-                cand["width"] = w
-                return cand
-
-            if full:
-                cands = [ev(i) for i in range(len(depths)) if i > 0 or best is None]
-                top = max(cands, key=lambda x: x["score"])
-            else:
-                top = _hill_climb(ev, self._last_depth.get(w, 1), len(depths))
-            self._last_depth[w] = depths.index(top["depth"])
+            if self.name == "smartspec":
+                cands = [self._evaluate(view, arr, d, w, P, kv, acc) for d in depths]
+            else:  # depth 0, then every other depth as one array program
+                cands = [self._evaluate(view, arr, 0, w, P, kv, acc)]
+                cands += self._evaluate_depths(view, arr, [d for d in depths if d], w, P, kv, acc)
+            top = max(cands, key=lambda x: x["score"])
+            top["width"] = w
             if best is None or top["score"] > best["score"]:
                 best = top
+        self._complete(view, arr, best, P, kv, acc)
         d, w = best["depth"], best["width"]
         plan = Plan(prefill=prefill, budget=best["budget"], info=best)
         if d > 0:
@@ -233,10 +227,7 @@ class AdaptivePolicy(Policy):
         # iteration ms = verify(tokens) + a per-plan constant (draft steps, host work);
         # the fitted correction is linear in the tokens (OnlineCorrection.features)
         tok0 = n + P
-        draft_ms = float(
-            hw.iteration_ms(tok0, kv, d, n * w, tok0 if d else 0, n if d else 0)
-            - hw.verify_latency(tok0, kv)
-        )
+        draft_ms = _draft_ms(hw, tok0, kv, d, w, n)
         th = self.correction.theta
         corr0 = float(th[0] + th[2] * d + th[3] * d * (n if d else 0))
 
@@ -250,12 +241,6 @@ class AdaptivePolicy(Policy):
             ms = np.maximum(st + corr0 + th[1] * (tok0 + np.asarray(total_nodes)), 0.5 * st)
             return ms if np.ndim(ms) else float(ms)
 
-        def extras(total: int) -> dict:
-            return {
-                "features": OnlineCorrection.features(n + P + total, d, n if d else 0).tolist(),
-                "t_static": float(static_ms(total)),
-            }
-
         if d == 0:
             t = t_iter(0)
             score = self._slo_score(arr, t, np.zeros(n)) if strict else (0, 0.0)
@@ -264,10 +249,8 @@ class AdaptivePolicy(Policy):
                 "budget": n + P,
                 "alloc": np.zeros(n, dtype=int),
                 "t_iter": t,
-                **extras(0),
                 "score": (*score, n / t),
                 "rate": n / t,
-                "infeasible": [],
             }
         alloc = np.zeros(n, dtype=int)
         t = t_iter(0)
@@ -299,21 +282,103 @@ class AdaptivePolicy(Policy):
         best_rate, best_t, best_alloc = float(rates[b]), float(tts[b]), A[b]
         got = gots[b]
         score = self._slo_score(arr, best_t, got) if strict else (0, 0.0)
-        infeasible = []
-        if strict:
-            need = self._requirements(arr, best_t) - 1.0
-            bad = arr.has_tpot & (got + 1e-9 < need)
-            infeasible = arr.rid[bad].tolist()
         return {
             "depth": d,
             "budget": int(n + P + best_alloc.sum()),
             "alloc": best_alloc,
             "t_iter": best_t,
-            **extras(int(best_alloc.sum())),
             "rate": best_rate,
             "score": (*score, best_rate),
-            "infeasible": infeasible,
         }
+
+    def _evaluate_depths(self, view, arr: _Arrays, ds: list[int], w, P, kv, acc) -> list[dict]:
+        """``_evaluate`` for every depth in ``ds`` (all > 0) at once, as arrays over
+        [depths, requests] (and [depths, goodput options, requests]); same results.
+        Not for ``smartspec`` (its goodput phase is one option per depth)."""
+        c, hw = self.cfg, view.hw
+        n = len(arr.rid)
+        D = len(ds)
+        strict = self.name == "adaserve"
+        dv = np.asarray(ds, dtype=float)
+        curves = [gain_curve(d, w, acc) for d in ds]
+        kmax = np.array([min(len(g) - 1, c.node_cap) for g in curves])
+        K = int(kmax.max())
+        # G[i, k]: gain of the best k nodes at depth ds[i], the last value repeated past
+        # the curve; Gs: the same with +inf there (for counting values below a need)
+        G = np.empty((D, K + 1))
+        Gs = np.full((D, K + 1), np.inf)
+        for i, g in enumerate(curves):
+            m = min(len(g), K + 1)
+            G[i, :m] = g[:m]
+            G[i, m:] = g[m - 1]
+            Gs[i, :m] = g[:m]
+        tok0 = n + P
+        draft = np.array([_draft_ms(hw, tok0, kv, d, w, n) for d in ds])[:, None]  # [D, 1]
+        th = self.correction.theta
+        corr0 = (th[0] + th[2] * dv + th[3] * dv * n)[:, None]
+
+        def t_iter(total):
+            """total: [D, m] candidates -> predicted iteration ms [D, m]."""
+            st = hw.verify_latency(tok0 + total, kv) + draft
+            return np.maximum(st + corr0 + th[1] * (tok0 + total), 0.5 * st)
+
+        alloc = np.zeros((D, n), dtype=np.int64)
+        t = t_iter(np.zeros((D, 1)))[:, 0]
+        mem = np.maximum(0, view.free_kv_slots - n * w * dv.astype(np.int64))
+        if strict:
+            cap = np.maximum(0, np.minimum(mem, c.max_budget - n - P))
+            for _ in range(2):  # fixed point: requirement depends on t_iter
+                need = self._requirements_at(arr, t) - 1.0  # [D, n]
+                alloc = (Gs[:, None, :] < need[:, :, None] - 1e-9).sum(-1)
+                alloc = _fit_rows(np.minimum(alloc, kmax[:, None]), need, cap)
+                t = t_iter(alloc.sum(1)[:, None])[:, 0]
+        # goodput phase: add nodes while the predicted rate improves
+        marg = np.diff(G, axis=1)  # [D, K]
+        kfill = ((marg > 0) & (np.arange(K)[None, :] < kmax[:, None])).sum(1)
+        A = _fill_options_rows(alloc, kfill, _EXTRAS)  # [D, E, n]
+        totals = A.sum(-1)  # [D, E]
+        gots = G[np.arange(D)[:, None, None], A]  # [D, E, n]
+        ok = (n + P + totals <= c.max_budget) & (totals + n * w * dv[:, None] <= view.free_kv_slots)
+        ok[:, 0] = True
+        tts = t_iter(totals.astype(float))
+        rates = (n + gots.sum(-1)) / tts
+        rates[~ok] = -1.0
+        b = rates.argmax(1)  # [D]
+        rows = np.arange(D)
+        best_t, best_rate, best_alloc = tts[rows, b], rates[rows, b], A[rows, b]
+        got = gots[rows, b]  # [D, n]
+        if strict:
+            met_w, excess = self._slo_scores(arr, best_t, got)
+        out = []
+        for i, d in enumerate(ds):
+            score = (float(met_w[i]), float(excess[i])) if strict else (0, 0.0)
+            out.append(
+                {
+                    "depth": d,
+                    "budget": int(n + P + best_alloc[i].sum()),
+                    "alloc": best_alloc[i],
+                    "t_iter": float(best_t[i]),
+                    "rate": float(best_rate[i]),
+                    "score": (*score, float(best_rate[i])),
+                }
+            )
+        return out
+
+    def _complete(self, view, arr: _Arrays, best: dict, P, kv, acc) -> None:
+        """Add what only the chosen candidate needs: the correction's features, the
+        profile's prediction (``t_static``) and the requests it cannot keep on target."""
+        n = len(arr.rid)
+        d, w, total = best["depth"], best["width"], int(best["alloc"].sum())
+        best["features"] = OnlineCorrection.features(n + P + total, d, n if d else 0).tolist()
+        best["t_static"] = float(
+            view.hw.verify_latency(n + P + total, kv) + _draft_ms(view.hw, n + P, kv, d, w, n)
+        )
+        best["infeasible"] = []
+        if self.name == "adaserve" and d > 0:
+            g = gain_curve(d, w, acc)
+            got = g[np.minimum(best["alloc"], len(g) - 1)]
+            need = self._requirements(arr, best["t_iter"]) - 1.0
+            best["infeasible"] = arr.rid[arr.has_tpot & (got + 1e-9 < need)].tolist()
 
     def _slo_score(self, arr: _Arrays, t: float, expected_extra) -> tuple[float, float]:
         """(weighted count of requests whose requirement the plan meets, minus the
@@ -325,6 +390,17 @@ class AdaptivePolicy(Policy):
             excess = np.maximum(0.0, pred / self._aim(arr) - 1.0)
         late = arr.has_tpot & ~met
         return float(arr.weight[met].sum()), -float((arr.weight * excess)[late].sum())
+
+    def _slo_scores(self, arr: _Arrays, t: np.ndarray, expected_extra: np.ndarray):
+        """``_slo_score`` for m plans at once: t [m], expected_extra [m, n] -> two [m]."""
+        need = self._requirements_at(arr, t)
+        met = arr.has_tpot & (need <= 1.0 + expected_extra + 1e-9)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            pred = (arr.decode_ms + t[:, None]) / np.maximum(arr.n_out + expected_extra, 1.0)
+            excess = np.maximum(0.0, pred / self._aim(arr) - 1.0)
+        late = arr.has_tpot & ~met
+        met_w = np.where(met, arr.weight, 0.0).sum(1)
+        return met_w, -np.where(late, arr.weight * excess, 0.0).sum(1)
 
     def _overload(self, dec: list[ReqView], best: dict, plan: Plan) -> None:
         bad = set(best["infeasible"])
@@ -458,22 +534,42 @@ def _fit(alloc: np.ndarray, need: np.ndarray, *caps: int) -> np.ndarray:
     return out
 
 
-def _hill_climb(ev, start: int, n: int) -> dict:
-    """Best of ``ev(i)`` over i in [0, n) by local search from ``start``: step up while
-    the score improves, else step down while it improves."""
-    start = min(max(start, 0), n - 1)
-    best = ev(start)
-    for step in (1, -1):
-        i, moved = start + step, False
-        while 0 <= i < n:
-            cand = ev(i)
-            if cand["score"] <= best["score"]:
-                break
-            best, moved = cand, True
-            i += step
-        if moved:
-            break
-    return best
+def _draft_ms(hw, tok0: int, kv: float, d: int, w: int, n: int) -> float:
+    """The profile's per-plan cost beyond verifying ``tok0`` tokens: draft steps and
+    their host work for n requests drafting depth d, width w (0 when d == 0)."""
+    return float(
+        hw.iteration_ms(tok0, kv, d, n * w, tok0 if d else 0, n if d else 0)
+        - hw.verify_latency(tok0, kv)
+    )
+
+
+def _fit_rows(alloc: np.ndarray, need: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """``_fit`` for each row of alloc / need [m, n] with its own cap [m]."""
+    order = np.argsort(-need, axis=1, kind="stable")
+    a = np.take_along_axis(alloc, order, axis=1)
+    before = np.cumsum(a, axis=1) - a
+    out = np.empty_like(alloc)
+    np.put_along_axis(out, order, np.clip(cap[:, None] - before, 0, a), axis=1)
+    return out
+
+
+def _fill_options_rows(alloc: np.ndarray, kmax: np.ndarray, extras: np.ndarray) -> np.ndarray:
+    """``_fill_options`` for each row of alloc [m, n], row i's curve having kmax[i]
+    positive marginal gains: [m, E, n]."""
+    m = alloc.shape[0]
+    e = np.asarray(extras, dtype=np.int64)
+    K = int(kmax.max()) if m else 0
+    srt = np.sort(np.minimum(alloc, kmax[:, None]), axis=1)  # [m, n]
+    levels = np.arange(K + 1)
+    below = (srt[:, None, :] < levels[None, :, None]).sum(-1)  # [m, K+1]
+    csum = np.concatenate((np.zeros((m, 1), dtype=srt.dtype), np.cumsum(srt, axis=1)), axis=1)
+    need = levels[None, :] * below - np.take_along_axis(csum, below, axis=1)  # [m, K+1]
+    need = np.where(levels[None, :] <= kmax[:, None], need, np.iinfo(np.int64).max)
+    level = (need[:, None, :] <= e[None, :, None]).sum(-1) - 1  # [m, E]
+    rem = np.where(level < kmax[:, None], e[None, :] - np.take_along_axis(need, level, 1), 0)
+    A = np.maximum(alloc[:, None, :], level[:, :, None])
+    at = level[:, :, None] == A
+    return A + (at & (np.cumsum(at, axis=-1) <= rem[:, :, None]))
 
 
 _EXTRAS = np.array([0, 4, 8, 16, 32, 64, 128, 256, 512])  # goodput-phase sizes tried
