@@ -313,7 +313,10 @@ class AdaptivePolicy(Policy):
             G[i, m:] = g[m - 1]
             Gs[i, :m] = g[:m]
         tok0 = n + P
-        draft = np.array([_draft_ms(hw, tok0, kv, d, w, n) for d in ds])[:, None]  # [D, 1]
+        # HardwareModel.drafting_ms for every depth (same operations, so the same floats)
+        first = hw.draft_latency(max(tok0, 1.0))
+        step = hw.draft_latency(max(n * w, 1.0))
+        draft = (first + (dv - 1) * step + dv * n * hw.draft_host_ms + hw.overhead_ms)[:, None]
         th = self.correction.theta
         corr0 = (th[0] + th[2] * dv + th[3] * dv * n)[:, None]
 
@@ -536,11 +539,8 @@ def _fit(alloc: np.ndarray, need: np.ndarray, *caps: int) -> np.ndarray:
 
 def _draft_ms(hw, tok0: int, kv: float, d: int, w: int, n: int) -> float:
     """The profile's per-plan cost beyond verifying ``tok0`` tokens: draft steps and
-    their host work for n requests drafting depth d, width w (0 when d == 0)."""
-    return float(
-        hw.iteration_ms(tok0, kv, d, n * w, tok0 if d else 0, n if d else 0)
-        - hw.verify_latency(tok0, kv)
-    )
+    their host work for n requests drafting depth d, width w, plus the fixed overhead."""
+    return float(hw.drafting_ms(d, n * w, tok0, n) + hw.overhead_ms)
 
 
 def _fit_rows(alloc: np.ndarray, need: np.ndarray, cap: np.ndarray) -> np.ndarray:

@@ -80,17 +80,26 @@ class HardwareModel:
         catchup_tokens: float = 0.0,
         draft_requests: float = 0.0,
     ):
-        """Predicted iteration: draft steps + verification + host overhead.
-
-        ``draft_requests`` speculating requests each cost ``draft_host_ms`` of host work
-        (tree bookkeeping, masks) per draft step on top of the forward passes."""
-        draft = 0.0
-        if draft_depth > 0:
-            draft = self.draft_latency(max(catchup_tokens, 1.0)) + (draft_depth - 1) * (
-                self.draft_latency(max(draft_tokens_per_step, 1.0))
-            )
-            draft = draft + draft_depth * draft_requests * self.draft_host_ms
+        """Predicted iteration: draft steps + verification + host overhead."""
+        draft = self.drafting_ms(draft_depth, draft_tokens_per_step, catchup_tokens, draft_requests)
         return self.verify_latency(verify_tokens, kv_tokens) + draft + self.overhead_ms
+
+    def drafting_ms(
+        self,
+        draft_depth: int,
+        draft_tokens_per_step: float = 0.0,
+        catchup_tokens: float = 0.0,
+        draft_requests: float = 0.0,
+    ) -> float:
+        """Drafting ``draft_depth`` steps: one catch-up pass, then ``draft_depth - 1``
+        steps over ``draft_tokens_per_step`` tokens; ``draft_requests`` speculating
+        requests each cost ``draft_host_ms`` of host work (tree bookkeeping, masks) per
+        step on top of the forward passes. 0 when ``draft_depth`` is 0."""
+        if draft_depth <= 0:
+            return 0.0
+        first = self.draft_latency(max(catchup_tokens, 1.0))
+        step = self.draft_latency(max(draft_tokens_per_step, 1.0))
+        return first + (draft_depth - 1) * step + draft_depth * draft_requests * self.draft_host_ms
 
     def unloaded_tpot_ms(self, kv_tokens: float = 256.0) -> float:
         """Per-token latency of one request decoding alone, without speculation."""
