@@ -332,7 +332,7 @@ class AdaptivePolicy(Policy):
             cap = np.maximum(0, np.minimum(mem, c.max_budget - n - P))
             for _ in range(2):  # fixed point: requirement depends on t_iter
                 need = self._requirements_at(arr, t) - 1.0  # [D, n]
-                alloc = (Gs[:, None, :] < need[:, :, None] - 1e-9).sum(-1)
+                alloc = np.stack([np.searchsorted(Gs[i], need[i] - 1e-9) for i in range(D)])
                 alloc = _fit_rows(np.minimum(alloc, kmax[:, None]), need, cap)
                 t = t_iter(alloc.sum(1)[:, None])[:, 0]
         # goodput phase: add nodes while the predicted rate improves
@@ -561,7 +561,7 @@ def _fill_options_rows(alloc: np.ndarray, kmax: np.ndarray, extras: np.ndarray) 
     K = int(kmax.max()) if m else 0
     srt = np.sort(np.minimum(alloc, kmax[:, None]), axis=1)  # [m, n]
     levels = np.arange(K + 1)
-    below = (srt[:, None, :] < levels[None, :, None]).sum(-1)  # [m, K+1]
+    below = np.stack([np.searchsorted(row, levels) for row in srt])  # [m, K+1]
     csum = np.concatenate((np.zeros((m, 1), dtype=srt.dtype), np.cumsum(srt, axis=1)), axis=1)
     need = levels[None, :] * below - np.take_along_axis(csum, below, axis=1)  # [m, K+1]
     need = np.where(levels[None, :] <= kmax[:, None], need, np.iinfo(np.int64).max)
