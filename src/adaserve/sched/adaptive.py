@@ -139,10 +139,7 @@ class AdaptivePolicy(Policy):
 
     def _requirements(self, a: _Arrays, t_iter: float) -> np.ndarray:
         """A(r) for every request at once: [n]."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            need = (a.decode_ms + t_iter) / self._aim(a) - a.n_out + 1
-        need = np.where(a.has_tpot, need, 1.0)
-        return np.clip(need, 1.0, self.cfg.max_depth + 1)
+        return self._requirements_at(a, np.array([t_iter], dtype=float))[0]
 
     def _requirements_at(self, a: _Arrays, t_iter: np.ndarray) -> np.ndarray:
         """``_requirements`` for several iteration times at once: [m] -> [m, n]."""
@@ -386,13 +383,9 @@ class AdaptivePolicy(Policy):
     def _slo_score(self, arr: _Arrays, t: float, expected_extra) -> tuple[float, float]:
         """(weighted count of requests whose requirement the plan meets, minus the
         weighted relative excess of the predicted mean TPOT of those it does not)."""
-        need = self._requirements(arr, t)
-        met = arr.has_tpot & (need <= 1.0 + expected_extra + 1e-9)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            pred = (arr.decode_ms + t) / np.maximum(arr.n_out + expected_extra, 1.0)
-            excess = np.maximum(0.0, pred / self._aim(arr) - 1.0)
-        late = arr.has_tpot & ~met
-        return float(arr.weight[met].sum()), -float((arr.weight * excess)[late].sum())
+        extra = np.asarray(expected_extra, dtype=float)[None, :]
+        met_w, excess = self._slo_scores(arr, np.array([t], dtype=float), extra)
+        return float(met_w[0]), float(excess[0])
 
     def _slo_scores(self, arr: _Arrays, t: np.ndarray, expected_extra: np.ndarray):
         """``_slo_score`` for m plans at once: t [m], expected_extra [m, n] -> two [m]."""
@@ -526,15 +519,7 @@ class _Arrays:
 
 def _fit(alloc: np.ndarray, need: np.ndarray, *caps: int) -> np.ndarray:
     """Trim SLO-phase allocations to the tightest cap, serving the most behind first."""
-    cap = max(0, min(caps))
-    if alloc.sum() <= cap:
-        return alloc
-    order = np.argsort(-need, kind="stable")
-    a = alloc[order]
-    before = np.cumsum(a) - a
-    out = np.empty_like(alloc)
-    out[order] = np.clip(cap - before, 0, a)
-    return out
+    return _fit_rows(alloc[None, :], need[None, :], np.array([max(0, min(caps))]))[0]
 
 
 def _draft_ms(hw, tok0: int, kv: float, d: int, w: int, n: int) -> float:
@@ -544,7 +529,8 @@ def _draft_ms(hw, tok0: int, kv: float, d: int, w: int, n: int) -> float:
 
 
 def _fit_rows(alloc: np.ndarray, need: np.ndarray, cap: np.ndarray) -> np.ndarray:
-    """``_fit`` for each row of alloc / need [m, n] with its own cap [m]."""
+    """Trim each row of SLO-phase allocations alloc [m, n] to its cap [m], serving
+    the requests with the largest need [m, n] first."""
     order = np.argsort(-need, axis=1, kind="stable")
     a = np.take_along_axis(alloc, order, axis=1)
     before = np.cumsum(a, axis=1) - a
@@ -554,8 +540,14 @@ def _fit_rows(alloc: np.ndarray, need: np.ndarray, cap: np.ndarray) -> np.ndarra
 
 
 def _fill_options_rows(alloc: np.ndarray, kmax: np.ndarray, extras: np.ndarray) -> np.ndarray:
-    """``_fill_options`` for each row of alloc [m, n], row i's curve having kmax[i]
-    positive marginal gains: [m, E, n]."""
+    """Allocations after adding e nodes by highest marginal gain, for every e in
+    ``extras`` and every row of alloc [m, n] (row i's gain curve has kmax[i] positive
+    marginal gains): [m, E, n].
+
+    Within a row every request shares the concave gain curve, so the global greedy
+    choice is a water level: all requests are raised to a common node count T (those
+    already above keep theirs), the remainder goes one node each, in request order, to
+    requests sitting at T. No sort over n x k."""
     m = alloc.shape[0]
     e = np.asarray(extras, dtype=np.int64)
     K = int(kmax.max()) if m else 0
@@ -576,28 +568,9 @@ _EXTRAS = np.array([0, 4, 8, 16, 32, 64, 128, 256, 512])  # goodput-phase sizes 
 
 
 def _fill_options(alloc: np.ndarray, marg: np.ndarray, extras: np.ndarray) -> np.ndarray:
-    """Allocations after adding e nodes by highest marginal gain, for every e: [E, n].
-
-    Every request shares the concave curve ``marg`` (marginal gains sorted descending),
-    so the global greedy choice is a water level: all requests are raised to a common
-    node count T (those already above keep theirs), the remainder goes one node each,
-    in request order, to requests sitting at T. O(n log n + E n), no sort over n x k.
-    """
-    kmax = int((marg > 0).sum())
-    e = np.asarray(extras, dtype=np.int64)
-    if kmax == 0:
-        return np.repeat(alloc[None, :], len(e), axis=0)
-    srt = np.sort(np.minimum(alloc, kmax))
-    levels = np.arange(kmax + 1)
-    below = np.searchsorted(srt, levels, side="left")  # requests under level T
-    csum = np.concatenate(([0], np.cumsum(srt)))
-    need = levels * below - csum[below]  # nodes to raise everyone to level T
-    level = np.searchsorted(need, e, side="right") - 1  # [E]
-    rem = np.where(level < kmax, e - need[level], 0)
-    A = np.maximum(alloc[None, :], level[:, None])
-    at = level[:, None] == A
-    A += at & (np.cumsum(at, axis=1) <= rem[:, None])
-    return A
+    """Allocations after adding e nodes by highest marginal gain, for every e: [E, n]
+    (``_fill_options_rows`` for one curve with marginal gains ``marg``)."""
+    return _fill_options_rows(alloc[None, :], np.array([int((marg > 0).sum())]), extras)[0]
 
 
 def make_adaptive(name: str, engine=None, **kwargs) -> AdaptivePolicy:
