@@ -12,6 +12,8 @@ temporary slot indices past the committed ones and are truncated away after comm
 
 from __future__ import annotations
 
+import numpy as np
+
 
 class OutOfBlocks(Exception):
     """The pool has fewer free blocks than a request needs (the engine preempts)."""
@@ -67,6 +69,7 @@ class BlockTable:
     def __init__(self, allocator: BlockAllocator):
         self.alloc = allocator
         self.blocks: list[int] = []
+        self._base: np.ndarray | None = None  # first slot of each block (cached)
 
     @property
     def capacity(self) -> int:
@@ -84,12 +87,15 @@ class BlockTable:
             raise OutOfBlocks
         for _ in range(need):
             self.blocks.append(self.alloc.allocate())
+        if need:
+            self._base = None
 
     def truncate(self, num_slots: int) -> None:
         """Release blocks not needed for the first ``num_slots`` slots."""
         keep = -(-num_slots // self.alloc.block_size)
         while len(self.blocks) > keep:
             self.alloc.free(self.blocks.pop())
+            self._base = None
 
     def release(self) -> None:
         self.truncate(0)
@@ -98,8 +104,13 @@ class BlockTable:
         bs = self.alloc.block_size
         return self.blocks[index // bs] * bs + index % bs
 
-    def slots(self, start: int, stop: int) -> list[int]:
-        """Physical slots of slot indices ``start..stop-1``."""
+    def slots(self, start: int, stop: int) -> np.ndarray:
+        """Physical slots of slot indices ``start..stop-1``: [stop - start] int64.
+
+        Vectorised: the prefix of a long request is hundreds of slots, asked for at
+        every draft step and every verification."""
         bs = self.alloc.block_size
-        b = self.blocks
-        return [b[i // bs] * bs + i % bs for i in range(start, stop)]
+        if self._base is None:
+            self._base = np.asarray(self.blocks, dtype=np.int64) * bs
+        i = np.arange(start, stop, dtype=np.int64)
+        return self._base[i // bs] + i % bs

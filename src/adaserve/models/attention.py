@@ -58,9 +58,9 @@ class SeqSpec:
     None (the prefix is then positions ``0..c-1``).
     """
 
-    prefix_slots: list[int]
-    new_slots: list[int]
-    positions: list[int]
+    prefix_slots: list[int] | np.ndarray
+    new_slots: list[int] | np.ndarray
+    positions: list[int] | np.ndarray
     new_mask: np.ndarray | torch.Tensor | None = None
     prefix_mask: np.ndarray | torch.Tensor | None = None
 
@@ -83,13 +83,10 @@ class AttnMetadata:
         cls, seqs: list[SeqSpec], device: torch.device, sliding_window: int | None = None
     ) -> AttnMetadata:
         """Build metadata for ``seqs`` (in the order their tokens appear in the batch)."""
-        positions: list[int] = []
-        slots: list[int] = []
-        starts: list[int] = []
-        for s in seqs:
-            starts.append(len(positions))
-            positions.extend(s.positions)
-            slots.extend(s.new_slots)
+        lens = [len(s.new_slots) for s in seqs]
+        starts = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64).tolist()
+        positions = np.concatenate([np.asarray(s.positions, dtype=np.int64) for s in seqs])
+        slots = np.concatenate([np.asarray(s.new_slots, dtype=np.int64) for s in seqs])
         solo = [i for i, s in enumerate(seqs) if len(s.new_slots) > _SOLO_QUERY_LEN]
         batched = [i for i, s in enumerate(seqs) if len(s.new_slots) <= _SOLO_QUERY_LEN]
         groups = [
@@ -97,8 +94,8 @@ class AttnMetadata:
             for idx in ([[i] for i in solo] + ([batched] if batched else []))
         ]
         return cls(
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            positions=torch.from_numpy(positions).to(device),
+            slot_mapping=torch.from_numpy(slots).to(device),
             groups=groups,
         )
 

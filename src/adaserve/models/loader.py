@@ -69,6 +69,8 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_hf_state_dict(tensors)
+    if torch.device(device).type == "cpu":
+        model.transpose_weights()
     return model.eval().requires_grad_(False)
 
 
