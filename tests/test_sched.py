@@ -315,6 +315,11 @@ def test_selection_log_explains_decisions_without_text(tiny_pair, cheap_profile,
     assert all(len(json.dumps(x)) < 400 for x in lines)  # no prompt/output text
 
 
+def _static_ms(tokens, steps, reqs):
+    """A made-up profile: verification plus draft steps (ms)."""
+    return 5.0 + 0.05 * tokens + 0.8 * steps + 0.1 * steps * reqs
+
+
 def test_online_correction_learns_marginal_cost_of_tokens():
     """Iterations that cost 0.1 ms more per verified token than the profile says:
     the fitted correction recovers the slope, so bigger plans are priced higher."""
@@ -328,25 +333,46 @@ def test_online_correction_learns_marginal_cost_of_tokens():
             int(rng.integers(0, 6)),
             int(rng.integers(1, 9)),
         )
-        x = OnlineCorrection.features(tokens, steps, reqs)
+        x = OnlineCorrection.features(_static_ms(tokens, steps, reqs), tokens, steps, reqs)
         corr.update(x, 2.0 + 0.1 * tokens + 0.05 * steps * reqs)
-    small = corr.predict(OnlineCorrection.features(10, 2, 4))
-    big = corr.predict(OnlineCorrection.features(110, 2, 4))
+    small = corr.predict(OnlineCorrection.features(_static_ms(10, 2, 4), 10, 2, 4))
+    big = corr.predict(OnlineCorrection.features(_static_ms(110, 2, 4), 110, 2, 4))
     assert abs((big - small) - 10.0) < 1.0
 
 
-def test_online_correction_puts_a_constant_gap_on_the_constant():
+def test_online_correction_learns_a_slowdown_as_a_ratio():
+    """The machine runs 1.4x slower than profiled and the policy only tried depths 2-3
+    at 2-4 requests: a depth-8 plan is predicted 1.4x its profile, not priced out by a
+    slope fitted on depth x requests (a chain's tokens are n x (1 + depth))."""
+    from adaserve.sched.adaptive import OnlineCorrection
+
+    corr = OnlineCorrection()
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        n, d = int(rng.integers(2, 5)), int(rng.integers(2, 4))
+        st = _static_ms(n * (1 + d), d, n)
+        corr.update(OnlineCorrection.features(st, n * (1 + d), d, n), 0.4 * st)
+    for n, d in ((3, 8), (1, 6), (6, 1)):
+        st = _static_ms(n * (1 + d), d, n)
+        got = float(corr.predict(OnlineCorrection.features(st, n * (1 + d), d, n)))
+        assert got == pytest.approx(0.4 * st, rel=0.15)
+
+
+def test_online_correction_puts_a_constant_gap_on_few_plans_modestly():
     """Every iteration 5 ms slower than profiled, at the few pass sizes a policy tries:
-    the gap is not extrapolated as a per-token cost that would price big trees out."""
+    the gap is not extrapolated as a steep per-token cost that would price big trees
+    out (at most proportionally to the profile)."""
     from adaserve.sched.adaptive import OnlineCorrection
 
     corr = OnlineCorrection()
     for i in range(200):
-        corr.update(OnlineCorrection.features(4 + i % 3, 1, 2), 5.0)
-    small = corr.predict(OnlineCorrection.features(5, 1, 2))
-    big = corr.predict(OnlineCorrection.features(40, 1, 2))
+        tok = 4 + i % 3
+        corr.update(OnlineCorrection.features(_static_ms(tok, 1, 2), tok, 1, 2), 5.0)
+    small = corr.predict(OnlineCorrection.features(_static_ms(5, 1, 2), 5, 1, 2))
+    big = corr.predict(OnlineCorrection.features(_static_ms(40, 1, 2), 40, 1, 2))
     assert abs(small - 5.0) < 0.5
-    assert big - small < 2.0
+    ratio = _static_ms(40, 1, 2) / _static_ms(5, 1, 2)
+    assert big - small < 5.0 * (ratio - 1) + 0.5
 
 
 @settings(max_examples=80, deadline=None)
@@ -372,7 +398,7 @@ def test_vectorised_depth_evaluation_equals_the_per_depth_one(
         reqs.append(req(i, tpot, behind_ms=behind, n_out=int(rng.integers(1, 60)), rank=i % 3))
     pol = AdaptivePolicy(name)
     pol.cfg = dataclasses.replace(pol.cfg, max_budget=max_budget)
-    pol.correction.theta = rng.normal(0, [1.0, 0.01, 0.3, 0.02])
+    pol.correction.theta = rng.normal(0, [1.0, 0.1, 0.01, 0.3, 0.02])
     view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=free, hw=HW)
     acc = tuple(round(float(x), 2) for x in np.sort(rng.uniform(0.02, 0.9, 4))[::-1])
     arr = _Arrays.of(reqs)

@@ -21,7 +21,7 @@ DRAFT_TOKENS = (1, 4, 16, 64, 256)
 KV_LENS = (64, 512)
 # Part of the cache key: bump when the forward code's speed changes (e.g. the paged
 # attention kernel), so that cached profiles measured with the old code are not reused.
-FORWARD_VERSION = 2
+FORWARD_VERSION = 3
 
 
 def fingerprint(path: str | Path | None) -> str:

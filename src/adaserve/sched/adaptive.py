@@ -13,7 +13,11 @@ All three pick the iteration's verification budget B from the hardware model.
 * ``smartspec``: one chain length for the whole batch, chosen to maximise predicted
   goodput, SLO-oblivious.
 
-Quantities (ms): A(r) = (l_r + t_iter) / tpot_r - o_r, clipped to [1, d + 1].
+Quantities (ms): A(r), the accepted tokens r needs this iteration, is the pace that
+brings its mean TPOT back to its aim (target less ``slo_margin``) within the next H
+output tokens: A(r) = H * t_iter / (aim_r * (o_r + H - 1) - l_r), clipped to
+[1, d + 1] (H = ``catch_up_tokens``; H = 0 gives the paper's one-iteration form
+(l_r + t_iter) / aim_r - o_r + 1).
 """
 
 from __future__ import annotations
@@ -45,12 +49,17 @@ class AdaptiveConfig:
     # consider trees wider than a chain only when the calibrated acceptance of a
     # second-ranked child reaches this (0 = always consider them)
     min_sibling_acceptance: float = 0.2
+    # A(r) makes up a TPOT deficit within this many output tokens (or by the end of the
+    # output, if sooner); 0 = within this iteration, the paper's form
+    catch_up_tokens: int = 16
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_depth <= 16 or not 1 <= self.max_width <= 8:
             raise ValueError("max_depth must be in [1, 16] and max_width in [1, 8]")
         if not 0.0 <= self.min_sibling_acceptance <= 1.0:
             raise ValueError("min_sibling_acceptance must be in [0, 1]")
+        if self.catch_up_tokens < 0:
+            raise ValueError("catch_up_tokens must be >= 0")
         if not 0.0 <= self.slo_margin < 0.9:
             raise ValueError("slo_margin must be in [0, 0.9)")
         if self.node_cap < 1 or self.prefill_chunk < 1 or self.max_budget < 1:
@@ -142,9 +151,23 @@ class AdaptivePolicy(Policy):
         return self._requirements_at(a, np.array([t_iter], dtype=float))[0]
 
     def _requirements_at(self, a: _Arrays, t_iter: np.ndarray) -> np.ndarray:
-        """``_requirements`` for several iteration times at once: [m] -> [m, n]."""
+        """``_requirements`` for several iteration times at once: [m] -> [m, n].
+
+        A(r) is the pace that brings r's mean TPOT back to its aim within the next H
+        output tokens (H = ``catch_up_tokens``, or the tokens it has left if fewer):
+        ``H / A`` iterations of ``t_iter`` must fit in ``aim * (n_out + H - 1) - l_r``.
+        A request a little behind needs a somewhat bigger tree for a few iterations,
+        not its whole deficit in one; one that cannot catch up even so needs the most
+        (and is infeasible). H = 0 is the paper's one-iteration form."""
+        aim = self._aim(a)
+        t = t_iter[:, None]
         with np.errstate(invalid="ignore", divide="ignore"):
-            need = (a.decode_ms + t_iter[:, None]) / self._aim(a) - a.n_out + 1
+            if self.cfg.catch_up_tokens == 0:
+                need = (a.decode_ms + t) / aim - a.n_out + 1
+            else:
+                h = np.clip(a.left, 1.0, self.cfg.catch_up_tokens)
+                slack = aim * (a.n_out + h - 1.0) - a.decode_ms
+                need = np.where(slack > 0, h * t / slack, np.inf)
         need = np.where(a.has_tpot, need, 1.0)
         return np.clip(need, 1.0, self.cfg.max_depth + 1)
 
@@ -225,17 +248,14 @@ class AdaptivePolicy(Policy):
         # the fitted correction is linear in the tokens (OnlineCorrection.features)
         tok0 = n + P
         draft_ms = _draft_ms(hw, tok0, kv, d, w, n)
-        th = self.correction.theta
-        corr0 = float(th[0] + th[2] * d + th[3] * d * (n if d else 0))
-
-        def static_ms(total_nodes):
-            return hw.verify_latency(tok0 + np.asarray(total_nodes), kv) + draft_ms
+        corr = self.correction
 
         def t_iter(total_nodes):
             """Predicted iteration ms for ``total_nodes`` candidates (scalar or array):
             the profile plus the fitted correction, never below half the profile."""
-            st = static_ms(total_nodes)
-            ms = np.maximum(st + corr0 + th[1] * (tok0 + np.asarray(total_nodes)), 0.5 * st)
+            tok = tok0 + np.asarray(total_nodes)
+            st = hw.verify_latency(tok, kv) + draft_ms
+            ms = np.maximum(st + corr.residual(st, tok, d, n if d else 0), 0.5 * st)
             return ms if np.ndim(ms) else float(ms)
 
         if d == 0:
@@ -314,13 +334,13 @@ class AdaptivePolicy(Policy):
         first = hw.draft_latency(max(tok0, 1.0))
         step = hw.draft_latency(max(n * w, 1.0))
         draft = (first + (dv - 1) * step + dv * n * hw.draft_host_ms + hw.overhead_ms)[:, None]
-        th = self.correction.theta
-        corr0 = (th[0] + th[2] * dv + th[3] * dv * n)[:, None]
+        corr = self.correction
 
         def t_iter(total):
             """total: [D, m] candidates -> predicted iteration ms [D, m]."""
             st = hw.verify_latency(tok0 + total, kv) + draft
-            return np.maximum(st + corr0 + th[1] * (tok0 + total), 0.5 * st)
+            res = corr.residual(st, tok0 + total, dv[:, None], n)
+            return np.maximum(st + res, 0.5 * st)
 
         alloc = np.zeros((D, n), dtype=np.int64)
         t = t_iter(np.zeros((D, 1)))[:, 0]
@@ -369,16 +389,21 @@ class AdaptivePolicy(Policy):
         profile's prediction (``t_static``) and the requests it cannot keep on target."""
         n = len(arr.rid)
         d, w, total = best["depth"], best["width"], int(best["alloc"].sum())
-        best["features"] = OnlineCorrection.features(n + P + total, d, n if d else 0).tolist()
         best["t_static"] = float(
             view.hw.verify_latency(n + P + total, kv) + _draft_ms(view.hw, n + P, kv, d, w, n)
         )
+        best["features"] = OnlineCorrection.features(
+            best["t_static"], n + P + total, d, n if d else 0
+        ).tolist()
         best["infeasible"] = []
-        if self.name == "adaserve" and d > 0:
-            g = gain_curve(d, w, acc)
-            got = g[np.minimum(best["alloc"], len(g) - 1)]
+        if self.name == "adaserve":
+            # beyond reach: not even the biggest tree any request may get would meet the
+            # requirement at this plan's pace (a plan that merely chose a smaller tree,
+            # or a prediction a little pessimistic, is no reason to degrade anyone)
+            g = gain_curve(self.cfg.max_depth, max(self._widths(n)), acc)
+            reach = g[min(self.cfg.node_cap, len(g) - 1)]
             need = self._requirements(arr, best["t_iter"]) - 1.0
-            best["infeasible"] = arr.rid[arr.has_tpot & (got + 1e-9 < need)].tolist()
+            best["infeasible"] = arr.rid[arr.has_tpot & (need > reach + 1e-9)].tolist()
 
     def _slo_score(self, arr: _Arrays, t: float, expected_extra) -> tuple[float, float]:
         """(weighted count of requests whose requirement the plan meets, minus the
@@ -461,28 +486,41 @@ class AdaptivePolicy(Policy):
 
 class OnlineCorrection:
     """Measured minus profiled iteration time, fitted online as a linear function of
-    [1, verified tokens, draft steps, draft steps x speculating requests] by ridge
-    regression with exponential forgetting. Unlike one measured/predicted ratio, it
-    corrects the *marginal* cost of candidates and draft steps, which is what decides
-    between plans.
+    [1, profiled ms, verified tokens, draft steps, draft steps x speculating requests]
+    by ridge regression with exponential forgetting.
 
-    The slopes are penalised far more than the constant: with the narrow range of pass
-    sizes a policy actually tries, an equal penalty would put most of a constant
-    residual on the per-token slope (the minimum-norm split), price every bigger tree
-    out, and the policy would never try one to learn otherwise."""
+    The profiled-ms feature is the machine's speed factor: a CPU that runs 1.4x slower
+    than when it was profiled (shared cores, frequency drift) leaves a residual of
+    0.4 x the profile, for every plan alike. It is penalised least, so a uniform
+    slowdown is learned as a ratio and keeps the profile's relative prices of tokens
+    and draft steps. The other slopes only pick up what scaling does not explain (a
+    per-token or per-draft-step cost the profile misses). Without the speed feature a
+    slowdown lands on whichever slope is least penalised; since a chain's verified
+    tokens are n x (1 + depth), that was depth x requests, and every deeper tree was
+    overpriced. The constant is penalised more than the speed factor and less than
+    the slopes."""
 
-    def __init__(self, decay: float = 0.98, ridge: float = 5.0):
+    PENALTY = (50.0, 1.0, 20000.0, 500.0, 500.0)
+
+    def __init__(self, decay: float = 0.98):
         self.decay = decay
-        self.ridge = np.diag(ridge * np.array([1.0, 2000.0, 10.0, 10.0]))
+        self.ridge = np.diag(np.array(self.PENALTY))
         self.A = self.ridge.copy()
-        self.b = np.zeros(4)
-        self.theta = np.zeros(4)
+        self.b = np.zeros(len(self.PENALTY))
+        self.theta = np.zeros(len(self.PENALTY))
 
     @staticmethod
-    def features(tokens, steps: int, spec_requests: int) -> np.ndarray:
-        t = np.asarray(tokens, dtype=float)
-        one = np.ones_like(t)
-        return np.stack([one, t, one * steps, one * steps * spec_requests], axis=-1)
+    def features(static_ms, tokens, steps, spec_requests) -> np.ndarray:
+        """[..., 5] rows for broadcastable inputs."""
+        st, t, d, n = np.broadcast_arrays(
+            *(np.asarray(x, dtype=float) for x in (static_ms, tokens, steps, spec_requests))
+        )
+        return np.stack([np.ones_like(st), st, t, d, d * n], axis=-1)
+
+    def residual(self, static_ms, tokens, steps, spec_requests):
+        """Predicted measured-minus-profiled ms (broadcast over the inputs)."""
+        th = self.theta
+        return th[0] + th[1] * static_ms + th[2] * tokens + (th[3] + th[4] * spec_requests) * steps
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         return x @ self.theta
@@ -503,6 +541,7 @@ class _Arrays:
     tpot: np.ndarray
     has_tpot: np.ndarray
     weight: np.ndarray
+    left: np.ndarray  # output tokens still allowed (max_tokens left)
 
     @classmethod
     def of(cls, reqs: list[ReqView]) -> _Arrays:
@@ -514,6 +553,7 @@ class _Arrays:
             tpot=tp,
             has_tpot=~np.isnan(tp),
             weight=np.array([3 - min(r.rank, 2) for r in reqs], dtype=float),  # strict weigh more
+            left=np.array([min(r.max_tokens, 1 << 20) for r in reqs], dtype=float),
         )
 
 
