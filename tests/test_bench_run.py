@@ -125,6 +125,39 @@ def test_in_process_multi_policy_run_writes_json_markdown_png(tiny_pair, profile
         assert _is_png(out / name), name
 
 
+def test_repeat_pools_runs_and_rotates_the_policy_order(
+    tiny_pair, profile, tmp_path, monkeypatch, capsys
+):
+    """--repeat 2: each policy runs twice (round 2 starts with the second policy); the
+    result pools both runs' requests and lists each run's attainment."""
+    import adaserve.bench.cli as bcli
+
+    target, draft, _ = tiny_pair
+    order = []
+    real = bcli.run_in_process
+
+    def spy(factory, policy, *a, **kw):
+        order.append(policy)
+        return real(factory, policy, *a, **kw)
+
+    monkeypatch.setattr(bcli, "run_in_process", spy)
+    out = tmp_path / "rep"
+    args = ["bench", "serve", "--model", str(target), "--draft", str(draft)]
+    args += ["--profile", profile, "--policies", "ar,spec-chain:2", "--num-prompts", "4"]
+    args += ["--request-rate", "30", "--repeat", "2", "--no-plots", "--out", str(out), *SMALL]
+    assert main(args) == 0
+    assert order == ["ar", "spec-chain:2", "spec-chain:2", "ar"]
+    res = json.loads((out / "result.json").read_text())
+    for r in res["results"].values():
+        reps = r["overall"]["repeats"]
+        assert len(reps) == 2 and r["overall"]["requests"] == 8
+        pooled = r["overall"]["attainment"]
+        assert min(x["attainment"] for x in reps) <= pooled <= max(x["attainment"] for x in reps)
+    assert "attainment per run" in capsys.readouterr().out
+    bad = [a if a != "2" else "0" for a in args]  # --repeat 0
+    assert main(bad) != 0
+
+
 def test_run_in_process_applies_and_resets_shifts(tiny_pair, profile, tmp_path):
     from adaserve.config import EngineConfig
 

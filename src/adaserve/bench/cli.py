@@ -73,6 +73,14 @@ def _add_common(p: argparse.ArgumentParser, default_duration: float) -> None:
     w.add_argument("--duration", type=float, default=default_duration, help="seconds of arrivals")
     w.add_argument("--num-prompts", type=int, default=None, help="cap on the number of requests")
     w.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the policies N times, each round starting one policy later; report "
+        "figures pooled over all runs plus each run's attainment (a machine whose speed "
+        "drifts within minutes makes one sequential run per policy unreliable)",
+    )
+    w.add_argument(
         "--class-mix",
         default=format_class_mix(DEFAULT_CLASS_MIX),
         help="CLASS:SHARE,... (default %(default)s)",
@@ -408,13 +416,21 @@ def _serve_once(backend, spec: WorkloadSpec, args, progress: bool):
         raise AdaServeError("the workload is empty: raise --duration or --request-rate")
     results, records, timelines = {}, {}, {}
     slo_targets = {}
-    for pol in backend.policies:
-        summary, recs, tl, slos = backend.run(spec, items, pol, progress)
-        results[pol] = summary
-        records[pol] = recs
-        if tl is not None:
-            timelines[pol] = tl.samples
-        slo_targets = {k: {"tpot_ms": v.tpot_ms, "ttft_ms": v.ttft_ms} for k, v in slos.items()}
+    pols = list(backend.policies)
+    runs: dict[str, list] = {pol: [] for pol in pols}
+    repeat = getattr(args, "repeat", 1)
+    if not isinstance(repeat, int) or repeat < 1:
+        raise AdaServeError("--repeat must be a positive integer")
+    for k in range(repeat):  # each round starts one policy later: drift hits all alike
+        for pol in pols[k % len(pols) :] + pols[: k % len(pols)]:
+            summary, recs, tl, slos = backend.run(spec, items, pol, progress)
+            runs[pol].append((summary, recs))
+            records[pol] = recs
+            if tl is not None:
+                timelines[pol] = tl.samples
+            slo_targets = {k: {"tpot_ms": v.tpot_ms, "ttft_ms": v.ttft_ms} for k, v in slos.items()}
+    for pol in pols:
+        results[pol] = runs[pol][0][0] if repeat == 1 else _pooled(runs[pol])
     config = {
         **spec.to_dict(),
         **backend.config(),
@@ -425,6 +441,33 @@ def _serve_once(backend, spec: WorkloadSpec, args, progress: bool):
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     return {"config": config, "results": results}, records, timelines
+
+
+def _pooled(runs: list[tuple[dict, list]]) -> dict:
+    """One policy's repeated runs as one summary over all their requests (throughputs
+    over the summed durations), with each run's figures under ``overall.repeats``."""
+    pooled = [r for _, recs in runs for r in recs]
+    out = summarize(pooled, sum(s["overall"]["duration_s"] for s, _ in runs))
+    out["overall"]["repeats"] = [
+        {
+            "attainment": s["overall"]["attainment"],
+            "goodput_tok_s": s["overall"]["goodput_tok_s"],
+            "per_class_attainment": {c: m["attainment"] for c, m in s["per_class"].items()},
+        }
+        for s, _ in runs
+    ]
+    return out
+
+
+def _repeat_lines(results: dict) -> str:
+    """Per-run attainment of each policy when runs were repeated ('' otherwise)."""
+    lines = []
+    for pol, s in results.items():
+        reps = s["overall"].get("repeats")
+        if reps:
+            att = " / ".join(f"{100 * r['attainment']:.1f}" for r in reps)
+            lines.append(f"  {pol}: attainment per run {att} %")
+    return ("runs (in-order; pooled figures above):\n" + "\n".join(lines) + "\n") if lines else ""
 
 
 # ---------------------------------------------------------------------- commands
@@ -438,6 +481,7 @@ def run_serve(args, backend=None) -> int:
     out = _out_dir(args, "serve")
     write_report(out, result, "serve", timelines or None, records, plots=not args.no_plots)
     print(format_class_table(result))
+    print(_repeat_lines(result["results"]), end="")
     print(f"\nwrote {out}/result.json, summary.md and plots", file=sys.stderr)
     return 0
 
@@ -484,6 +528,8 @@ def run_sweep(args, backend=None) -> int:
                 print(f"[{name}] x = {v:g}", file=sys.stderr)
             result, _records, _tl = _serve_once(backend, spec, args, progress)
             points.append({"x": v, "results": result["results"]})
+            if _repeat_lines(result["results"]):
+                print(f"[{name}] x = {v:g}\n" + _repeat_lines(result["results"]), end="")
             config = config or result["config"]
         swept = {"rate": "request_rate", "strict-share": "class_mix", "slo-scale": "slo_scale"}
         config = {**(config or {}), swept[name]: "swept", "sweep": name, "values": list(values)}
