@@ -14,17 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
-from common import heldout_code_prompts
+from common import alternate_steps, decoding_engine
 
 import adaserve.models.llama as llama
-from adaserve.config import EngineConfig
-from adaserve.engine import Engine
-from adaserve.sampling import SamplingParams
-from adaserve.slo import SLO
 
 
 def reference_attention(q, k_cache, v_cache, groups, scale):
@@ -44,27 +39,19 @@ def reference_attention(q, k_cache, v_cache, groups, scale):
 
 
 def run_case(batch: int, policy: str, rounds: int) -> dict:
-    e = Engine(EngineConfig(policy=policy))
-    sp = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
-    for p in heldout_code_prompts(batch, 400, 1600):
-        e.add_request(e.tokenizer.encode(p), sp, SLO(tpot_ms=50))
-    while e.waiting or any(r.num_output == 0 for r in e.running):
-        e.step()
+    e = decoding_engine(batch, policy)
     shipped = llama.paged_attention
-    tot = {"reference": 0.0, "shipped": 0.0}
+
+    def use(fn):
+        return lambda: setattr(llama, "paged_attention", fn)
+
     try:
-        for _ in range(rounds):
-            for name, fn in (("reference", reference_attention), ("shipped", shipped)):
-                llama.paged_attention = fn
-                e.step()  # warm-up step for this variant
-                t = time.perf_counter()
-                for _ in range(5):
-                    e.step()
-                tot[name] += time.perf_counter() - t
+        ms = alternate_steps(
+            e, {"reference": use(reference_attention), "shipped": use(shipped)}, rounds
+        )
     finally:
         llama.paged_attention = shipped
         e.close()
-    ms = {k: round(v / (5 * rounds) * 1e3, 2) for k, v in tot.items()}
     return {"step_ms": ms, "speedup": round(ms["reference"] / ms["shipped"], 2)}
 
 

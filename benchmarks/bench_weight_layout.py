@@ -12,16 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
-from common import heldout_code_prompts
+from common import alternate_steps, decoding_engine
 from torch import nn
-
-from adaserve.config import EngineConfig
-from adaserve.engine import Engine
-from adaserve.sampling import SamplingParams
-from adaserve.slo import SLO
 
 
 def _layouts(models) -> dict[str, list[tuple[nn.Linear, torch.Tensor]]]:
@@ -36,29 +30,21 @@ def _layouts(models) -> dict[str, list[tuple[nn.Linear, torch.Tensor]]]:
 
 
 def run_case(batch: int, policy: str, rounds: int) -> dict:
-    e = Engine(EngineConfig(policy=policy))
-    sp = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
-    for p in heldout_code_prompts(batch, 400, 1600):
-        e.add_request(e.tokenizer.encode(p), sp, SLO(tpot_ms=50))
-    while e.waiting or any(r.num_output == 0 for r in e.running):
-        e.step()
+    e = decoding_engine(batch, policy)
     layouts = _layouts([m for m in (e.target, e.draft) if m is not None])
-    tot = dict.fromkeys(layouts, 0.0)
+
+    def use(pairs):
+        def install():
+            for mod, w in pairs:
+                mod.weight = w
+
+        return install
+
     try:
-        for _ in range(rounds):
-            for name, pairs in layouts.items():
-                for mod, w in pairs:
-                    mod.weight = w
-                e.step()  # warm-up step for this layout
-                t = time.perf_counter()
-                for _ in range(5):
-                    e.step()
-                tot[name] += time.perf_counter() - t
+        ms = alternate_steps(e, {k: use(v) for k, v in layouts.items()}, rounds)
     finally:
-        for mod, w in layouts["shipped"]:
-            mod.weight = w
+        use(layouts["shipped"])()
         e.close()
-    ms = {k: round(v / (5 * rounds) * 1e3, 2) for k, v in tot.items()}
     return {"step_ms": ms, "speedup": round(ms["row-major"] / ms["shipped"], 2)}
 
 

@@ -38,3 +38,36 @@ class Timer:
 
     def __exit__(self, *exc):
         self.s = time.perf_counter() - self.t0
+
+
+def decoding_engine(batch: int, policy: str):
+    """An engine on the shipped pair with ``batch`` held-out prompts past prefill, each
+    decoding without end (for step-time A/B measurements)."""
+    from adaserve.config import EngineConfig
+    from adaserve.engine import Engine
+    from adaserve.sampling import SamplingParams
+    from adaserve.slo import SLO
+
+    e = Engine(EngineConfig(policy=policy))
+    sp = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    for p in heldout_code_prompts(batch, 400, 1600):
+        e.add_request(e.tokenizer.encode(p), sp, SLO(tpot_ms=50))
+    while e.waiting or any(r.num_output == 0 for r in e.running):
+        e.step()
+    return e
+
+
+def alternate_steps(engine, variants: dict, rounds: int, steps: int = 5) -> dict[str, float]:
+    """Mean step ms of each variant, alternated on one engine so that machine-speed
+    drift hits all alike. ``variants``: name -> function installing that variant; each
+    turn runs one warm-up step, then ``steps`` timed steps."""
+    tot = dict.fromkeys(variants, 0.0)
+    for _ in range(rounds):
+        for name, install in variants.items():
+            install()
+            engine.step()
+            t = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            tot[name] += time.perf_counter() - t
+    return {k: round(v / (steps * rounds) * 1e3, 2) for k, v in tot.items()}
