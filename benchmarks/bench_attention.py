@@ -12,12 +12,9 @@ affects both alike. Prints mean step ms for each and the ratio, per (batch, poli
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import torch
 import torch.nn.functional as F
-from common import alternate_steps, decoding_engine
+from common import alternate_steps, decoding_engine, run_cases
 
 import adaserve.models.llama as llama
 
@@ -55,18 +52,5 @@ def run_case(batch: int, policy: str, rounds: int) -> dict:
     return {"step_ms": ms, "speedup": round(ms["reference"] / ms["shipped"], 2)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", default="48:ar,8:spec-chain:4,1:ar", help="batch:policy,...")
-    ap.add_argument("--rounds", type=int, default=6)
-    args = ap.parse_args()
-    out = {}
-    for case in args.cases.split(","):
-        b, pol = case.split(":", 1)
-        out[case] = run_case(int(b), pol, args.rounds)
-        print(case, out[case], flush=True)
-    print(json.dumps(out, indent=1))
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(__doc__, "48:ar,8:spec-chain:4,1:ar", run_case)

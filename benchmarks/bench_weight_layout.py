@@ -10,11 +10,8 @@ ratio, per (batch, policy).
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import torch
-from common import alternate_steps, decoding_engine
+from common import alternate_steps, decoding_engine, run_cases
 from torch import nn
 
 
@@ -48,18 +45,5 @@ def run_case(batch: int, policy: str, rounds: int) -> dict:
     return {"step_ms": ms, "speedup": round(ms["row-major"] / ms["shipped"], 2)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", default="8:spec-chain:4,1:spec-chain:4,16:ar,1:ar")
-    ap.add_argument("--rounds", type=int, default=6)
-    args = ap.parse_args()
-    out = {}
-    for case in args.cases.split(","):
-        b, pol = case.split(":", 1)
-        out[case] = run_case(int(b), pol, args.rounds)
-        print(case, out[case], flush=True)
-    print(json.dumps(out))
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(__doc__, "8:spec-chain:4,1:spec-chain:4,16:ar,1:ar", run_case)

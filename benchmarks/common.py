@@ -71,3 +71,21 @@ def alternate_steps(engine, variants: dict, rounds: int, steps: int = 5) -> dict
                 engine.step()
             tot[name] += time.perf_counter() - t
     return {k: round(v / (steps * rounds) * 1e3, 2) for k, v in tot.items()}
+
+
+def run_cases(doc: str, default_cases: str, run_case) -> None:
+    """CLI of the A/B step-time benchmarks: ``--cases batch:policy,...`` and
+    ``--rounds``; prints each case's ``run_case(batch, policy, rounds)`` and a JSON."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--cases", default=default_cases, help="batch:policy,...")
+    ap.add_argument("--rounds", type=int, default=6)
+    args = ap.parse_args()
+    out = {}
+    for case in args.cases.split(","):
+        b, pol = case.split(":", 1)
+        out[case] = run_case(int(b), pol, args.rounds)
+        print(case, out[case], flush=True)
+    print(json.dumps(out, indent=1))

@@ -421,8 +421,8 @@ def _serve_once(backend, spec: WorkloadSpec, args, progress: bool):
     repeat = getattr(args, "repeat", 1)
     if not isinstance(repeat, int) or repeat < 1:
         raise AdaServeError("--repeat must be a positive integer")
-    for k in range(repeat):  # each round starts one policy later: drift hits all alike
-        for pol in pols[k % len(pols) :] + pols[: k % len(pols)]:
+    for rnd in range(repeat):  # each round starts one policy later: drift hits all alike
+        for pol in pols[rnd % len(pols) :] + pols[: rnd % len(pols)]:
             summary, recs, tl, slos = backend.run(spec, items, pol, progress)
             runs[pol].append((summary, recs))
             records[pol] = recs
@@ -528,8 +528,9 @@ def run_sweep(args, backend=None) -> int:
                 print(f"[{name}] x = {v:g}", file=sys.stderr)
             result, _records, _tl = _serve_once(backend, spec, args, progress)
             points.append({"x": v, "results": result["results"]})
-            if _repeat_lines(result["results"]):
-                print(f"[{name}] x = {v:g}\n" + _repeat_lines(result["results"]), end="")
+            per_run = _repeat_lines(result["results"])
+            if per_run:
+                print(f"[{name}] x = {v:g}\n" + per_run, end="")
             config = config or result["config"]
         swept = {"rate": "request_rate", "strict-share": "class_mix", "slo-scale": "slo_scale"}
         config = {**(config or {}), swept[name]: "swept", "sweep": name, "values": list(values)}

@@ -518,7 +518,8 @@ class OnlineCorrection:
         return np.stack([np.ones_like(st), st, t, d, d * n], axis=-1)
 
     def residual(self, static_ms, tokens, steps, spec_requests):
-        """Predicted measured-minus-profiled ms (broadcast over the inputs)."""
+        """Predicted measured-minus-profiled ms (broadcast over the inputs): the value of
+        ``predict(features(...))`` without building the feature rows (planning hot path)."""
         th = self.theta
         return th[0] + th[1] * static_ms + th[2] * tokens + (th[3] + th[4] * spec_requests) * steps
 
