@@ -142,34 +142,44 @@ class AdaptivePolicy(Policy):
         """A(r): accepted tokens this iteration that keep r's mean TPOT within target."""
         return float(self._requirements(_Arrays.of([r]), t_iter)[0])
 
-    def _aim(self, a: _Arrays) -> np.ndarray:
-        """The TPOT each request is planned for: its target less the margin [n]."""
-        return a.tpot * (1.0 - self.cfg.slo_margin)
-
-    def _requirements(self, a: _Arrays, t_iter: float) -> np.ndarray:
-        """A(r) for every request at once: [n]."""
-        return self._requirements_at(a, np.array([t_iter], dtype=float))[0]
-
-    def _requirements_at(self, a: _Arrays, t_iter: np.ndarray) -> np.ndarray:
-        """``_requirements`` for several iteration times at once: [m] -> [m, n].
+    def _coef(self, a: _Arrays) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per-request constants, computed once per batch: A(r) = clip(t_iter * slope
+        + base, 1, max_depth + 1), and 1 / aim (aim: the TPOT r is planned for, its
+        target less the margin); 0, 1 and 0 for requests without a TPOT target. [n] each.
 
         A(r) is the pace that brings r's mean TPOT back to its aim within the next H
         output tokens (H = ``catch_up_tokens``, or the tokens it has left if fewer):
         ``H / A`` iterations of ``t_iter`` must fit in ``aim * (n_out + H - 1) - l_r``.
         A request a little behind needs a somewhat bigger tree for a few iterations,
         not its whole deficit in one; one that cannot catch up even so needs the most
-        (and is infeasible). H = 0 is the paper's one-iteration form."""
-        aim = self._aim(a)
-        t = t_iter[:, None]
-        with np.errstate(invalid="ignore", divide="ignore"):
+        (and is infeasible). H = 0 is the paper's one-iteration form
+        (l_r + t_iter) / aim - n_out + 1."""
+        if a.coef is None:
+            aim = a.tpot * (1.0 - self.cfg.slo_margin)  # NaN without a target
+            has = a.has_tpot
             if self.cfg.catch_up_tokens == 0:
-                need = (a.decode_ms + t) / aim - a.n_out + 1
+                slope, base = 1.0 / aim, a.decode_ms / aim - a.n_out + 1.0
             else:
-                h = np.clip(a.left, 1.0, self.cfg.catch_up_tokens)
+                h = np.minimum(np.maximum(a.left, 1.0), self.cfg.catch_up_tokens)
                 slack = aim * (a.n_out + h - 1.0) - a.decode_ms
-                need = np.where(slack > 0, h * t / slack, np.inf)
-        need = np.where(a.has_tpot, need, 1.0)
-        return np.clip(need, 1.0, self.cfg.max_depth + 1)
+                slope = np.divide(h, slack, out=np.full(len(h), np.inf), where=slack > 0)
+                base = 0.0
+            a.coef = (
+                np.where(has, slope, 0.0),
+                np.where(has, base, 1.0),
+                np.where(has, 1.0 / aim, 0.0),
+            )
+        return a.coef
+
+    def _requirements(self, a: _Arrays, t_iter: float) -> np.ndarray:
+        """A(r) for every request at once: [n]."""
+        return self._requirements_at(a, np.array([t_iter], dtype=float))[0]
+
+    def _requirements_at(self, a: _Arrays, t_iter: np.ndarray) -> np.ndarray:
+        """A(r) (see ``_coef``) for m iteration times at once: [m] -> [m, n]."""
+        slope, base, _ = self._coef(a)
+        need = np.asarray(t_iter, dtype=float)[:, None] * slope + base
+        return np.minimum(np.maximum(need, 1.0), self.cfg.max_depth + 1)
 
     def admission_key(self, waiting: ReqView) -> tuple:
         if self.name != "adaserve":
@@ -208,220 +218,166 @@ class AdaptivePolicy(Policy):
         kv = float(sum(r.context_len for r in view.requests))
         acc = self._acc(view)
         arr = _Arrays.of(dec)
-        depths = [d for d in DEPTHS if d <= c.max_depth]
+        depths = tuple(d for d in DEPTHS if d <= c.max_depth)
+        widths = self._widths(n)
         best = None
-        for w in self._widths(n):
-            if self.name == "smartspec":
-                cands = [self._evaluate(view, arr, d, w, P, kv, acc) for d in depths]
-            else:  # depth 0, then every other depth as one array program
-                cands = [self._evaluate(view, arr, 0, w, P, kv, acc)]
-                cands += self._evaluate_depths(view, arr, [d for d in depths if d], w, P, kv, acc)
-            top = max(cands, key=lambda x: x["score"])
-            top["width"] = w
+        for w in widths:
+            top = self._best_depth(view, arr, depths, w, P, kv, acc)
             if best is None or top["score"] > best["score"]:
                 best = top
-        self._complete(view, arr, best, P, kv, acc)
         d, w = best["depth"], best["width"]
-        plan = Plan(prefill=prefill, budget=best["budget"], info=best)
-        if d > 0:
-            # per-request shapes: a request drafts only as deep as its best k candidates
-            # reach in the typical tree
-            dc = depth_curve(d, w, acc)
-            for r, k in zip(dec, best["alloc"].tolist()):
-                if k > 0:
-                    plan.shapes[r.rid] = (int(max(1, dc[min(k, len(dc) - 1)])), w)
-                    plan.node_cap[r.rid] = c.node_cap
-        if self.name == "adaserve":
-            self._overload(dec, best, plan)
-        plan.info["arrays"] = arr
-        return plan
-
-    def _evaluate(self, view, arr: _Arrays, d, w, P, kv, acc) -> dict:
-        """Predicted outcome of drafting depth d, width w for this batch."""
-        c, hw = self.cfg, view.hw
-        n = len(arr.rid)
-        strict = self.name == "adaserve"
-        g = gain_curve(d, w, acc)  # g[k]: expected accepted from best k nodes
-        kmax = min(len(g) - 1, c.node_cap)
-
-        # iteration ms = verify(tokens) + a per-plan constant (draft steps, host work);
-        # the fitted correction is linear in the tokens (OnlineCorrection.features)
-        tok0 = n + P
-        draft_ms = _draft_ms(hw, tok0, kv, d, w, n)
-        corr = self.correction
-
-        def t_iter(total_nodes):
-            """Predicted iteration ms for ``total_nodes`` candidates (scalar or array):
-            the profile plus the fitted correction, never below half the profile."""
-            tok = tok0 + np.asarray(total_nodes)
-            st = hw.verify_latency(tok, kv) + draft_ms
-            ms = np.maximum(st + corr.residual(st, tok, d, n if d else 0), 0.5 * st)
-            return ms if np.ndim(ms) else float(ms)
-
-        if d == 0:
-            t = t_iter(0)
-            score = self._slo_score(arr, t, np.zeros(n)) if strict else (0, 0.0)
-            return {
-                "depth": 0,
-                "budget": n + P,
-                "alloc": np.zeros(n, dtype=int),
-                "t_iter": t,
-                "score": (*score, n / t),
-                "rate": n / t,
-            }
-        alloc = np.zeros(n, dtype=int)
-        t = t_iter(0)
-        mem = max(0, view.free_kv_slots - n * w * d)  # slots left for candidate nodes
-        if strict:
-            for _ in range(2):  # fixed point: requirement depends on t_iter
-                need = self._requirements(arr, t) - 1.0
-                alloc = np.minimum(np.searchsorted(g, need - 1e-9), kmax)
-                alloc = _fit(alloc, need, mem, c.max_budget - n - P)
-                t = t_iter(alloc.sum())
-        # goodput phase: add nodes while the predicted rate improves
-        marg = np.diff(g)[:kmax]
-        if self.name == "smartspec":  # one chain length for the whole batch
-            A = np.full((1, n), min(d, kmax))
-        else:
-            A = _fill_options(alloc, marg, _EXTRAS)  # [E, n]
-        totals = A.sum(axis=1)
-        gots = g[np.minimum(A, len(g) - 1)]  # [E, n] expected extra tokens
-        ok = (n + P + totals <= c.max_budget) & (totals + n * w * d <= view.free_kv_slots)
-        # past the token budget or the KV slots (candidates + draft scratch): not an option;
-        # the SLO-phase allocation alone was already fitted to both
-        ok[0] |= self.name != "smartspec"
-        tts = np.asarray(t_iter(totals), dtype=float) * np.ones(len(totals))
-        rates = (n + gots.sum(axis=1)) / tts
-        # goodput phase by predicted rate: choosing it by the (myopic) SLO score instead
-        # starves throughput in overload and lowers attainment (tests/test_sim.py)
-        rates[~ok] = -1.0
-        b = int(np.argmax(rates))
-        best_rate, best_t, best_alloc = float(rates[b]), float(tts[b]), A[b]
-        got = gots[b]
-        score = self._slo_score(arr, best_t, got) if strict else (0, 0.0)
-        return {
-            "depth": d,
-            "budget": int(n + P + best_alloc.sum()),
-            "alloc": best_alloc,
-            "t_iter": best_t,
-            "rate": best_rate,
-            "score": (*score, best_rate),
-        }
-
-    def _evaluate_depths(self, view, arr: _Arrays, ds: list[int], w, P, kv, acc) -> list[dict]:
-        """``_evaluate`` for every depth in ``ds`` (all > 0) at once, as arrays over
-        [depths, requests] (and [depths, goodput options, requests]); same results.
-        Not for ``smartspec`` (its goodput phase is one option per depth)."""
-        c, hw = self.cfg, view.hw
-        n = len(arr.rid)
-        D = len(ds)
-        strict = self.name == "adaserve"
-        dv = np.asarray(ds, dtype=float)
-        curves = [gain_curve(d, w, acc) for d in ds]
-        kmax = np.array([min(len(g) - 1, c.node_cap) for g in curves])
-        K = int(kmax.max())
-        # G[i, k]: gain of the best k nodes at depth ds[i], the last value repeated past
-        # the curve; Gs: the same with +inf there (for counting values below a need)
-        G = np.empty((D, K + 1))
-        Gs = np.full((D, K + 1), np.inf)
-        for i, g in enumerate(curves):
-            m = min(len(g), K + 1)
-            G[i, :m] = g[:m]
-            G[i, m:] = g[m - 1]
-            Gs[i, :m] = g[:m]
-        tok0 = n + P
-        # HardwareModel.drafting_ms for every depth (same operations, so the same floats)
-        first = hw.draft_latency(max(tok0, 1.0))
-        step = hw.draft_latency(max(n * w, 1.0))
-        draft = (first + (dv - 1) * step + dv * n * hw.draft_host_ms + hw.overhead_ms)[:, None]
-        corr = self.correction
-
-        def t_iter(total):
-            """total: [D, m] candidates -> predicted iteration ms [D, m]."""
-            st = hw.verify_latency(tok0 + total, kv) + draft
-            res = corr.residual(st, tok0 + total, dv[:, None], n)
-            return np.maximum(st + res, 0.5 * st)
-
-        alloc = np.zeros((D, n), dtype=np.int64)
-        t = t_iter(np.zeros((D, 1)))[:, 0]
-        mem = np.maximum(0, view.free_kv_slots - n * w * dv.astype(np.int64))
-        if strict:
-            cap = np.maximum(0, np.minimum(mem, c.max_budget - n - P))
-            for _ in range(2):  # fixed point: requirement depends on t_iter
-                need = self._requirements_at(arr, t) - 1.0  # [D, n]
-                alloc = np.stack([np.searchsorted(Gs[i], need[i] - 1e-9) for i in range(D)])
-                alloc = _fit_rows(np.minimum(alloc, kmax[:, None]), need, cap)
-                t = t_iter(alloc.sum(1)[:, None])[:, 0]
-        # goodput phase: add nodes while the predicted rate improves
-        marg = np.diff(G, axis=1)  # [D, K]
-        kfill = ((marg > 0) & (np.arange(K)[None, :] < kmax[:, None])).sum(1)
-        A = _fill_options_rows(alloc, kfill, _EXTRAS)  # [D, E, n]
-        totals = A.sum(-1)  # [D, E]
-        gots = G[np.arange(D)[:, None, None], A]  # [D, E, n]
-        ok = (n + P + totals <= c.max_budget) & (totals + n * w * dv[:, None] <= view.free_kv_slots)
-        ok[:, 0] = True
-        tts = t_iter(totals.astype(float))
-        rates = (n + gots.sum(-1)) / tts
-        rates[~ok] = -1.0
-        b = rates.argmax(1)  # [D]
-        rows = np.arange(D)
-        best_t, best_rate, best_alloc = tts[rows, b], rates[rows, b], A[rows, b]
-        got = gots[rows, b]  # [D, n]
-        if strict:
-            met_w, excess = self._slo_scores(arr, best_t, got)
-        out = []
-        for i, d in enumerate(ds):
-            score = (float(met_w[i]), float(excess[i])) if strict else (0, 0.0)
-            out.append(
-                {
-                    "depth": d,
-                    "budget": int(n + P + best_alloc[i].sum()),
-                    "alloc": best_alloc[i],
-                    "t_iter": float(best_t[i]),
-                    "rate": float(best_rate[i]),
-                    "score": (*score, float(best_rate[i])),
-                }
-            )
-        return out
-
-    def _complete(self, view, arr: _Arrays, best: dict, P, kv, acc) -> None:
-        """Add what only the chosen candidate needs: the correction's features, the
-        profile's prediction (``t_static``) and the requests it cannot keep on target."""
-        n = len(arr.rid)
-        d, w, total = best["depth"], best["width"], int(best["alloc"].sum())
-        best["t_static"] = float(
-            view.hw.verify_latency(n + P + total, kv) + _draft_ms(view.hw, n + P, kv, d, w, n)
-        )
-        best["features"] = OnlineCorrection.features(
-            best["t_static"], n + P + total, d, n if d else 0
-        ).tolist()
         best["infeasible"] = []
         if self.name == "adaserve":
             # beyond reach: not even the biggest tree any request may get would meet the
             # requirement at this plan's pace (a plan that merely chose a smaller tree,
             # or a prediction a little pessimistic, is no reason to degrade anyone)
-            g = gain_curve(self.cfg.max_depth, max(self._widths(n)), acc)
-            reach = g[min(self.cfg.node_cap, len(g) - 1)]
-            need = self._requirements(arr, best["t_iter"]) - 1.0
-            best["infeasible"] = arr.rid[arr.has_tpot & (need > reach + 1e-9)].tolist()
+            g = gain_curve(c.max_depth, max(widths), acc)
+            reach = g[min(c.node_cap, len(g) - 1)]
+            bad = arr.has_tpot & (best.pop("need") - 1.0 > reach + 1e-9)
+            best["infeasible"] = arr.rid[bad].tolist()
+        plan = Plan(prefill=prefill, budget=best["budget"], info=best)
+        if d > 0:
+            # per-request shapes: a request drafts only as deep as its best k candidates
+            # reach in the typical tree
+            dc = depth_curve(d, w, acc)
+            ks = best["alloc"]
+            reach_d = np.maximum(1, dc[np.minimum(ks, len(dc) - 1)])
+            for rid, k, dr in zip(arr.rid.tolist(), ks.tolist(), reach_d.tolist()):
+                if k > 0:
+                    plan.shapes[rid] = (dr, w)
+                    plan.node_cap[rid] = c.node_cap
+        if self.name == "adaserve":
+            self._overload(dec, best, plan)
+        plan.info["arrays"] = arr
+        return plan
+
+    def _best_depth(self, view, arr: _Arrays, ds: tuple[int, ...], w, P, kv, acc) -> dict:
+        """The depth in ``ds`` whose predicted outcome scores best at width w (the
+        first on ties), as the plan's ``info``: depth, width, budget, alloc [n], t_iter,
+        rate, score, the profile's part of t_iter (``t_static``), the correction's
+        ``features`` and (``adaserve``) the requirements at t_iter (``need`` [n])."""
+        ev = self._evaluate_depths(view, arr, ds, w, P, kv, acc)
+        rate = ev["rate"].tolist()
+        if "met_w" in ev:
+            keys = list(zip(ev["met_w"].tolist(), ev["excess"].tolist(), rate))
+        else:
+            keys = [(0, 0.0, r) for r in rate]
+        i = max(range(len(ds)), key=keys.__getitem__)
+        d, n = ds[i], len(arr.rid)
+        budget = int(ev["budget"][i])
+        static = float(ev["static"][i])
+        best = {
+            "depth": d,
+            "width": w,
+            "budget": budget,
+            "alloc": ev["alloc"][i],
+            "t_iter": float(ev["t_iter"][i]),
+            "rate": rate[i],
+            "score": keys[i],
+            "t_static": static,
+            "features": [1.0, static, float(budget), float(d), float(d * n)],
+        }
+        if "need" in ev:
+            best["need"] = ev["need"][i]
+        return best
+
+    def _evaluate_depths(self, view, arr: _Arrays, ds, w, P, kv, acc) -> dict:
+        """Predicted outcome of drafting each depth of ``ds`` (0 = no speculation) at
+        width w for this batch, as one array program over [D depths, n requests] (and
+        [D, E goodput options, n]).
+
+        Returns arrays over the depths: ``alloc`` [D, n] (candidates per request),
+        ``budget`` [D] (verified tokens), ``t_iter`` [D] (predicted ms), ``static`` [D]
+        (the profile's part of it), ``rate`` [D] (predicted tokens per ms) and, for
+        ``adaserve``, the SLO score ``met_w``, ``excess`` [D] and the requirements
+        ``need`` [D, n] at t_iter."""
+        c, hw = self.cfg, view.hw
+        n, D = len(arr.rid), len(ds)
+        strict = self.name == "adaserve"
+        di = np.asarray(ds, dtype=np.int64)
+        G, Gs, kmax, kfill = _curves(tuple(ds), w, acc, c.node_cap)
+        tok0 = n + P
+        # HardwareModel.drafting_ms + overhead for every depth; the correction's
+        # per-depth part (OnlineCorrection.residual) likewise
+        draft = np.zeros(D)
+        if di.any():
+            first = hw.draft_latency(max(tok0, 1.0))
+            step = hw.draft_latency(max(n * w, 1.0))
+            draft = np.where(di > 0, first + (di - 1) * step + di * (n * hw.draft_host_ms), 0.0)
+        draft = (draft + hw.overhead_ms)[:, None]
+        th = self.correction.theta
+        fixed = (th[0] + (th[3] + th[4] * n) * di)[:, None]
+        kv_ms = hw.kv_ms_per_token * kv
+
+        def t_iter(total):
+            """total [D, m] candidates -> (predicted ms, the profile's part) [D, m]:
+            the profile plus the fitted correction, never below half the profile."""
+            tok = tok0 + total
+            st = hw.verify_at(tok) + kv_ms + draft
+            return np.maximum(st + (th[1] * st + th[2] * tok + fixed), 0.5 * st), st
+
+        alloc = np.zeros((D, n), dtype=np.int64)
+        t = t_iter(np.zeros((D, 1), dtype=np.int64))[0][:, 0]
+        if strict:
+            mem = np.maximum(0, view.free_kv_slots - n * w * di)  # slots for candidates
+            cap = np.maximum(0, np.minimum(mem, c.max_budget - n - P))
+            for _ in range(2):  # fixed point: requirement depends on t_iter
+                need = self._requirements_at(arr, t) - (1.0 + 1e-9)  # [D, n]
+                # the fewest best-f nodes whose expected gain reaches the need
+                alloc = np.minimum((Gs[:, None, :] < need[:, :, None]).sum(-1), kmax[:, None])
+                tot = alloc.sum(1)
+                if (tot > cap).any():
+                    alloc = _fit_rows(alloc, need, cap)
+                    tot = alloc.sum(1)
+                t = t_iter(tot[:, None])[0][:, 0]
+        # goodput phase: add nodes while the predicted rate improves
+        if self.name == "smartspec":  # one chain length for the whole batch
+            A = np.broadcast_to(np.minimum(di, kmax)[:, None, None], (D, 1, n))
+        else:
+            A = _fill_options_rows(alloc, kfill, _EXTRAS)  # [D, E, n]
+        totals = A.sum(-1)  # [D, E]
+        gots = G[np.arange(D)[:, None, None], A]  # [D, E, n] expected extra tokens
+        # past the token budget or the KV slots (candidates + draft scratch): not an
+        # option; the SLO-phase allocation (option 0) was already fitted to both
+        ok = (tok0 + totals <= c.max_budget) & (totals + n * w * di[:, None] <= view.free_kv_slots)
+        ok[:, 0] |= self.name != "smartspec"
+        ok[di == 0, 0] = True
+        tts, sts = t_iter(totals)
+        rates = (n + gots.sum(-1)) / tts
+        # goodput phase by predicted rate: choosing it by the (myopic) SLO score instead
+        # starves throughput in overload and lowers attainment (tests/test_sim.py)
+        rates[~ok] = -1.0
+        b = rates.argmax(1)
+        rows = np.arange(D)
+        out = {
+            "alloc": A[rows, b],
+            "budget": tok0 + totals[rows, b],
+            "t_iter": tts[rows, b],
+            "static": sts[rows, b],
+            "rate": rates[rows, b],
+        }
+        if strict:
+            out["met_w"], out["excess"], out["need"] = self._slo_scores(
+                arr, out["t_iter"], gots[rows, b]
+            )
+        return out
 
     def _slo_score(self, arr: _Arrays, t: float, expected_extra) -> tuple[float, float]:
         """(weighted count of requests whose requirement the plan meets, minus the
         weighted relative excess of the predicted mean TPOT of those it does not)."""
         extra = np.asarray(expected_extra, dtype=float)[None, :]
-        met_w, excess = self._slo_scores(arr, np.array([t], dtype=float), extra)
+        met_w, excess, _ = self._slo_scores(arr, np.array([t], dtype=float), extra)
         return float(met_w[0]), float(excess[0])
 
     def _slo_scores(self, arr: _Arrays, t: np.ndarray, expected_extra: np.ndarray):
-        """``_slo_score`` for m plans at once: t [m], expected_extra [m, n] -> two [m]."""
+        """``_slo_score`` for m plans at once: t [m], expected_extra [m, n] -> two [m],
+        and the requirements at t [m, n]."""
         need = self._requirements_at(arr, t)
         met = arr.has_tpot & (need <= 1.0 + expected_extra + 1e-9)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            pred = (arr.decode_ms + t[:, None]) / np.maximum(arr.n_out + expected_extra, 1.0)
-            excess = np.maximum(0.0, pred / self._aim(arr) - 1.0)
-        late = arr.has_tpot & ~met
-        met_w = np.where(met, arr.weight, 0.0).sum(1)
-        return met_w, -np.where(late, arr.weight * excess, 0.0).sum(1)
+        pred = (arr.decode_ms + t[:, None]) / np.maximum(arr.n_out + expected_extra, 1.0)
+        excess = np.maximum(0.0, pred * self._coef(arr)[2] - 1.0)  # 0 without a TPOT
+        met_w = (met * arr.weight).sum(1)
+        return met_w, -((~met * arr.weight) * excess).sum(1), need
 
     def _overload(self, dec: list[ReqView], best: dict, plan: Plan) -> None:
         bad = set(best["infeasible"])
@@ -543,6 +499,7 @@ class _Arrays:
     has_tpot: np.ndarray
     weight: np.ndarray
     left: np.ndarray  # output tokens still allowed (max_tokens left)
+    coef: tuple | None = None  # AdaptivePolicy._coef's constants, once computed
 
     @classmethod
     def of(cls, reqs: list[ReqView]) -> _Arrays:
@@ -556,17 +513,6 @@ class _Arrays:
             weight=np.array([3 - min(r.rank, 2) for r in reqs], dtype=float),  # strict weigh more
             left=np.array([min(r.max_tokens, 1 << 20) for r in reqs], dtype=float),
         )
-
-
-def _fit(alloc: np.ndarray, need: np.ndarray, *caps: int) -> np.ndarray:
-    """Trim SLO-phase allocations to the tightest cap, serving the most behind first."""
-    return _fit_rows(alloc[None, :], need[None, :], np.array([max(0, min(caps))]))[0]
-
-
-def _draft_ms(hw, tok0: int, kv: float, d: int, w: int, n: int) -> float:
-    """The profile's per-plan cost beyond verifying ``tok0`` tokens: draft steps and
-    their host work for n requests drafting depth d, width w, plus the fixed overhead."""
-    return float(hw.drafting_ms(d, n * w, tok0, n) + hw.overhead_ms)
 
 
 def _fit_rows(alloc: np.ndarray, need: np.ndarray, cap: np.ndarray) -> np.ndarray:
@@ -589,29 +535,48 @@ def _fill_options_rows(alloc: np.ndarray, kmax: np.ndarray, extras: np.ndarray) 
     choice is a water level: all requests are raised to a common node count T (those
     already above keep theirs), the remainder goes one node each, in request order, to
     requests sitting at T. No sort over n x k."""
-    m = alloc.shape[0]
+    m, n = alloc.shape
     e = np.asarray(extras, dtype=np.int64)
     K = int(kmax.max()) if m else 0
     srt = np.sort(np.minimum(alloc, kmax[:, None]), axis=1)  # [m, n]
     levels = np.arange(K + 1)
-    below = np.stack([np.searchsorted(row, levels) for row in srt])  # [m, K+1]
-    csum = np.concatenate((np.zeros((m, 1), dtype=srt.dtype), np.cumsum(srt, axis=1)), axis=1)
-    need = levels[None, :] * below - np.take_along_axis(csum, below, axis=1)  # [m, K+1]
-    need = np.where(levels[None, :] <= kmax[:, None], need, np.iinfo(np.int64).max)
-    level = (need[:, None, :] <= e[None, :, None]).sum(-1) - 1  # [m, E]
-    rem = np.where(level < kmax[:, None], e[None, :] - np.take_along_axis(need, level, 1), 0)
+    below = (srt[:, :, None] < levels).sum(1)  # [m, K+1]: requests below each level
+    csum = np.zeros((m, n + 1), dtype=np.int64)
+    np.cumsum(srt, axis=1, out=csum[:, 1:])
+    rows = np.arange(m)[:, None]
+    need = levels * below - csum[rows, below]  # nodes that raise everyone to each level
+    need[levels > kmax[:, None]] = _NEVER
+    level = (need[:, None, :] <= e[:, None]).sum(-1) - 1  # [m, E]
+    rem = np.where(level < kmax[:, None], e - need[rows, level], 0)
     A = np.maximum(alloc[:, None, :], level[:, :, None])
     at = level[:, :, None] == A
     return A + (at & (np.cumsum(at, axis=-1) <= rem[:, :, None]))
 
 
+_NEVER = np.iinfo(np.int64).max
 _EXTRAS = np.array([0, 4, 8, 16, 32, 64, 128, 256, 512])  # goodput-phase sizes tried
 
 
-def _fill_options(alloc: np.ndarray, marg: np.ndarray, extras: np.ndarray) -> np.ndarray:
-    """Allocations after adding e nodes by highest marginal gain, for every e: [E, n]
-    (``_fill_options_rows`` for one curve with marginal gains ``marg``)."""
-    return _fill_options_rows(alloc[None, :], np.array([int((marg > 0).sum())]), extras)[0]
+@lru_cache(maxsize=256)
+def _curves(ds: tuple[int, ...], w: int, acc: tuple[float, ...], node_cap: int):
+    """The typical trees' gain curves of depths ``ds`` at width w as rows (read-only):
+    G [D, K+1] (the last value repeated past a curve), Gs (the same with +inf there,
+    for counting the values below a need), kmax [D] (nodes a request may get) and
+    kfill [D] (how many of those add a positive expected gain)."""
+    curves = [gain_curve(d, w, acc) for d in ds]
+    kmax = np.array([min(len(g) - 1, node_cap) for g in curves])
+    K = int(kmax.max())
+    G = np.empty((len(ds), K + 1))
+    Gs = np.full((len(ds), K + 1), np.inf)
+    for i, g in enumerate(curves):
+        m = min(len(g), K + 1)
+        G[i, :m] = g[:m]
+        G[i, m:] = g[m - 1]
+        Gs[i, :m] = g[:m]
+    kfill = ((np.diff(G, axis=1) > 0) & (np.arange(K) < kmax[:, None])).sum(1)
+    for x in (G, Gs, kmax, kfill):
+        x.flags.writeable = False
+    return G, Gs, kmax, kfill
 
 
 def make_adaptive(name: str, engine=None, **kwargs) -> AdaptivePolicy:

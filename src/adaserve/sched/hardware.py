@@ -58,6 +58,7 @@ class HardwareModel:
         # lookup tables, built once: the policies call these thousands of times a second
         object.__setattr__(self, "_vtab", _Table.of(self.verify_tokens, self.verify_ms))
         object.__setattr__(self, "_dtab", _Table.of(self.draft_tokens, self.draft_ms))
+        object.__setattr__(self, "_vdense", np.zeros(0))  # verify ms at 0, 1, 2, ... tokens
 
     # ------------------------------------------------------------------ predictions
     def verify_latency(self, tokens, kv_tokens=0.0):
@@ -66,6 +67,18 @@ class HardwareModel:
             kv_tokens if np.ndim(kv_tokens) == 0 else np.asarray(kv_tokens)
         )
         return self._vtab(tokens) + kv
+
+    def verify_at(self, tokens: np.ndarray) -> np.ndarray:
+        """``verify_latency(tokens)`` without the KV term, for integer token counts >= 0
+        (any shape), by lookup in a table of every count (grown on demand): the
+        planner's hot path, one indexing operation instead of an interpolation."""
+        top = int(tokens.max())
+        tab = self._vdense
+        if top >= len(tab):
+            tab = self._vtab(np.arange(max(2 * len(tab), top + 1, 1024), dtype=float))
+            tab.flags.writeable = False
+            object.__setattr__(self, "_vdense", tab)
+        return tab[tokens]
 
     def draft_latency(self, tokens):
         """One batched draft step over ``tokens`` tokens."""
