@@ -11,9 +11,9 @@ import torch
 from conftest import random_prompts, save_tiny
 
 from adaserve import LLM, SamplingParams
+from adaserve.logits import target_probs
 from adaserve.models.loader import load_model
 from adaserve.paths import DEFAULT_DRAFT, DEFAULT_TARGET
-from adaserve.sampling import target_probs
 
 POLICIES = ["spec-chain:4", "spec-tree", "spec-tree:3x2", "adaserve", "dyn-tree", "smartspec"]
 

@@ -1,8 +1,17 @@
 """adaserve: SLO-customized LLM serving with per-request speculative token trees."""
 
-from adaserve.api import LLM, RequestOutput
 from adaserve.sampling import SamplingParams
 from adaserve.slo import SLO, SLOClass
 
 __all__ = ["LLM", "RequestOutput", "SLO", "SLOClass", "SamplingParams"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # the engine (and torch) load on first use: ``adaserve simulate`` and the policies
+    # never need them
+    if name in ("LLM", "RequestOutput"):
+        from adaserve import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'adaserve' has no attribute {name!r}")

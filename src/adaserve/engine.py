@@ -28,11 +28,12 @@ from adaserve.errors import (
 )
 from adaserve.kv.blocks import BlockAllocator, BlockTable, OutOfBlocks
 from adaserve.kv.cache import KVCache
+from adaserve.logits import make_generator, target_probs
 from adaserve.models.attention import AttnMetadata, SeqSpec
 from adaserve.models.loader import load_model, resolve_dtype
 from adaserve.request import Request, Status
 from adaserve.resources import default_kv_budget
-from adaserve.sampling import SamplingParams, make_generator, target_probs
+from adaserve.sampling import SamplingParams
 from adaserve.sched.base import BatchView, Plan, ReqView
 from adaserve.sched.calibration import Calibrator
 from adaserve.sched.registry import make_policy

@@ -23,7 +23,7 @@ Percentiles use linear interpolation between order statistics (numpy's default).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -99,7 +99,8 @@ class RequestRecord:
         return max(0, self.output_tokens - 1 - self.accepted)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        d["token_times_s"] = list(self.token_times_s)
         d.update(
             ttft_ms=self.ttft_ms, tpot_ms=self.tpot_ms, e2e_ms=self.e2e_ms, attained=self.attained
         )

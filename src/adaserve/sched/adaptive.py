@@ -110,12 +110,14 @@ class AdaptivePolicy(Policy):
         self.engine = engine
         self._infeasible_streak: dict[int, int] = {}
         self.acc_by_rank: tuple[float, ...] = (0.6, 0.15, 0.07, 0.04)
+        self._acc_seen: tuple = ()
         self.correction = OnlineCorrection()  # measured - profiled iteration time
 
     # ------------------------------------------------------------------ helpers
     def _acc(self, view: BatchView) -> tuple[float, ...]:
         acc = getattr(view, "acc_by_rank", None)
-        if acc:
+        if acc and acc != self._acc_seen:
+            self._acc_seen = acc
             self.acc_by_rank = tuple(round(float(x), 2) for x in acc[: self.cfg.max_width])
         return self.acc_by_rank
 
@@ -306,15 +308,15 @@ class AdaptivePolicy(Policy):
             draft = np.where(di > 0, first + (di - 1) * step + di * (n * hw.draft_host_ms), 0.0)
         draft = (draft + hw.overhead_ms)[:, None]
         th = self.correction.theta
-        fixed = (th[0] + (th[3] + th[4] * n) * di)[:, None]
-        kv_ms = hw.kv_ms_per_token * kv
+        fixed = (th[0] + (th[3] + th[4] * n) * di)[:, None] + th[2] * tok0
+        base = hw.kv_ms_per_token * kv + draft  # [D, 1]
+        V = hw.verify_table(tok0 + n * int(kmax.max()))  # every token count planned for
 
         def t_iter(total):
             """total [D, m] candidates -> (predicted ms, the profile's part) [D, m]:
             the profile plus the fitted correction, never below half the profile."""
-            tok = tok0 + total
-            st = hw.verify_at(tok) + kv_ms + draft
-            return np.maximum(st + (th[1] * st + th[2] * tok + fixed), 0.5 * st), st
+            st = V[tok0 + total] + base
+            return np.maximum(st + (th[1] * st + th[2] * total + fixed), 0.5 * st), st
 
         alloc = np.zeros((D, n), dtype=np.int64)
         t = t_iter(np.zeros((D, 1), dtype=np.int64))[0][:, 0]
@@ -406,7 +408,7 @@ class AdaptivePolicy(Policy):
         for i, rid in enumerate(rids):
             F[i, : sizes[i]] = trees[rid].f[1:]
         order = np.argsort(-F, axis=1, kind="stable")  # ties: lower index (parent) first
-        F = np.take_along_axis(F, order, axis=1)
+        F = F[np.arange(R)[:, None], order]
         caps = np.minimum(sizes, [plan.node_cap.get(r, self.cfg.node_cap) for r in rids])
         n_dec = len(view.decoding)
         P = sum(plan.prefill.values())
@@ -414,8 +416,8 @@ class AdaptivePolicy(Policy):
         k = np.zeros(R, dtype=np.int64)
         if self.name == "adaserve":
             arr = plan.info.get("arrays")
-            by_id = {r.rid: r for r in view.requests}
-            if arr is None or list(arr.rid) != rids:
+            if arr is None or arr.rid.tolist() != rids:
+                by_id = {r.rid: r for r in view.requests}
                 arr = _Arrays.of([by_id[r] for r in rids])
             need = self._requirements(arr, plan.info.get("t_iter", 0.0)) - 1.0
             cums = np.cumsum(np.maximum(F, 0.0), axis=1)
@@ -423,8 +425,8 @@ class AdaptivePolicy(Policy):
             k_slo[need <= 1e-9] = 0
             # most behind first: largest requirement takes its share of the budget first
             ordr = np.argsort(-need, kind="stable")
-            before = np.cumsum(k_slo[ordr]) - k_slo[ordr]
-            k[ordr] = np.clip(left - before, 0, k_slo[ordr])
+            want = k_slo[ordr]
+            k[ordr] = np.minimum(np.maximum(left - (np.cumsum(want) - want), 0), want)
             left -= int(k.sum())
         if left > 0:
             cols = np.arange(M)[None, :]
@@ -434,10 +436,12 @@ class AdaptivePolicy(Policy):
             if m > 0:
                 top = np.argpartition(-vals, m - 1)[:m]
                 top = top[vals[top] > 0]
-                np.add.at(k, top // M, 1)
-        chosen = np.where(np.arange(M)[None, :] < k[:, None], order + 1, M + 1)
+                k += np.bincount(top // M, minlength=R)
+        # row i: the root, then its k[i] chosen nodes in index order
+        chosen = np.zeros((R, M + 1), dtype=np.int64)
+        chosen[:, 1:] = np.where(np.arange(M)[None, :] < k[:, None], order + 1, M + 1)
         chosen.sort(axis=1)
-        return {rid: np.concatenate(([0], chosen[i, : k[i]])) for i, rid in enumerate(rids)}
+        return {rid: chosen[i, : ki + 1] for i, (rid, ki) in enumerate(zip(rids, k.tolist()))}
 
 
 class OnlineCorrection:

@@ -68,17 +68,16 @@ class HardwareModel:
         )
         return self._vtab(tokens) + kv
 
-    def verify_at(self, tokens: np.ndarray) -> np.ndarray:
-        """``verify_latency(tokens)`` without the KV term, for integer token counts >= 0
-        (any shape), by lookup in a table of every count (grown on demand): the
-        planner's hot path, one indexing operation instead of an interpolation."""
-        top = int(tokens.max())
+    def verify_table(self, top: int) -> np.ndarray:
+        """``verify_latency(t)`` without the KV term for t = 0, 1, ... (at least up to
+        ``top``; read-only, grown on demand): the planner's hot path indexes it instead
+        of interpolating."""
         tab = self._vdense
         if top >= len(tab):
             tab = self._vtab(np.arange(max(2 * len(tab), top + 1, 1024), dtype=float))
             tab.flags.writeable = False
             object.__setattr__(self, "_vdense", tab)
-        return tab[tokens]
+        return tab
 
     def draft_latency(self, tokens):
         """One batched draft step over ``tokens`` tokens."""

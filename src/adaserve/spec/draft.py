@@ -22,10 +22,10 @@ import numpy as np
 import torch
 
 from adaserve.kv.cache import KVCache
+from adaserve.logits import target_probs
 from adaserve.models.attention import AttnMetadata, SeqSpec
 from adaserve.models.llama import LlamaModel
 from adaserve.request import Request
-from adaserve.sampling import target_probs
 from adaserve.spec.tree import CandidateTree
 
 
