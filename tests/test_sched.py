@@ -481,3 +481,26 @@ def test_vectorised_depth_evaluation_equals_the_per_request_reference(
         if name == "adaserve":
             score = (fast["met_w"][i], fast["excess"][i])
             assert score == pytest.approx(ref["score"], rel=1e-9, abs=1e-12)
+
+
+def test_policy_names_take_config_overrides_and_reject_bad_ones():
+    from adaserve.errors import InvalidRequestError
+    from adaserve.sched.registry import make_policy
+
+    p = make_policy("adaserve:slo_margin=0.1:max_depth=6:catch_up_tokens=0")
+    assert (p.name, p.cfg.slo_margin, p.cfg.max_depth, p.cfg.catch_up_tokens) == (
+        "adaserve",
+        0.1,
+        6,
+        0,
+    )
+    assert make_policy("dyn-tree:max_width=2").cfg.max_width == 2
+    for bad, why in [
+        ("adaserve:nope=1", "KEY=VALUE"),
+        ("adaserve:max_depth", "KEY=VALUE"),
+        ("adaserve:max_depth=deep", "takes a int"),
+        ("adaserve:slo_margin=0.95", "slo_margin must be"),
+        ("spec-chain:x", "unknown or malformed"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=why):
+            make_policy(bad)

@@ -16,6 +16,8 @@ POLICY_NAMES = (
     "smartspec",
     "dyn-tree",
 )
+# adaserve, smartspec and dyn-tree take AdaptiveConfig overrides after the name:
+# "adaserve:pause_ahead=false:slo_margin=0.1"
 
 
 def make_policy(name: str, **kwargs) -> Policy:
@@ -35,12 +37,50 @@ def make_policy(name: str, **kwargs) -> Policy:
                 n = int(cap) if cap else None
             label = "spec-tree" if not arg else f"spec-tree:{arg}"
             return StaticSpecPolicy(label, d, w, n)
-        if head in ("adaserve", "smartspec", "dyn-tree") and not arg:
+        if head in ("adaserve", "smartspec", "dyn-tree"):
             from adaserve.sched.adaptive import make_adaptive
 
-            return make_adaptive(head, **kwargs)
+            try:
+                return make_adaptive(head, **kwargs, **_overrides(name, arg))
+            except (ValueError, TypeError) as e:
+                if isinstance(e, InvalidRequestError):
+                    raise
+                raise InvalidRequestError(f"policy {name!r}: {e}", "policy") from None
+    except InvalidRequestError:
+        raise
     except (ValueError, TypeError):
         pass
     raise InvalidRequestError(
         f"unknown or malformed policy {name!r}; known: {', '.join(POLICY_NAMES)}", "policy"
     )
+
+
+def _overrides(name: str, arg: str) -> dict:
+    """``key=value:key=value`` -> AdaptiveConfig fields, typed like their defaults."""
+    import dataclasses
+
+    from adaserve.sched.adaptive import AdaptiveConfig
+
+    fields = {f.name: f for f in dataclasses.fields(AdaptiveConfig)}
+    defaults = AdaptiveConfig()
+    out = {}
+    for item in filter(None, arg.split(":")):
+        key, eq, raw = item.partition("=")
+        if not eq or key not in fields:
+            raise InvalidRequestError(
+                f"policy {name!r}: {item!r} is not KEY=VALUE with KEY one of {', '.join(fields)}",
+                "policy",
+            )
+        kind = type(getattr(defaults, key))
+        try:
+            if kind is bool:
+                if raw.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(raw)
+                out[key] = raw.lower() in ("true", "1")
+            else:
+                out[key] = kind(raw)
+        except ValueError:
+            raise InvalidRequestError(
+                f"policy {name!r}: {key} takes a {kind.__name__}, not {raw!r}", "policy"
+            ) from None
+    return out
