@@ -504,3 +504,26 @@ def test_policy_names_take_config_overrides_and_reject_bad_ones():
     ]:
         with pytest.raises(InvalidRequestError, match=why):
             make_policy(bad)
+
+
+@pytest.mark.parametrize("name", ["adaserve", "dyn-tree"])
+def test_selection_takes_every_node_when_all_fit_and_one_fewer_at_the_edge(name):
+    rng = np.random.default_rng(7)
+    reqs = [req(i, 12.0, behind_ms=float(rng.uniform(-20, 40))) for i in range(5)]
+    trees = {r.rid: random_tree(rng, int(rng.integers(2, 12))) for r in reqs}
+    total = sum(t.num_candidates for t in trees.values())
+    view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=10**6, hw=HW)
+    pol = AdaptivePolicy(name)
+    plan = pol.plan(view)
+    for budget, want in (
+        (10**6, total),
+        (len(reqs) + total, total),
+        (len(reqs) + total - 1, total - 1),
+    ):
+        plan.budget = budget
+        sel = pol.select(view, plan, trees)
+        assert sum(len(s) - 1 for s in sel.values()) == want
+        for rid, s in sel.items():
+            assert is_connected(trees[rid].parents, s)
+            if want == total:
+                assert s.tolist() == list(range(trees[rid].num_candidates + 1))

@@ -402,17 +402,26 @@ class AdaptivePolicy(Policy):
         if not rids:
             return {}
         R = len(rids)
-        sizes = np.array([len(trees[r].tokens) - 1 for r in rids])
+        n_dec = len(view.decoding)
+        P = sum(plan.prefill.values())
+        left = max(0, min(plan.budget - n_dec - P, view.free_kv_slots))
+        size_l = [len(trees[r].tokens) - 1 for r in rids]
+        cap_l = [plan.node_cap.get(r, self.cfg.node_cap) for r in rids]
+        if (
+            sum(size_l) <= left
+            and all(s <= c for s, c in zip(size_l, cap_l))
+            and all(trees[r].f[1:].min(initial=1.0) > 0 for r in rids)
+        ):
+            # everything fits: both phases would select every node
+            return {rid: np.arange(s + 1) for rid, s in zip(rids, size_l)}
+        sizes = np.array(size_l)
         M = max(int(sizes.max()), 1)
         F = np.full((R, M), -1.0)
         for i, rid in enumerate(rids):
             F[i, : sizes[i]] = trees[rid].f[1:]
         order = np.argsort(-F, axis=1, kind="stable")  # ties: lower index (parent) first
         F = F[np.arange(R)[:, None], order]
-        caps = np.minimum(sizes, [plan.node_cap.get(r, self.cfg.node_cap) for r in rids])
-        n_dec = len(view.decoding)
-        P = sum(plan.prefill.values())
-        left = max(0, min(plan.budget - n_dec - P, view.free_kv_slots))
+        caps = np.minimum(sizes, cap_l)
         k = np.zeros(R, dtype=np.int64)
         if self.name == "adaserve":
             arr = plan.info.get("arrays")

@@ -1,0 +1,201 @@
+"""Fit the simulator's host-overhead model for this machine and add it to a profile.
+
+The simulator prices an iteration with the profile's forward timings; the engine also
+spends host time (Python per request, per draft step, per tree node) that a profile of
+bare forwards does not see. This script runs the shipped pair in-process on a bench
+workload for a few policies, records every iteration's measured time, the profile's
+prediction for the same batch (computed the way ``adaserve simulate`` computes it) and
+the policy's own decision time, and fits the remainder by non-negative least squares
+against the features of ``adaserve.sim.loop.HostOverhead``, plus a speed factor on the
+profile's timings (a shared machine runs at a different speed than when it was
+profiled). It writes the profile with its timings multiplied by that factor and
+``"host_overhead"`` added, which ``adaserve simulate --profile`` then uses. Compare
+against real runs made right after the fit: the machine's speed drifts within minutes.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fit_host_overhead.py \\
+        --profile cpu_profile.json --out cpu_profile_host.json
+
+Fit on a different seed than the one you compare on (default seed 100).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+FEATURES = ("per_iteration", "per_request", "per_spec_request", "per_spec_step")
+FEATURES += ("per_drafted", "per_verified")
+
+
+def nnls(X: np.ndarray, y: np.ndarray, iters: int = 100) -> np.ndarray:
+    """min ||X b - y|| subject to b >= 0 (Lawson-Hanson active set): X [m, k], y [m]."""
+    k = X.shape[1]
+    b = np.zeros(k)
+    free = np.zeros(k, dtype=bool)
+    for _ in range(iters):
+        grad = X.T @ (y - X @ b)
+        if free.all() or grad[~free].max(initial=-np.inf) <= 1e-10:
+            break
+        free[np.argmax(np.where(free, -np.inf, grad))] = True
+        while True:
+            z = np.zeros(k)
+            z[free] = np.linalg.lstsq(X[:, free], y, rcond=None)[0]
+            if z[free].min() > 0:
+                b = z
+                break
+            neg = free & (z <= 0)
+            alpha = np.min(b[neg] / (b[neg] - z[neg]))
+            b = b + alpha * (z - b)
+            free &= b > 1e-12
+    return b
+
+
+class Recorder:
+    """Wraps one engine's phases and collects one row per iteration."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.rows: list[dict] = []
+        self.cur: dict = {}
+        self._wrap_engine()
+
+    def _wrap_engine(self) -> None:
+        e = self.engine
+        spec_fn, verify_fn = e._speculate, e._verify_forward
+
+        def speculate(spec, plan):
+            c = self.cur
+            c["catchup"] = sum(len(r.tokens) - r.draft_cached for r, _ in spec)
+            steps: dict[int, int] = {}
+            for _, (d, w) in spec:
+                for t in range(d - 1):
+                    steps[t] = steps.get(t, 0) + w
+            c["steps"] = [steps[t] for t in sorted(steps)]
+            c["n_spec"] = len(spec)
+            c["spec_steps"] = sum(d for _, (d, _) in spec)
+            out = spec_fn(spec, plan)
+            c["drafted"] = sum(o.tree.num_candidates for o in out.values())
+            return out
+
+        def verify(batch, subtrees):
+            c = self.cur
+            c["prefill_tokens"] = sum(n for _, n in batch.prefill)
+            c["kv"] = sum(r.num_cached + n for r, n in batch.prefill)
+            c["kv"] += sum(len(r.tokens) for r in batch.decode)
+            c["requests"] = len(batch.prefill) + len(batch.decode)
+            c["verified"] = sum(len(t.tokens) - 1 for t in subtrees.values())
+            c["v_tokens"] = c["prefill_tokens"] + sum(len(t.tokens) for t in subtrees.values())
+            return verify_fn(batch, subtrees)
+
+        e._speculate, e._verify_forward = speculate, verify
+        e.on_step = self._on_step
+
+    def wrap_policy(self) -> None:
+        pol = self.engine.policy
+        for name in ("plan", "select"):
+            fn = getattr(pol, name)
+
+            def timed(*a, _fn=fn, **k):
+                t = time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    self.cur["policy_ms"] = (
+                        self.cur.get("policy_ms", 0.0) + (time.perf_counter() - t) * 1e3
+                    )
+
+            setattr(pol, name, timed)
+
+    def _on_step(self, engine, trace) -> None:
+        c, self.cur = self.cur, {}
+        if "v_tokens" not in c:
+            return
+        hw = engine.hw
+        ms = float(hw.verify_latency(c["v_tokens"], c["kv"])) + hw.overhead_ms
+        if c.get("n_spec"):
+            draft = [max(c["catchup"], 1)] + c["steps"]
+            ms += float(hw.draft_latency(np.array(draft, dtype=float)).sum())
+        x = [
+            1.0,
+            c["requests"],
+            c.get("n_spec", 0),
+            c.get("spec_steps", 0),
+            c.get("drafted", 0),
+            c["verified"],
+        ]
+        measured = trace.duration_s * 1e3
+        self.rows.append({"x": [ms, *x], "y": measured - c.get("policy_ms", 0.0), "ms": measured})
+
+
+def _rescale(prof: dict, s: float) -> None:
+    """Multiply the profile's forward timings by s (the machine's speed during the fit
+    relative to when it was profiled: a shared machine drifts)."""
+    v = prof["verify"]
+    v["latency_ms"] = [x * s for x in v["latency_ms"]]
+    v["kv_ms_per_token"] = v.get("kv_ms_per_token", 0.0) * s
+    if prof.get("draft_step"):
+        prof["draft_step"]["latency_ms"] = [x * s for x in prof["draft_step"]["latency_ms"]]
+    if "draft_step_ms" in prof:
+        prof["draft_step_ms"] *= s
+    prof["overhead_ms"] = prof.get("overhead_ms", 0.0) * s
+    prof["speed_factor"] = s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", required=True, help="profile JSON (adaserve profile)")
+    ap.add_argument("--out", required=True, help="profile JSON to write, with host_overhead")
+    ap.add_argument("--policies", default="ar,spec-chain:4,adaserve")
+    ap.add_argument("--seed", type=int, default=100)
+    ap.add_argument("--request-rate", type=float, default=2.0)
+    ap.add_argument("--duration", type=float, default=20.0)
+    ap.add_argument("--kv-cache-bytes", default=None, help="e.g. 512M (as the runs compared)")
+    args = ap.parse_args()
+
+    from adaserve.bench.cli import _bytes
+    from adaserve.bench.runner import EngineFactory, run_in_process
+    from adaserve.bench.workload import WorkloadSpec, build_workload
+    from adaserve.config import EngineConfig
+
+    kv = _bytes(args.kv_cache_bytes) if args.kv_cache_bytes else None
+    factory = EngineFactory(EngineConfig(profile=args.profile, kv_cache_bytes=kv))
+    spec = WorkloadSpec(seed=args.seed, request_rate=args.request_rate, duration_s=args.duration)
+    names = args.policies.split(",")
+    engine = factory(names[0])
+    items = build_workload(
+        spec, tokenizer=engine.tokenizer, vocab_size=engine.target.cfg.vocab_size
+    )
+    rec = Recorder(engine)
+
+    def make(policy: str):
+        eng = factory(policy)  # the same engine, with this policy
+        rec.wrap_policy()
+        return eng
+
+    for pol in names:
+        start = len(rec.rows)
+        run_in_process(make, pol, items, spec, progress=False)
+        ms = [r["ms"] for r in rec.rows[start:]]
+        print(f"{pol}: {len(ms)} iterations, mean {np.mean(ms):.1f} ms", flush=True)
+    rows = rec.rows
+    X = np.array([r["x"] for r in rows])
+    y = np.array([r["y"] for r in rows])
+    b = nnls(X, y)
+    speed, fit = float(b[0]), dict(zip(FEATURES, (round(float(v), 4) for v in b[1:])))
+    resid = y - X @ b
+    print(f"speed factor (this run / the profile): {speed:.3f}")
+    print("host overhead (ms):", fit)
+    print(f"residual: mean {resid.mean():.2f} ms, MAE {np.abs(resid).mean():.2f} ms")
+    prof = json.loads(Path(args.profile).read_text())
+    _rescale(prof, speed)
+    prof["host_overhead"] = fit
+    Path(args.out).write_text(json.dumps(prof, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
