@@ -176,9 +176,11 @@ def main() -> None:
         rec.wrap_policy()
         return eng
 
+    spans = {}
     for pol in names:
         start = len(rec.rows)
         run_in_process(make, pol, items, spec, progress=False)
+        spans[pol] = (start, len(rec.rows))
         ms = [r["ms"] for r in rec.rows[start:]]
         print(f"{pol}: {len(ms)} iterations, mean {np.mean(ms):.1f} ms", flush=True)
     rows = rec.rows
@@ -190,6 +192,9 @@ def main() -> None:
     print(f"speed factor (this run / the profile): {speed:.3f}")
     print("host overhead (ms):", fit)
     print(f"residual: mean {resid.mean():.2f} ms, MAE {np.abs(resid).mean():.2f} ms")
+    for pol, (a, z) in spans.items():
+        r, m = resid[a:z], y[a:z]
+        print(f"  {pol}: mean residual {r.mean():+.2f} ms ({100 * r.mean() / m.mean():+.1f}%)")
     prof = json.loads(Path(args.profile).read_text())
     _rescale(prof, speed)
     prof["host_overhead"] = fit
