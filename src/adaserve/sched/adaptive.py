@@ -328,6 +328,8 @@ class AdaptivePolicy(Policy):
                 # the fewest best-f nodes whose expected gain reaches the need
                 alloc = np.minimum((Gs[:, None, :] < need[:, :, None]).sum(-1), kmax[:, None])
                 tot = alloc.sum(1)
+                if not tot.any():
+                    break  # nobody needs a candidate: t_iter, and so the need, stay as they are
                 if (tot > cap).any():
                     alloc = _fit_rows(alloc, need, cap)
                     tot = alloc.sum(1)
