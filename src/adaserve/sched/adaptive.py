@@ -319,7 +319,8 @@ class AdaptivePolicy(Policy):
             return np.maximum(st + (th[1] * st + th[2] * total + fixed), 0.5 * st), st
 
         alloc = np.zeros((D, n), dtype=np.int64)
-        t = t_iter(np.zeros((D, 1), dtype=np.int64))[0][:, 0]
+        st0 = V[tok0] + base[:, 0]  # t_iter of no candidates, written out: [D]
+        t = np.maximum(st0 + (th[1] * st0 + fixed[:, 0]), 0.5 * st0)
         if strict:
             mem = np.maximum(0, view.free_kv_slots - n * w * di)  # slots for candidates
             cap = np.maximum(0, np.minimum(mem, c.max_budget - n - P))
@@ -518,15 +519,25 @@ class _Arrays:
 
     @classmethod
     def of(cls, reqs: list[ReqView]) -> _Arrays:
-        tp = np.array([r.tpot_ms or np.nan for r in reqs], dtype=float)
+        # one conversion of a row per request (the planner's hot path), then columns;
+        # strict classes weigh more: 3, 2, 1
+        cols = np.array(
+            [
+                (r.rid, r.decode_ms, r.n_out, r.tpot_ms or np.nan, 3 - min(r.rank, 2))
+                + (min(r.max_tokens, 1 << 20),)
+                for r in reqs
+            ],
+            dtype=float,
+        ).T.copy()
+        rid, decode_ms, n_out, tpot, weight, left = cols
         return cls(
-            rid=np.array([r.rid for r in reqs], dtype=np.int64),
-            decode_ms=np.array([r.decode_ms for r in reqs], dtype=float),
-            n_out=np.array([r.n_out for r in reqs], dtype=float),
-            tpot=tp,
-            has_tpot=~np.isnan(tp),
-            weight=np.array([3 - min(r.rank, 2) for r in reqs], dtype=float),  # strict weigh more
-            left=np.array([min(r.max_tokens, 1 << 20) for r in reqs], dtype=float),
+            rid=rid.astype(np.int64),
+            decode_ms=decode_ms,
+            n_out=n_out,
+            tpot=tpot,
+            has_tpot=~np.isnan(tpot),
+            weight=weight,
+            left=left,
         )
 
 
@@ -549,18 +560,16 @@ def _fill_options_rows(alloc: np.ndarray, kmax: np.ndarray, extras: np.ndarray) 
     Within a row every request shares the concave gain curve, so the global greedy
     choice is a water level: all requests are raised to a common node count T (those
     already above keep theirs), the remainder goes one node each, in request order, to
-    requests sitting at T. No sort over n x k."""
+    requests sitting at T. No sort over n x k. (SLO-phase allocations never exceed
+    kmax, so levels are counted from alloc itself.)"""
     m, n = alloc.shape
     e = np.asarray(extras, dtype=np.int64)
     K = int(kmax.max()) if m else 0
-    srt = np.sort(np.minimum(alloc, kmax[:, None]), axis=1)  # [m, n]
     levels = np.arange(K + 1)
-    below = (srt[:, :, None] < levels).sum(1)  # [m, K+1]: requests below each level
-    csum = np.zeros((m, n + 1), dtype=np.int64)
-    np.cumsum(srt, axis=1, out=csum[:, 1:])
-    rows = np.arange(m)[:, None]
-    need = levels * below - csum[rows, below]  # nodes that raise everyone to each level
+    # nodes that raise everyone to each level: [m, K+1]
+    need = np.maximum(levels - alloc[:, :, None], 0).sum(1)
     need[levels > kmax[:, None]] = _NEVER
+    rows = np.arange(m)[:, None]
     level = (need[:, None, :] <= e[:, None]).sum(-1) - 1  # [m, E]
     rem = np.where(level < kmax[:, None], e - need[rows, level], 0)
     A = np.maximum(alloc[:, None, :], level[:, :, None])

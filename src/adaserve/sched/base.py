@@ -16,7 +16,7 @@ import numpy as np
 from adaserve.spec.tree import CandidateTree
 
 
-@dataclass
+@dataclass(slots=True)
 class ReqView:
     """What a policy may know about one admitted request.
 
