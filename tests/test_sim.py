@@ -395,6 +395,25 @@ def test_simulate_serve_writes_the_bench_result_schema(tmp_path, capsys):
     assert "policy adaserve" in capsys.readouterr().out
 
 
+def test_simulate_takes_the_unloaded_tpot_the_targets_are_built_on(tmp_path, capsys):
+    """``--unloaded-tpot-ms`` (the real run's, for fidelity comparisons) sets the class
+    targets instead of the hardware model's single-request TPOT; bad values are refused."""
+    base = ["--preset", "H100", "--duration", "5", "--request-rate", "4", "--dataset", "random"]
+    base += ["--policies", "ar"]
+    assert _cli([*base, "--unloaded-tpot-ms", "40", "--out", str(tmp_path / "a")]) == 0
+    res = json.loads((tmp_path / "a" / "result.json").read_text())
+    assert res["config"]["unloaded_tpot_ms"] == 40
+    targets = {r["cls"]: r["tpot_target_ms"] for r in _records(tmp_path / "a")}
+    assert targets["interactive"] == pytest.approx(1.2 * 40)
+    capsys.readouterr()
+    assert _cli([*base, "--unloaded-tpot-ms", "0", "--out", str(tmp_path / "b")]) == 2
+    assert "--unloaded-tpot-ms" in capsys.readouterr().err
+
+
+def _records(out):
+    return [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+
+
 def test_simulate_sweep_with_a_reduced_profile(tmp_path):
     prof = tmp_path / "p.json"
     prof.write_text(json.dumps(REDUCED_PROFILE))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -253,8 +254,15 @@ class SimBackend:
             flops_per_token=(ft, fd),
             weight_bytes=wb,
         )
+        unloaded = getattr(args, "unloaded_tpot_ms", None)
+        if unloaded is not None and not (unloaded > 0 and math.isfinite(unloaded)):
+            raise AdaServeError("--unloaded-tpot-ms must be a positive number")
         self.sim = Simulator(
-            self.hw, AcceptanceModel(self.acc_params), self.cfg, seed_stats=self.stats_path
+            self.hw,
+            AcceptanceModel(self.acc_params),
+            self.cfg,
+            seed_stats=self.stats_path,
+            unloaded_tpot_ms=unloaded,
         )
         self.policies = bench_cli._policies(args.policies)
         if not self.cfg.has_draft:

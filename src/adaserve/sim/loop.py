@@ -201,16 +201,20 @@ class Simulator:
         acceptance: AcceptanceModel,
         cfg: SimConfig | None = None,
         seed_stats: str | None = None,
+        unloaded_tpot_ms: float | None = None,
     ):
         self.hw = hw
         self.acc = acceptance
         self.cfg = cfg or SimConfig()
         self.seed_stats = seed_stats
+        self._unloaded = unloaded_tpot_ms  # class targets' base (None: the hardware's)
         self._classes = {c.name: c for c in self.cfg.classes}
 
     # ------------------------------------------------------------------ helpers
     def unloaded_tpot_ms(self) -> float:
-        return self.hw.unloaded_tpot_ms()
+        """The TPOT the class targets are multiples of: given, else the hardware
+        model's single-request TPOT."""
+        return self._unloaded if self._unloaded is not None else self.hw.unloaded_tpot_ms()
 
     def class_slo(self, name: str) -> SLO:
         return self._classes[name].resolve(self.unloaded_tpot_ms())
