@@ -367,16 +367,11 @@ class AdaptivePolicy(Policy):
             )
         return out
 
-    def _slo_score(self, arr: _Arrays, t: float, expected_extra) -> tuple[float, float]:
-        """(weighted count of requests whose requirement the plan meets, minus the
-        weighted relative excess of the predicted mean TPOT of those it does not)."""
-        extra = np.asarray(expected_extra, dtype=float)[None, :]
-        met_w, excess, _ = self._slo_scores(arr, np.array([t], dtype=float), extra)
-        return float(met_w[0]), float(excess[0])
-
     def _slo_scores(self, arr: _Arrays, t: np.ndarray, expected_extra: np.ndarray):
-        """``_slo_score`` for m plans at once: t [m], expected_extra [m, n] -> two [m],
-        and the requirements at t [m, n]."""
+        """SLO score of m plans: t [m] (iteration ms), expected_extra [m, n] (expected
+        accepted candidates per request) -> (weighted count of requests whose
+        requirement the plan meets [m], minus the weighted relative excess of the
+        predicted mean TPOT of those it does not [m], the requirements at t [m, n])."""
         need = self._requirements_at(arr, t)
         met = arr.has_tpot & (need <= 1.0 + expected_extra + 1e-9)
         pred = (arr.decode_ms + t[:, None]) / np.maximum(arr.n_out + expected_extra, 1.0)
@@ -491,7 +486,8 @@ class OnlineCorrection:
 
     def residual(self, static_ms, tokens, steps, spec_requests):
         """Predicted measured-minus-profiled ms (broadcast over the inputs): the value of
-        ``predict(features(...))`` without building the feature rows (planning hot path)."""
+        ``predict(features(...))`` without building the feature rows. The planner's array
+        program inlines this (``_evaluate_depths.t_iter``)."""
         th = self.theta
         return th[0] + th[1] * static_ms + th[2] * tokens + (th[3] + th[4] * spec_requests) * steps
 
