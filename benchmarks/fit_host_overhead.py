@@ -8,8 +8,9 @@ prediction for the same batch (computed the way ``adaserve simulate`` computes i
 the policy's own decision time, and fits the remainder by non-negative least squares
 against the features of ``adaserve.sim.loop.HostOverhead``, plus a speed factor on the
 profile's timings (a shared machine runs at a different speed than when it was
-profiled). It writes the profile with its timings multiplied by that factor and
-``"host_overhead"`` added, which ``adaserve simulate --profile`` then uses. Compare
+profiled). It writes the profile with its timings multiplied by that factor,
+``"host_overhead"`` added and ``"unloaded_tpot_ms"`` (the original profile's, which the
+engine's class targets are built on), which ``adaserve simulate --profile`` then uses. Compare
 against real runs made right after the fit: the machine's speed drifts within minutes.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fit_host_overhead.py \\
@@ -196,6 +197,8 @@ def main() -> None:
         r, m = resid[a:z], y[a:z]
         print(f"  {pol}: mean residual {r.mean():+.2f} ms ({100 * r.mean() / m.mean():+.1f}%)")
     prof = json.loads(Path(args.profile).read_text())
+    # the engine builds the class targets on the profile it was given: keep that base
+    prof["unloaded_tpot_ms"] = engine.hw.unloaded_tpot_ms()
     _rescale(prof, speed)
     prof["host_overhead"] = fit
     Path(args.out).write_text(json.dumps(prof, indent=1) + "\n")

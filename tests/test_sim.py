@@ -408,6 +408,14 @@ def test_simulate_takes_the_unloaded_tpot_the_targets_are_built_on(tmp_path, cap
     capsys.readouterr()
     assert _cli([*base, "--unloaded-tpot-ms", "0", "--out", str(tmp_path / "b")]) == 2
     assert "--unloaded-tpot-ms" in capsys.readouterr().err
+    # a profile rescaled by benchmarks/fit_host_overhead.py carries the engine's base
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({**REDUCED_PROFILE, "unloaded_tpot_ms": 25.0}))
+    args = ["--profile", str(prof), "--duration", "5", "--request-rate", "4"]
+    args += ["--dataset", "random", "--policies", "ar", "--out", str(tmp_path / "c")]
+    assert _cli(args) == 0
+    targets = {r["cls"]: r["tpot_target_ms"] for r in _records(tmp_path / "c")}
+    assert targets["interactive"] == pytest.approx(1.2 * 25.0)
 
 
 def _records(out):

@@ -110,6 +110,9 @@ def hardware_from_args(args):
         )
         info = {
             "host_overhead": raw.get("host_overhead"),
+            # the class targets' base when the profile was rescaled to another machine
+            # speed (benchmarks/fit_host_overhead.py): the engine's, from the original
+            "unloaded_tpot_ms": raw.get("unloaded_tpot_ms"),
             "hardware": "profile",
             "profile": str(args.profile),
             "device": raw.get("device", "unknown"),
@@ -255,8 +258,14 @@ class SimBackend:
             weight_bytes=wb,
         )
         unloaded = getattr(args, "unloaded_tpot_ms", None)
-        if unloaded is not None and not (unloaded > 0 and math.isfinite(unloaded)):
-            raise AdaServeError("--unloaded-tpot-ms must be a positive number")
+        if unloaded is None:
+            unloaded = self.hw_info.get("unloaded_tpot_ms")
+        if unloaded is not None and not (
+            isinstance(unloaded, (int, float)) and unloaded > 0 and math.isfinite(unloaded)
+        ):
+            raise AdaServeError(
+                "--unloaded-tpot-ms (or the profile's unloaded_tpot_ms) must be a positive number"
+            )
         self.sim = Simulator(
             self.hw,
             AcceptanceModel(self.acc_params),
