@@ -22,14 +22,12 @@ Fit on a different seed than the one you compare on (default seed 100).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
 
 import numpy as np
-
-FEATURES = ("per_iteration", "per_request", "per_spec_request", "per_spec_step")
-FEATURES += ("per_drafted", "per_verified")
 
 
 def nnls(X: np.ndarray, y: np.ndarray, iters: int = 100) -> np.ndarray:
@@ -161,6 +159,7 @@ def main() -> None:
     from adaserve.bench.runner import EngineFactory, run_in_process
     from adaserve.bench.workload import WorkloadSpec, build_workload
     from adaserve.config import EngineConfig
+    from adaserve.sim.loop import HostOverhead
 
     kv = _bytes(args.kv_cache_bytes) if args.kv_cache_bytes else None
     factory = EngineFactory(EngineConfig(profile=args.profile, kv_cache_bytes=kv))
@@ -188,7 +187,8 @@ def main() -> None:
     X = np.array([r["x"] for r in rows])
     y = np.array([r["y"] for r in rows])
     b = nnls(X, y)
-    speed, fit = float(b[0]), dict(zip(FEATURES, (round(float(v), 4) for v in b[1:])))
+    names = [f.name for f in dataclasses.fields(HostOverhead)]  # the x columns' order
+    speed, fit = float(b[0]), dict(zip(names, (round(float(v), 4) for v in b[1:])))
     resid = y - X @ b
     print(f"speed factor (this run / the profile): {speed:.3f}")
     print("host overhead (ms):", fit)

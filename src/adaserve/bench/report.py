@@ -42,8 +42,6 @@ def _clean(x):
     if isinstance(x, dict):
         return {str(k): _clean(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        if all(type(v) is float for v in x) and math.isfinite(sum(x)):
-            return list(x)  # plain finite floats (token times): nothing to clean
         return [_clean(v) for v in x]
     if isinstance(x, (np.floating, float)):
         v = float(x)

@@ -17,7 +17,7 @@ POLICY_NAMES = (
     "dyn-tree",
 )
 # adaserve, smartspec and dyn-tree take AdaptiveConfig overrides after the name:
-# "adaserve:pause_ahead=false:slo_margin=0.1"
+# "adaserve:max_depth=3:slo_margin=0.1"
 
 
 def make_policy(name: str, **kwargs) -> Policy:
@@ -40,11 +40,10 @@ def make_policy(name: str, **kwargs) -> Policy:
         if head in ("adaserve", "smartspec", "dyn-tree"):
             from adaserve.sched.adaptive import make_adaptive
 
+            overrides = _overrides(name, arg)
             try:
-                return make_adaptive(head, **kwargs, **_overrides(name, arg))
-            except (ValueError, TypeError) as e:
-                if isinstance(e, InvalidRequestError):
-                    raise
+                return make_adaptive(head, **kwargs, **overrides)
+            except (ValueError, TypeError) as e:  # AdaptiveConfig's validation
                 raise InvalidRequestError(f"policy {name!r}: {e}", "policy") from None
     except InvalidRequestError:
         raise
