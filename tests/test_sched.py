@@ -14,7 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adaserve import LLM, SLO, SamplingParams
-from adaserve.sched.adaptive import _EXTRAS, AdaptivePolicy, _Arrays, gain_curve
+from adaserve.sched.adaptive import (
+    _EXTRAS,
+    AdaptiveConfig,
+    AdaptivePolicy,
+    _Arrays,
+    gain_curve,
+)
 from adaserve.sched.base import BatchView, ReqView
 from adaserve.sched.calibration import Calibrator
 from adaserve.sched.hardware import HardwareModel
@@ -192,12 +198,14 @@ def cheap_profile(tmp_path_factory):
 
 
 def test_plan_gives_behind_strict_requests_deeper_trees_than_relaxed_ones():
-    """Same batch, same acceptance: the strict requests (behind a 12 ms target at
-    14 ms/token) get deeper trees and more candidates than the relaxed ones."""
+    """Same batch, same acceptance, verification flat up to 64 tokens and steep past
+    them: the strict requests (on their 5 ms target's pace, so behind the aim the
+    margin sets) get the deep trees that meet their requirements, the relaxed ones
+    none, and every requirement is met."""
     hw = HardwareModel.from_dict(
         {
-            "verify": {"tokens": [1, 16, 64, 256], "latency_ms": [10.0, 12.0, 20.0, 60.0]},
-            "draft_step_ms": 0.5,
+            "verify": {"tokens": [1, 64, 128, 256], "latency_ms": [10.0, 11.0, 30.0, 60.0]},
+            "draft_step_ms": 0.3,
         }
     )
     reqs = []
@@ -207,10 +215,10 @@ def test_plan_gives_behind_strict_requests_deeper_trees_than_relaxed_ones():
             ReqView(
                 rid=i,
                 cls="c",
-                tpot_ms=12.0 if strict else 1e5,
+                tpot_ms=5.0 if strict else 1e5,
                 ttft_ms=None,
                 n_out=20,
-                decode_ms=19 * 14.0,
+                decode_ms=19 * (5.0 if strict else 10.0),
                 waited_ms=0.0,
                 prefill_left=0,
                 context_len=200,
@@ -218,9 +226,10 @@ def test_plan_gives_behind_strict_requests_deeper_trees_than_relaxed_ones():
             )
         )
     view = BatchView(
-        now_ms=0.0, requests=reqs, free_kv_slots=10**6, hw=hw, acc_by_rank=(0.7, 0.15, 0.05, 0.02)
+        now_ms=0.0, requests=reqs, free_kv_slots=10**6, hw=hw, acc_by_rank=(0.8, 0.1, 0.05, 0.02)
     )
     plan = AdaptivePolicy("adaserve").plan(view)
+    assert plan.info["score"] == 8 * 3 + 8 * 1  # every requirement met (weights 3 and 1)
     depth = {rid: shape[0] for rid, shape in plan.shapes.items()}
     assert min(depth[i] for i in range(0, 16, 2)) > max(depth.get(i, 0) for i in range(1, 16, 2))
     alloc = plan.info["alloc"]
@@ -429,17 +438,11 @@ def _reference_depth(pol, view, reqs, d, w, P, kv, acc) -> dict:
         rate = (n + sum(g[k] for k in a)) / tt if ok else -1.0
         if best is None or rate > best["rate"]:
             best = {"alloc": a, "budget": n + P + total, "t_iter": tt, "rate": rate}
-    met_w = excess = 0.0
+    met_w = 0.0
     for r, k in zip(reqs, best["alloc"]):
-        if r.tpot_ms is None:
-            continue
-        weight = 3 - min(r.rank, 2)
-        if requirement(r, best["t_iter"]) <= 1.0 + g[k] + 1e-9:
-            met_w += weight
-        else:
-            pred = (r.decode_ms + best["t_iter"]) / max(r.n_out + g[k], 1.0)
-            excess -= weight * max(0.0, pred / (r.tpot_ms * (1 - c.slo_margin)) - 1.0)
-    best["score"] = (met_w, excess)
+        if r.tpot_ms is not None and requirement(r, best["t_iter"]) <= 1.0 + g[k] + 1e-9:
+            met_w += 3 - min(r.rank, 2)
+    best["score"] = met_w
     return best
 
 
@@ -479,8 +482,49 @@ def test_vectorised_depth_evaluation_equals_the_per_request_reference(
         assert fast["t_iter"][i] == pytest.approx(ref["t_iter"], rel=1e-12)
         assert fast["rate"][i] == pytest.approx(ref["rate"], rel=1e-12)
         if name == "adaserve":
-            score = (fast["met_w"][i], fast["excess"][i])
-            assert score == pytest.approx(ref["score"], rel=1e-9, abs=1e-12)
+            assert fast["met_w"][i] == pytest.approx(ref["score"], rel=1e-9, abs=1e-12)
+
+
+def test_adaserve_takes_the_cheapest_shape_within_the_rate_tolerance(monkeypatch):
+    """Shape choice: most requirements met first; among those, every shape within
+    ``rate_tolerance`` of the best predicted rate ties and the shallowest, then the
+    narrowest, wins. dyn-tree takes the highest rate."""
+    ds = (0, 1, 2, 3)
+    table = {  # width -> (met_w, rate) per depth
+        1: ([5.0, 7.0, 7.0, 7.0], [1.00, 1.40, 1.60, 1.64]),
+        2: ([5.0, 7.0, 7.0, 6.0], [1.00, 1.55, 1.62, 1.90]),
+    }
+
+    def fake(self, view, arr, ds_, w, P, kv, acc):
+        met, rate = table[w]
+        D, n = len(ds_), len(arr.rid)
+        return {
+            "met_w": np.array(met),
+            "rate": np.array(rate),
+            "budget": np.arange(D) + n,
+            "static": np.ones(D),
+            "t_iter": np.ones(D),
+            "alloc": np.zeros((D, n), dtype=np.int64),
+            "need": np.ones((D, n)),
+        }
+
+    monkeypatch.setattr(AdaptivePolicy, "_evaluate_depths", fake)
+    reqs = [req(0, 15.0), req(1, 40.0)]
+    view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=10_000, hw=HW)
+    arr = _Arrays.of(reqs)
+
+    def shape(name, tol):
+        pol = AdaptivePolicy(name, AdaptiveConfig(rate_tolerance=tol))
+        best = pol._best_shape(view, arr, ds, (1, 2), 0, 0.0, (0.6, 0.3))
+        return best["depth"], best["width"], best["rate"]
+
+    # the 1.90 shape meets fewer requirements; best of the rest: 1.64 (depth 3, width 1)
+    assert shape("adaserve", 0.0) == (3, 1, 1.64)
+    assert shape("adaserve", 0.03) == (2, 1, 1.60)  # floor 1.591: depth 2, narrowest
+    assert shape("adaserve", 0.1) == (1, 2, 1.55)  # floor 1.476: only width 2 at depth 1
+    assert shape("dyn-tree", 0.1) == (3, 2, 1.90)
+    with pytest.raises(ValueError, match="rate_tolerance"):
+        AdaptiveConfig(rate_tolerance=1.0)
 
 
 def test_policy_names_take_config_overrides_and_reject_bad_ones():

@@ -52,6 +52,11 @@ class AdaptiveConfig:
     # A(r) makes up a TPOT deficit within this many output tokens (or by the end of the
     # output, if sooner); 0 = within this iteration, the paper's form
     catch_up_tokens: int = 16
+    # among the depths that meet the most requirements, take the shallowest whose
+    # predicted rate is within this fraction of the best one's: a deeper tree that
+    # promises a few per cent more tokens per ms delivers them in fewer, lumpier
+    # iterations and wastes more verification (0 = the highest predicted rate)
+    rate_tolerance: float = 0.03
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_depth <= 16 or not 1 <= self.max_width <= 8:
@@ -62,6 +67,8 @@ class AdaptiveConfig:
             raise ValueError("catch_up_tokens must be >= 0")
         if not 0.0 <= self.slo_margin < 0.9:
             raise ValueError("slo_margin must be in [0, 0.9)")
+        if not 0.0 <= self.rate_tolerance < 1.0:
+            raise ValueError("rate_tolerance must be in [0, 1)")
         if self.node_cap < 1 or self.prefill_chunk < 1 or self.max_budget < 1:
             raise ValueError("node_cap, prefill_chunk and max_budget must be positive")
 
@@ -144,10 +151,10 @@ class AdaptivePolicy(Policy):
         """A(r): accepted tokens this iteration that keep r's mean TPOT within target."""
         return float(self._requirements(_Arrays.of([r]), t_iter)[0])
 
-    def _coef(self, a: _Arrays) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _coef(self, a: _Arrays) -> tuple[np.ndarray, np.ndarray]:
         """Per-request constants, computed once per batch: A(r) = clip(t_iter * slope
-        + base, 1, max_depth + 1), and 1 / aim (aim: the TPOT r is planned for, its
-        target less the margin); 0, 1 and 0 for requests without a TPOT target. [n] each.
+        + base, 1, max_depth + 1) (aim: the TPOT r is planned for, its target less the
+        margin); 0 and 1 for requests without a TPOT target. [n] each.
 
         A(r) is the pace that brings r's mean TPOT back to its aim within the next H
         output tokens (H = ``catch_up_tokens``, or the tokens it has left if fewer):
@@ -166,11 +173,7 @@ class AdaptivePolicy(Policy):
                 slack = aim * (a.n_out + h - 1.0) - a.decode_ms
                 slope = np.divide(h, slack, out=np.full(len(h), np.inf), where=slack > 0)
                 base = 0.0
-            a.coef = (
-                np.where(has, slope, 0.0),
-                np.where(has, base, 1.0),
-                np.where(has, 1.0 / aim, 0.0),
-            )
+            a.coef = (np.where(has, slope, 0.0), np.where(has, base, 1.0))
         return a.coef
 
     def _requirements(self, a: _Arrays, t_iter: float) -> np.ndarray:
@@ -179,7 +182,7 @@ class AdaptivePolicy(Policy):
 
     def _requirements_at(self, a: _Arrays, t_iter: np.ndarray) -> np.ndarray:
         """A(r) (see ``_coef``) for m iteration times at once: [m] -> [m, n]."""
-        slope, base, _ = self._coef(a)
+        slope, base = self._coef(a)
         need = np.asarray(t_iter, dtype=float)[:, None] * slope + base
         return np.minimum(np.maximum(need, 1.0), self.cfg.max_depth + 1)
 
@@ -222,11 +225,7 @@ class AdaptivePolicy(Policy):
         arr = _Arrays.of(dec)
         depths = tuple(d for d in DEPTHS if d <= c.max_depth)
         widths = self._widths(n)
-        best = None
-        for w in widths:
-            top = self._best_depth(view, arr, depths, w, P, kv, acc)
-            if best is None or top["score"] > best["score"]:
-                best = top
+        best = self._best_shape(view, arr, depths, widths, P, kv, acc)
         d, w = best["depth"], best["width"]
         best["infeasible"] = []
         if self.name == "adaserve":
@@ -253,18 +252,30 @@ class AdaptivePolicy(Policy):
         plan.info["arrays"] = arr
         return plan
 
-    def _best_depth(self, view, arr: _Arrays, ds: tuple[int, ...], w, P, kv, acc) -> dict:
-        """The depth in ``ds`` whose predicted outcome scores best at width w (the
-        first on ties), as the plan's ``info``: depth, width, budget, alloc [n], t_iter,
+    def _best_shape(self, view, arr: _Arrays, ds: tuple[int, ...], widths, P, kv, acc) -> dict:
+        """The tree shape (depth in ``ds``, width in ``widths``) whose predicted outcome
+        scores best, as the plan's ``info``: depth, width, budget, alloc [n], t_iter,
         rate, score, the profile's part of t_iter (``t_static``), the correction's
-        ``features`` and (``adaserve``) the requirements at t_iter (``need`` [n])."""
-        ev = self._evaluate_depths(view, arr, ds, w, P, kv, acc)
-        rate = ev["rate"].tolist()
-        if "met_w" in ev:
-            keys = list(zip(ev["met_w"].tolist(), ev["excess"].tolist(), rate))
+        ``features`` and (``adaserve``) the requirements at t_iter (``need`` [n]).
+
+        ``adaserve`` takes the shapes that meet the most requirements (weighted), and
+        of those whose predicted rate is within ``rate_tolerance`` of the best of them,
+        the cheapest: the shallowest, then the narrowest. The other policies take the
+        highest rate (the first shape on ties)."""
+        evs = [self._evaluate_depths(view, arr, ds, w, P, kv, acc) for w in widths]
+        strict = self.name == "adaserve"
+        cand = [  # (met_w, rate, depth index, width index)
+            (float(ev["met_w"][i]) if strict else 0.0, float(ev["rate"][i]), i, j)
+            for j, ev in enumerate(evs)
+            for i in range(len(ds))
+        ]
+        top = max(c[0] for c in cand)
+        if strict:
+            floor = (1.0 - self.cfg.rate_tolerance) * max(c[1] for c in cand if c[0] == top)
+            m, r, i, j = min((c for c in cand if c[0] == top and c[1] >= floor), key=_cheapest)
         else:
-            keys = [(0, 0.0, r) for r in rate]
-        i = max(range(len(ds)), key=keys.__getitem__)
+            m, r, i, j = max(cand, key=lambda c: (c[1], -c[3], -c[2]))
+        ev, w = evs[j], widths[j]
         d, n = ds[i], len(arr.rid)
         budget = int(ev["budget"][i])
         static = float(ev["static"][i])
@@ -274,8 +285,8 @@ class AdaptivePolicy(Policy):
             "budget": budget,
             "alloc": ev["alloc"][i],
             "t_iter": float(ev["t_iter"][i]),
-            "rate": rate[i],
-            "score": keys[i],
+            "rate": r,
+            "score": m,
             "t_static": static,
             "features": [1.0, static, float(budget), float(d), float(d * n)],
         }
@@ -291,8 +302,8 @@ class AdaptivePolicy(Policy):
         Returns arrays over the depths: ``alloc`` [D, n] (candidates per request),
         ``budget`` [D] (verified tokens), ``t_iter`` [D] (predicted ms), ``static`` [D]
         (the profile's part of it), ``rate`` [D] (predicted tokens per ms) and, for
-        ``adaserve``, the SLO score ``met_w``, ``excess`` [D] and the requirements
-        ``need`` [D, n] at t_iter."""
+        ``adaserve``, the weighted count of requirements met ``met_w`` [D] and the
+        requirements ``need`` [D, n] at t_iter."""
         c, hw = self.cfg, view.hw
         n, D = len(arr.rid), len(ds)
         strict = self.name == "adaserve"
@@ -362,22 +373,22 @@ class AdaptivePolicy(Policy):
             "rate": rates[rows, b],
         }
         if strict:
-            out["met_w"], out["excess"], out["need"] = self._slo_scores(
-                arr, out["t_iter"], gots[rows, b]
-            )
+            out["met_w"], out["need"] = self._slo_scores(arr, out["t_iter"], gots[rows, b])
         return out
 
     def _slo_scores(self, arr: _Arrays, t: np.ndarray, expected_extra: np.ndarray):
         """SLO score of m plans: t [m] (iteration ms), expected_extra [m, n] (expected
         accepted candidates per request) -> (weighted count of requests whose
-        requirement the plan meets [m], minus the weighted relative excess of the
-        predicted mean TPOT of those it does not [m], the requirements at t [m, n])."""
+        requirement the plan meets [m], the requirements at t [m, n]).
+
+        Requests a plan leaves short are not scored by how far short: a score that
+        rewards shrinking their predicted excess favours deep trees, whose marginal
+        ms per token beats the mean TPOT of a request already behind, and so slows
+        everyone's next iterations (it cost 3-4 points of attainment on both the CPU
+        profile and the A100 preset)."""
         need = self._requirements_at(arr, t)
         met = arr.has_tpot & (need <= 1.0 + expected_extra + 1e-9)
-        pred = (arr.decode_ms + t[:, None]) / np.maximum(arr.n_out + expected_extra, 1.0)
-        excess = np.maximum(0.0, pred * self._coef(arr)[2] - 1.0)  # 0 without a TPOT
-        met_w = (met * arr.weight).sum(1)
-        return met_w, -((~met * arr.weight) * excess).sum(1), need
+        return (met * arr.weight).sum(1), need
 
     def _overload(self, dec: list[ReqView], best: dict, plan: Plan) -> None:
         bad = set(best["infeasible"])
@@ -546,6 +557,11 @@ def _fit_rows(alloc: np.ndarray, need: np.ndarray, cap: np.ndarray) -> np.ndarra
     out = np.empty_like(alloc)
     np.put_along_axis(out, order, np.clip(cap[:, None] - before, 0, a), axis=1)
     return out
+
+
+def _cheapest(c: tuple) -> tuple:
+    """Order of (met_w, rate, depth index, width index) candidates by tree cost."""
+    return (c[2], c[3], -c[1])
 
 
 def _fill_options_rows(alloc: np.ndarray, kmax: np.ndarray, extras: np.ndarray) -> np.ndarray:
