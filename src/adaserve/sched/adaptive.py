@@ -4,7 +4,9 @@ All three pick the iteration's verification budget B from the hardware model.
 
 * ``adaserve``: SLO phase (most-behind first, each request takes its highest-f
   candidates until its expected accepted tokens reach its requirement A(r), capped),
-  then goodput phase (globally highest-f candidates). Prefill is chunked, shares B, and
+  then goodput phase (globally highest-f candidates). The tree shape is the cheapest
+  of those that meet the most requirements and predict a rate within
+  ``rate_tolerance`` of the best of them. Prefill is chunked, shares B, and
   waiting requests are ordered by TTFT deadline. Overload: requests whose requirement
   stays infeasible are degraded to a looser class; relaxed requests past their
   maximum queue wait are admitted first.
