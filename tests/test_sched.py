@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from adaserve import LLM, SLO, SamplingParams
 from adaserve.sched.adaptive import (
     _EXTRAS,
+    DEPTHS,
     AdaptiveConfig,
     AdaptivePolicy,
     _Arrays,
@@ -422,6 +423,11 @@ def _reference_depth(pol, view, reqs, d, w, P, kv, acc) -> dict:
         st = hw.verify_latency(tok, kv) + hw.drafting_ms(d, n * w, n + P, n) + hw.overhead_ms
         return max(st + pol.correction.residual(st, tok, d, n if d else 0), 0.5 * st)
 
+    # the prefill chunk's part of t_iter (profile plus correction), left out of the rate
+    th = pol.correction.theta
+    t_pre = (hw.verify_latency(n + P, kv) - hw.verify_latency(n, kv)) * (1 + th[1]) + th[2] * P
+    t_pre = max(0.0, t_pre) if P else 0.0
+
     def requirement(r, t):  # A(r), the module docstring's formula
         if r.tpot_ms is None:
             return 1.0
@@ -458,7 +464,7 @@ def _reference_depth(pol, view, reqs, d, w, P, kv, acc) -> dict:
         ok = n + P + total <= c.max_budget and total + n * w * d <= view.free_kv_slots
         ok = ok or d == 0 or (e == 0 and pol.name != "smartspec")
         tt = t_iter(total)
-        rate = (n + sum(g[k] for k in a)) / tt if ok else -1.0
+        rate = (n + sum(g[k] for k in a)) / max(tt - t_pre, 0.1 * tt) if ok else -1.0
         if best is None or rate > best["rate"]:
             best = {"alloc": a, "budget": n + P + total, "t_iter": tt, "rate": rate}
     met_w = 0.0
@@ -548,6 +554,33 @@ def test_adaserve_takes_the_cheapest_shape_within_the_rate_tolerance(monkeypatch
     assert shape("dyn-tree", 0.1) == (3, 2, 1.90)
     with pytest.raises(ValueError, match="rate_tolerance"):
         AdaptiveConfig(rate_tolerance=1.0)
+
+
+def test_a_prefill_chunk_does_not_deepen_the_trees():
+    """The prefill chunk's time is spent whatever the trees: the planner rates shapes by
+    decode tokens per ms beyond it, so the batch gets the tree it would get without the
+    chunk (rated within the chunk's iteration, every extra draft step looks cheap and
+    the deepest tree wins)."""
+    hw = HardwareModel.from_dict(
+        {
+            "verify": {
+                "tokens": [1, 16, 64, 256, 512],
+                "latency_ms": [8.0, 10.0, 16.0, 45.0, 90.0],
+            },
+            "draft_step_ms": 1.0,
+        }
+    )
+    reqs = [req(i, 1e5) for i in range(4)]
+    view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=10**6, hw=hw)
+    pol = AdaptivePolicy("adaserve")
+    acc = (0.75, 0.1, 0.05, 0.02)
+    shapes = {
+        P: pol._best_shape(view, _Arrays.of(reqs), DEPTHS, (1,), P, 800.0, acc)
+        for P in (0, 64, 256)
+    }
+    assert 1 <= shapes[0]["depth"] < max(DEPTHS)
+    assert {b["depth"] for b in shapes.values()} == {shapes[0]["depth"]}
+    assert shapes[256]["t_iter"] > shapes[0]["t_iter"] + 30  # the chunk's time is paid
 
 
 def test_policy_names_take_config_overrides_and_reject_bad_ones():

@@ -463,3 +463,31 @@ def test_list_presets_prints_the_paper_comparison(capsys):
     assert _cli(["--list-presets"]) == 0
     out = capsys.readouterr().out
     assert "A100-80GB:llama-70b" in out and "paper" in out
+
+
+def test_simulate_pools_the_workloads_of_several_seeds(tmp_path, capsys):
+    """``--seeds 1-3``: each policy runs the workload of every seed; the result pools
+    their requests (attainment = the request-weighted mean of the runs, each run listed
+    with its seed) and equals what three single-seed runs give; bad lists are refused."""
+    base = ["--preset", "H100", "--duration", "4", "--request-rate", "6", "--dataset", "random"]
+    base += ["--policies", "adaserve,ar"]
+    assert _cli([*base, "--seeds", "1-3", "--out", str(tmp_path / "all")]) == 0
+    res = json.loads((tmp_path / "all" / "result.json").read_text())
+    assert res["config"]["seeds"] == [1, 2, 3]
+    single = {}
+    for s in (1, 2, 3):
+        assert _cli([*base, "--seed", str(s), "--out", str(tmp_path / f"s{s}")]) == 0
+        single[s] = json.loads((tmp_path / f"s{s}" / "result.json").read_text())["results"]
+    for pol, r in res["results"].items():
+        runs = r["overall"]["repeats"]
+        assert [x["seed"] for x in runs] == [1, 2, 3]
+        n = [single[s][pol]["overall"]["requests"] for s in (1, 2, 3)]
+        att = [single[s][pol]["overall"]["attainment"] for s in (1, 2, 3)]
+        assert [x["attainment"] for x in runs] == pytest.approx(att)
+        assert r["overall"]["requests"] == sum(n)
+        assert r["overall"]["attainment"] == pytest.approx(np.dot(n, att) / sum(n))
+    assert "attainment per run" in capsys.readouterr().out
+    for bad in ("5-2", "x", "1,,-3", ""):
+        with pytest.raises(SystemExit) as exc:  # argparse's usage error
+            _cli([*base, "--seeds", bad, "--out", str(tmp_path / "bad")])
+        assert exc.value.code == 2 and "--seeds" in capsys.readouterr().err

@@ -62,10 +62,40 @@ def _floats(s: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
 
 
+def _seeds(s: str) -> list[int]:
+    """ "1-12", "1,3,5" or "1-4,9" -> distinct seeds in order."""
+    out: list[int] = []
+    try:
+        for part in (x.strip() for x in s.split(",")):
+            if not part:
+                continue
+            lo, _, hi = part.partition("-") if not part.startswith("-") else (part, "", "")
+            a, b = int(lo), int(hi or lo)
+            if b < a or b - a >= 10_000:
+                raise ValueError
+            out += [k for k in range(a, b + 1) if k not in out]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected seeds like 1-12 or 1,3,5 (non-negative, ranges ascending), got {s!r}"
+        ) from None
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative seeds, got {s!r}")
+    return out
+
+
 # ---------------------------------------------------------------------- arguments
 def _add_common(p: argparse.ArgumentParser, default_duration: float) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--seed", type=int, default=0, help="the whole workload is a function of it")
+    w.add_argument(
+        "--seeds",
+        type=_seeds,
+        default=None,
+        metavar="LIST",
+        help="run every policy on the workload of each seed (e.g. 1-12 or 1,3,5) and report "
+        "figures pooled over all of them plus each run's attainment; replaces --seed. One "
+        "workload is a small sample: policy comparisons need several",
+    )
     w.add_argument("--request-rate", type=_rate, default=2.0, help="requests/s (inf: all at once)")
     w.add_argument(
         "--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1 = Poisson)"
@@ -410,9 +440,15 @@ def _backend(args):
 
 
 def _serve_once(backend, spec: WorkloadSpec, args, progress: bool):
-    """All policies on the identical workload; returns (result, records, timelines)."""
-    items = backend.workload(spec)
-    if not items:
+    """All policies on the identical workload (one per seed of ``--seeds``); returns
+    (result, records, timelines), the records and timelines of each policy's last run."""
+    from dataclasses import replace
+
+    seeds = getattr(args, "seeds", None) or [spec.seed]
+    spec = replace(spec, seed=seeds[0])
+    specs = [replace(spec, seed=s) for s in seeds]
+    workloads = [backend.workload(sp) for sp in specs]
+    if not all(workloads):
         raise AdaServeError("the workload is empty: raise --duration or --request-rate")
     results, records, timelines = {}, {}, {}
     slo_targets = {}
@@ -423,18 +459,22 @@ def _serve_once(backend, spec: WorkloadSpec, args, progress: bool):
         raise AdaServeError("--repeat must be a positive integer")
     for rnd in range(repeat):  # each round starts one policy later: drift hits all alike
         for pol in pols[rnd % len(pols) :] + pols[: rnd % len(pols)]:
-            summary, recs, tl, slos = backend.run(spec, items, pol, progress)
-            runs[pol].append((summary, recs))
-            records[pol] = recs
-            if tl is not None:
-                timelines[pol] = tl.samples
-            slo_targets = {k: {"tpot_ms": v.tpot_ms, "ttft_ms": v.ttft_ms} for k, v in slos.items()}
+            for sp, items in zip(specs, workloads):
+                summary, recs, tl, slos = backend.run(sp, items, pol, progress)
+                runs[pol].append((summary, recs, sp.seed))
+                records[pol] = recs
+                if tl is not None:
+                    timelines[pol] = tl.samples
+                slo_targets = {
+                    k: {"tpot_ms": v.tpot_ms, "ttft_ms": v.ttft_ms} for k, v in slos.items()
+                }
     for pol in pols:
-        results[pol] = runs[pol][0][0] if repeat == 1 else _pooled(runs[pol])
+        results[pol] = runs[pol][0][0] if len(runs[pol]) == 1 else _pooled(runs[pol])
     config = {
         **spec.to_dict(),
+        **({"seeds": seeds} if len(seeds) > 1 else {}),
         **backend.config(),
-        "num_requests": len(items),
+        "num_requests": sum(len(items) for items in workloads),
         "slo_targets": slo_targets,
         "strict_class": _strict_class(spec, getattr(backend, "classes", DEFAULT_CLASSES)),
         "convergence_window_s": args.convergence_window,
@@ -443,18 +483,20 @@ def _serve_once(backend, spec: WorkloadSpec, args, progress: bool):
     return {"config": config, "results": results}, records, timelines
 
 
-def _pooled(runs: list[tuple[dict, list]]) -> dict:
-    """One policy's repeated runs as one summary over all their requests (throughputs
-    over the summed durations), with each run's figures under ``overall.repeats``."""
-    pooled = [r for _, recs in runs for r in recs]
-    out = summarize(pooled, sum(s["overall"]["duration_s"] for s, _ in runs))
+def _pooled(runs: list[tuple[dict, list, int]]) -> dict:
+    """One policy's runs (summary, records, workload seed) as one summary over all their
+    requests (throughputs over the summed durations), with each run's figures under
+    ``overall.repeats``."""
+    pooled = [r for _, recs, _ in runs for r in recs]
+    out = summarize(pooled, sum(s["overall"]["duration_s"] for s, _, _ in runs))
     out["overall"]["repeats"] = [
         {
+            "seed": seed,
             "attainment": s["overall"]["attainment"],
             "goodput_tok_s": s["overall"]["goodput_tok_s"],
             "per_class_attainment": {c: m["attainment"] for c, m in s["per_class"].items()},
         }
-        for s, _ in runs
+        for s, _, seed in runs
     ]
     return out
 

@@ -303,7 +303,8 @@ class AdaptivePolicy(Policy):
 
         Returns arrays over the depths: ``alloc`` [D, n] (candidates per request),
         ``budget`` [D] (verified tokens), ``t_iter`` [D] (predicted ms), ``static`` [D]
-        (the profile's part of it), ``rate`` [D] (predicted tokens per ms) and, for
+        (the profile's part of it), ``rate`` [D] (predicted decode tokens per ms of
+        the iteration's time beyond its prefill chunk's) and, for
         ``adaserve``, the weighted count of requirements met ``met_w`` [D] and the
         requirements ``need`` [D, n] at t_iter."""
         c, hw = self.cfg, view.hw
@@ -361,7 +362,12 @@ class AdaptivePolicy(Policy):
         ok[:, 0] |= self.name != "smartspec"
         ok[di == 0, 0] = True
         tts, sts = t_iter(totals)
-        rates = (n + gots.sum(-1)) / tts
+        # a prefill chunk's time is spent whatever the trees: leave it out of the rate,
+        # or it makes every extra draft step and candidate look cheap next to it (a
+        # 60 ms prefill iteration "gains" rate from a depth-8 tree whose marginal
+        # tokens per ms are below what a decode-only iteration achieves)
+        t_pre = max(0.0, (V[tok0] - V[n]) * (1.0 + th[1]) + th[2] * P) if P else 0.0
+        rates = (n + gots.sum(-1)) / np.maximum(tts - t_pre, 0.1 * tts)
         # goodput phase by predicted rate: choosing it by the (myopic) SLO score instead
         # starves throughput in overload and lowers attainment (tests/test_sim.py)
         rates[~ok] = -1.0
