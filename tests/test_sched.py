@@ -579,7 +579,7 @@ def test_a_prefill_chunk_does_not_deepen_the_trees():
         for P in (0, 64, 256)
     }
     assert 1 <= shapes[0]["depth"] < max(DEPTHS)
-    assert {b["depth"] for b in shapes.values()} == {shapes[0]["depth"]}
+    assert max(b["depth"] for b in shapes.values()) == shapes[0]["depth"]
     assert shapes[256]["t_iter"] > shapes[0]["t_iter"] + 30  # the chunk's time is paid
 
 

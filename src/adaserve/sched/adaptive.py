@@ -54,11 +54,11 @@ class AdaptiveConfig:
     # A(r) makes up a TPOT deficit within this many output tokens (or by the end of the
     # output, if sooner); 0 = within this iteration, the paper's form
     catch_up_tokens: int = 16
-    # among the depths that meet the most requirements, take the shallowest whose
-    # predicted rate is within this fraction of the best one's: a deeper tree that
-    # promises a few per cent more tokens per ms delivers them in fewer, lumpier
-    # iterations and wastes more verification (0 = the highest predicted rate)
-    rate_tolerance: float = 0.03
+    # among the shapes that meet the most requirements, take the cheapest (shallowest,
+    # then narrowest) whose predicted rate is within this fraction of the best one's
+    # (0 = the highest predicted rate; 0.03 was 2 points worse on the A100 preset at
+    # 10 req/s and within noise on the CPU profile: docs/results/shape-choice.md)
+    rate_tolerance: float = 0.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_depth <= 16 or not 1 <= self.max_width <= 8:
