@@ -491,3 +491,41 @@ def test_simulate_pools_the_workloads_of_several_seeds(tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:  # argparse's usage error
             _cli([*base, "--seeds", bad, "--out", str(tmp_path / "bad")])
         assert exc.value.code == 2 and "--seeds" in capsys.readouterr().err
+
+
+def test_request_spread_gives_requests_persistent_difficulty():
+    """``request_spread``: each request draws its own share of easy positions once, so
+    requests differ in acceptance persistently (the engine's requests do: per-request
+    acceptance spread 0.20 against 0.13 simulated without it) while the mean stays; at
+    0 nothing is drawn and the chain is the stationary one."""
+    from dataclasses import replace
+
+    from adaserve import paths
+
+    base = AcceptanceParams.from_stats(paths.DEFAULT_STATS)
+    assert AcceptanceModel(base).request_shares(5, np.random.default_rng(0)) is None
+    with pytest.raises(ValueError, match="request spread"):
+        replace(base, request_spread=1.0)
+
+    def per_request_acceptance(spread: float) -> np.ndarray:
+        m = AcceptanceModel(replace(base, request_spread=spread))
+        rng = np.random.default_rng(1)
+        R = 400
+        pi = m.request_shares(R, rng)
+        states = m.stationary(R, rng)
+        accepted = np.zeros(R)
+        for _ in range(60):
+            states = m.advance(states, np.full(R, 4), rng, pi)
+            tb = m.grow(4, 1, R, rng, states, pi)
+            accepted += (tb.target_path >= 0).sum(1)
+        return accepted / 60
+
+    alike, spread = per_request_acceptance(0.0), per_request_acceptance(0.8)
+    assert spread.std() > 1.8 * alike.std()
+    assert spread.mean() == pytest.approx(alike.mean(), rel=0.08)
+    shares = AcceptanceModel(replace(base, request_spread=0.8)).request_shares(
+        4000, np.random.default_rng(2)
+    )
+    pi = AcceptanceModel(base).regimes.stationary[0]
+    assert shares.mean() == pytest.approx(pi, abs=0.02)
+    assert shares.std() == pytest.approx(0.8 * math.sqrt(pi * (1 - pi)), rel=0.1)

@@ -64,6 +64,10 @@ class AcceptanceParams:
     concentration: float = 2.0
     overconfidence: float = 1.0
     source: str = "parametric"
+    # persistent per-request difficulty: each request's share of easy positions is
+    # drawn once from a Beta around the stationary share whose standard deviation is
+    # this fraction of the largest possible (0 = every request alike)
+    request_spread: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.top1_by_depth or not all(0.0 < x < 1.0 for x in self.top1_by_depth):
@@ -72,6 +76,8 @@ class AcceptanceParams:
             raise ValueError("rank shares must be >= 0 and sum to <= 1")
         if not self.concentration > 0 or not self.overconfidence > 0:
             raise ValueError("concentration and overconfidence must be positive")
+        if not 0.0 <= self.request_spread < 1.0:
+            raise ValueError("request spread must be in [0, 1)")
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -159,6 +165,7 @@ class AcceptanceParams:
             "rank_share": [round(x, 4) for x in self.rank_share],
             "concentration": self.concentration,
             "overconfidence": self.overconfidence,
+            "request_spread": self.request_spread,
         }
 
 
@@ -371,13 +378,34 @@ class AcceptanceModel:
         return out
 
     # ------------------------------------------------------------------ regimes
+    def request_shares(self, num: int, rng: np.random.Generator) -> np.ndarray | None:
+        """[num] per-request shares of easy positions (``request_spread``): Beta draws
+        with the stationary share as mean and variance spread^2 pi (1 - pi); None when
+        the spread is 0 (every request follows the stationary chain; no draw made)."""
+        sp = self.params.request_spread
+        if sp <= 0.0:
+            return None
+        pi = float(self.regimes.stationary[0])
+        k = 1.0 / (sp * sp) - 1.0
+        return rng.beta(max(k * pi, 1e-3), max(k * (1.0 - pi), 1e-3), num)
+
+    def _stays(self, pi: np.ndarray | None) -> np.ndarray:
+        """[2] stay probabilities, or [R, 2] for per-request easy shares ``pi`` [R]: the
+        chain's persistence (a + b - 1) kept, its stationary share moved to pi."""
+        if pi is None:
+            return self._stay
+        lam = self._stay.sum() - 1.0
+        pi = np.asarray(pi, dtype=float)
+        return np.stack([1.0 - (1.0 - pi) * (1.0 - lam), 1.0 - pi * (1.0 - lam)], axis=1)
+
     def stationary(self, num: int, rng: np.random.Generator) -> np.ndarray:
         """[num] regime states drawn from the stationary distribution."""
         return (rng.random(num) >= self.regimes.stationary[0]).astype(np.int64)
 
-    def advance(self, states: np.ndarray, steps: np.ndarray, rng) -> np.ndarray:
-        """Regimes ``steps`` positions after ``states`` (-1 = unknown: stationary)."""
-        pi_e = self.regimes.stationary[0]
+    def advance(self, states: np.ndarray, steps: np.ndarray, rng, pi=None) -> np.ndarray:
+        """Regimes ``steps`` positions after ``states`` (-1 = unknown: stationary);
+        ``pi`` [R]: per-request easy shares (``request_shares``) or None."""
+        pi_e = self.regimes.stationary[0] if pi is None else np.asarray(pi, dtype=float)
         lam = self._stay.sum() - 1.0
         k = np.maximum(np.asarray(steps, dtype=float), 0.0)
         s0 = np.asarray(states)
@@ -385,13 +413,17 @@ class AcceptanceModel:
         p_easy = pi_e + lam**k * (start_e - pi_e)
         return (rng.random(len(s0)) >= p_easy).astype(np.int64)
 
-    def _walk(self, states: np.ndarray, n: int, rng) -> np.ndarray:
-        """[R, n] regimes of the next n positions after ``states``."""
+    def _walk(self, states: np.ndarray, n: int, rng, pi=None) -> np.ndarray:
+        """[R, n] regimes of the next n positions after ``states`` [R] (``pi`` as in
+        ``advance``)."""
         out = np.empty((len(states), n), dtype=np.int64)
         u = rng.random((len(states), n))
         prev = states
+        stay = self._stays(pi)
+        rows = np.arange(len(states))
         for k in range(n):
-            prev = np.where(u[:, k] < self._stay[prev], prev, 1 - prev)
+            p = stay[prev] if stay.ndim == 1 else stay[rows, prev]
+            prev = np.where(u[:, k] < p, prev, 1 - prev)
             out[:, k] = prev
         return out
 
@@ -419,14 +451,16 @@ class AcceptanceModel:
         num: int,
         rng: np.random.Generator,
         states: np.ndarray | None = None,
+        pi: np.ndarray | None = None,
     ) -> TreeBatch:
         """Trees of ``num`` requests with shape (d, w), by beam expansion. ``states``:
-        [num] regime at each root's position (None: stationary draws)."""
+        [num] regime at each root's position (None: stationary draws); ``pi``: [num]
+        per-request easy shares (``request_shares``) or None."""
         lay = layout(d, w)
         N1 = lay.n + 1
         if states is None:
             states = self.stationary(num, rng)
-        reg = self._walk(np.asarray(states, dtype=np.int64), d + 1, rng)  # positions t+1..
+        reg = self._walk(np.asarray(states, dtype=np.int64), d + 1, rng, pi)  # t+1..
         if w == 1:  # a chain: node t's parent is t-1; the path stops at the first miss
             qc, choice = self._children(rng, reg[:, :d], 1)
             q = np.ones((num, N1))

@@ -64,6 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="draft q = confidence sharpened by this exponent (1 = calibrated draft)",
     )
     s.add_argument(
+        "--request-spread",
+        type=float,
+        default=0.0,
+        help="persistent per-request difficulty: standard deviation of each request's "
+        "share of easy positions, as a fraction of the largest possible (0-1; default 0, "
+        "every request alike; about 0.6 matches the shipped pair's spread on the engine)",
+    )
+    s.add_argument(
         "--selection-time",
         choices=["none", "measured"],
         default="none",
@@ -145,7 +153,7 @@ def hardware_from_args(args):
     return hw, info, dep
 
 
-def acceptance_from_args(args, using_profile: bool):
+def _acceptance_params(args, using_profile: bool):
     """AcceptanceParams from ``--stats`` / ``--accept`` / the shipped pair's stats."""
     from adaserve import paths
     from adaserve.sim.acceptance import AcceptanceParams
@@ -174,6 +182,21 @@ def acceptance_from_args(args, using_profile: bool):
         return p, None
     except ValueError as e:
         raise AdaServeError(f"acceptance model: {e}") from None
+
+
+def acceptance_from_args(args, using_profile: bool):
+    """AcceptanceParams from ``--stats`` / ``--accept`` / the shipped pair's stats, with
+    ``--request-spread``; (params, stats path or None)."""
+    from dataclasses import replace
+
+    p, stats = _acceptance_params(args, using_profile)
+    spread = getattr(args, "request_spread", 0.0) or 0.0
+    if spread:
+        try:
+            p = replace(p, request_spread=float(spread))
+        except ValueError as e:
+            raise AdaServeError(f"--request-spread: {e}") from None
+    return p, stats
 
 
 def _default_kv_slots(hw, block_size: int = 16) -> int:

@@ -150,6 +150,7 @@ class _Req:
         "cls_obj",
         "regime",
         "regime_pos",
+        "easy_share",
     )
 
     def __init__(self, rid: int, item: WorkItem, slo: SLO, cls_obj: SLOClass | None):
@@ -178,6 +179,7 @@ class _Req:
         self.cls_obj = cls_obj
         self.regime = -1  # acceptance regime at token position regime_pos - 1 (-1: unknown)
         self.regime_pos = 0
+        self.easy_share = 0.0  # per-request share of easy positions (request_spread)
 
     @property
     def n_out(self) -> int:
@@ -268,6 +270,9 @@ class _Run:
         self.items = sorted(items, key=lambda it: (it.arrival_s, it.idx))
         self.slos = slos
         self.rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, 0x5EED]))
+        # per-request difficulty draws use their own stream (the main one is unchanged)
+        self.rng_req = np.random.default_rng(np.random.SeedSequence([cfg.seed, 0x5EED, 1]))
+        self.spread = sim.acc.params.request_spread > 0
         self.cal = Calibrator()
         if sim.seed_stats:
             self.cal.seed_from_stats(sim.seed_stats)
@@ -353,7 +358,10 @@ class _Run:
             if reason:
                 self.shed[reason] = self.shed.get(reason, 0) + 1
                 return self._fail(it, slo, f"shed: {reason}", True)
-        self.waiting.append(_Req(it.idx, it, slo, cls_obj))
+        r = _Req(it.idx, it, slo, cls_obj)
+        if self.spread:
+            r.easy_share = float(self.acc.request_shares(1, self.rng_req)[0])
+        self.waiting.append(r)
 
     def _admission_check(self, slo: SLO, cls_obj: SLOClass | None) -> str | None:
         """``Engine._admission_check``: queue length and the strict class's demand."""
@@ -515,12 +523,14 @@ class _Run:
         batches: list[tuple[list[_Req], TreeBatch]] = []
         trees = {}
         for (d, w), reqs in groups.items():
+            pi = np.array([r.easy_share for r in reqs]) if self.spread else None
             states = self.acc.advance(
                 np.array([r.regime for r in reqs]),
                 np.array([r.n_tokens - r.regime_pos for r in reqs]),
                 self.rng,
+                pi,
             )
-            tb = self.acc.grow(d, w, len(reqs), self.rng, states)
+            tb = self.acc.grow(d, w, len(reqs), self.rng, states, pi)
             apply_calibration(self.cal, tb)
             batches.append((reqs, tb))
             n = tb.lay.n
