@@ -4,9 +4,10 @@ All three pick the iteration's verification budget B from the hardware model.
 
 * ``adaserve``: SLO phase (most-behind first, each request takes its highest-f
   candidates until its expected accepted tokens reach its requirement A(r), capped),
-  then goodput phase (globally highest-f candidates). The tree shape is the cheapest
-  of those that meet the most requirements and predict a rate within
-  ``rate_tolerance`` of the best of them. Prefill is chunked, shares B, and
+  then goodput phase (globally highest-f candidates). The tree shape: of those that
+  meet the most requirements, the one with the highest predicted decode rate (a
+  prefill chunk's time left out; rates within ``rate_tolerance`` tie, the cheapest
+  shape winning). Prefill is chunked, shares B, and
   waiting requests are ordered by TTFT deadline. Overload: requests whose requirement
   stays infeasible are degraded to a looser class; relaxed requests past their
   maximum queue wait are admitted first.
@@ -303,10 +304,10 @@ class AdaptivePolicy(Policy):
 
         Returns arrays over the depths: ``alloc`` [D, n] (candidates per request),
         ``budget`` [D] (verified tokens), ``t_iter`` [D] (predicted ms), ``static`` [D]
-        (the profile's part of it), ``rate`` [D] (predicted decode tokens per ms of
-        the iteration's time beyond its prefill chunk's) and, for
-        ``adaserve``, the weighted count of requirements met ``met_w`` [D] and the
-        requirements ``need`` [D, n] at t_iter."""
+        (the profile's part of it), ``rate`` [D] (predicted decode tokens per ms of the
+        iteration's time beyond its prefill chunk's) and, for ``adaserve``, the
+        weighted count of requirements met ``met_w`` [D] and the requirements ``need``
+        [D, n] at t_iter."""
         c, hw = self.cfg, view.hw
         n, D = len(arr.rid), len(ds)
         strict = self.name == "adaserve"
