@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="persistent per-request difficulty: standard deviation of each request's "
         "share of easy positions, as a fraction of the largest possible (0-1; default 0, "
-        "every request alike; about 0.6 matches the shipped pair's spread on the engine)",
+        "every request alike; 0.8-0.9 matches the shipped pair's spread on the engine)",
     )
     s.add_argument(
         "--selection-time",
