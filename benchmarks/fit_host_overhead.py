@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from adaserve.sim.loop import HostOverhead, forward_ms
+
 
 def nnls(X: np.ndarray, y: np.ndarray, iters: int = 100) -> np.ndarray:
     """min ||X b - y|| subject to b >= 0 (Lawson-Hanson active set): X [m, k], y [m]."""
@@ -113,19 +115,15 @@ class Recorder:
         c, self.cur = self.cur, {}
         if "v_tokens" not in c:
             return
-        hw = engine.hw
-        ms = float(hw.verify_latency(c["v_tokens"], c["kv"])) + hw.overhead_ms
-        if c.get("n_spec"):
-            draft = [max(c["catchup"], 1)] + c["steps"]
-            ms += float(hw.draft_latency(np.array(draft, dtype=float)).sum())
-        x = [
-            1.0,
+        steps = c["steps"] if c.get("n_spec") else None
+        ms = forward_ms(engine.hw, c["v_tokens"], c["kv"], c.get("catchup", 0), steps)
+        x = HostOverhead.features(
             c["requests"],
             c.get("n_spec", 0),
             c.get("spec_steps", 0),
             c.get("drafted", 0),
             c["verified"],
-        ]
+        )
         measured = trace.duration_s * 1e3
         self.rows.append({"x": [ms, *x], "y": measured - c.get("policy_ms", 0.0), "ms": measured})
 
@@ -159,7 +157,6 @@ def main() -> None:
     from adaserve.bench.runner import EngineFactory, run_in_process
     from adaserve.bench.workload import WorkloadSpec, build_workload
     from adaserve.config import EngineConfig
-    from adaserve.sim.loop import HostOverhead
 
     kv = _bytes(args.kv_cache_bytes) if args.kv_cache_bytes else None
     factory = EngineFactory(EngineConfig(profile=args.profile, kv_cache_bytes=kv))

@@ -62,6 +62,17 @@ class HostOverhead:
         if any(not (x >= 0 and math.isfinite(x)) for x in self.as_tuple()):
             raise ValueError("host overhead coefficients must be finite and >= 0")
 
+    @staticmethod
+    def features(requests, spec_requests, spec_steps, drafted, verified) -> tuple[float, ...]:
+        """One iteration's counts in coefficient order (``as_tuple``): 1, requests in the
+        batch, speculating requests, speculating requests x draft depth, drafted and
+        verified candidates."""
+        return (1.0, requests, spec_requests, spec_steps, drafted, verified)
+
+    def ms(self, features: tuple[float, ...]) -> float:
+        """Host ms of an iteration with these ``features``."""
+        return sum(c * x for c, x in zip(self.as_tuple(), features))
+
     def as_tuple(self) -> tuple[float, ...]:
         return (
             self.per_iteration,
@@ -567,21 +578,19 @@ class _Run:
             sizes[r.rid] = k
             v_tokens += k
             kv_tokens += r.n_tokens
-        ms = float(hw.verify_latency(v_tokens, kv_tokens)) + hw.overhead_ms
-        if batches:
-            ms += float(hw.draft_latency(np.array([max(catchup, 1)] + steps, dtype=float)).sum())
+        ms = forward_ms(hw, v_tokens, kv_tokens, catchup, steps if batches else None)
         if cfg.selection_time == "measured":
             ms += sel_s * 1000.0
         ho = cfg.host_overhead
         if ho is not None:
-            n_drafted = sum(tb.lay.n * len(reqs) for reqs, tb in batches)
-            ms += (
-                ho.per_iteration
-                + ho.per_request * (len(prefill) + len(decode))
-                + ho.per_spec_request * len(spec)
-                + ho.per_spec_step * sum(sh[0] for _, sh in spec)
-                + ho.per_drafted * n_drafted
-                + ho.per_verified * (v_tokens - len(decode) - sum(n for _, n in prefill))
+            ms += ho.ms(
+                HostOverhead.features(
+                    len(prefill) + len(decode),
+                    len(spec),
+                    sum(sh[0] for _, sh in spec),
+                    sum(tb.lay.n * len(reqs) for reqs, tb in batches),
+                    v_tokens - len(decode) - sum(n for _, n in prefill),
+                )
             )
         end = now + ms / 1000.0
         # --- verify (sampled acceptance) and commit
@@ -760,6 +769,17 @@ class _Run:
 
 
 _ROOT = np.zeros(1, dtype=np.int64)
+
+
+def forward_ms(hw: HardwareModel, v_tokens, kv_tokens, catchup, steps) -> float:
+    """The profile's forward time of one iteration (ms): verification of ``v_tokens``
+    attending ``kv_tokens``, the per-iteration overhead and, when ``steps`` is not None
+    (something was drafted), the draft's catch-up pass over ``catchup`` tokens plus one
+    pass per entry of ``steps`` (tokens fed at each later draft step)."""
+    ms = float(hw.verify_latency(v_tokens, kv_tokens)) + hw.overhead_ms
+    if steps is not None:
+        ms += float(hw.draft_latency(np.array([max(catchup, 1)] + list(steps), dtype=float)).sum())
+    return ms
 
 
 def _by_admit(r: _Req) -> int:
