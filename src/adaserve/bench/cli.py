@@ -69,7 +69,7 @@ def _seeds(s: str) -> list[int]:
         for part in (x.strip() for x in s.split(",")):
             if not part:
                 continue
-            lo, _, hi = part.partition("-") if not part.startswith("-") else (part, "", "")
+            lo, _, hi = part.partition("-")  # "-3" leaves lo empty: not a seed
             a, b = int(lo), int(hi or lo)
             if b < a or b - a >= 10_000:
                 raise ValueError
@@ -78,8 +78,8 @@ def _seeds(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(
             f"expected seeds like 1-12 or 1,3,5 (non-negative, ranges ascending), got {s!r}"
         ) from None
-    if not out or min(out) < 0:
-        raise argparse.ArgumentTypeError(f"expected non-negative seeds, got {s!r}")
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected at least one seed, got {s!r}")
     return out
 
 

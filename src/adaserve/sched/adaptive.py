@@ -272,8 +272,8 @@ class AdaptivePolicy(Policy):
             for j, ev in enumerate(evs)
             for i in range(len(ds))
         ]
-        top = max(c[0] for c in cand)
         if strict:
+            top = max(c[0] for c in cand)
             floor = (1.0 - self.cfg.rate_tolerance) * max(c[1] for c in cand if c[0] == top)
             m, r, i, j = min((c for c in cand if c[0] == top and c[1] >= floor), key=_cheapest)
         else:
