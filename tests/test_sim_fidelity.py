@@ -118,3 +118,43 @@ def test_tokens_per_step_match_the_engine(fid_pair, policy):
     real_rate, sim_rate = real_acc / real_steps, sim_acc / sim_steps
     assert sim_rate == pytest.approx(real_rate, rel=0.15), (real_rate, sim_rate)
     assert sim_steps == pytest.approx(real_steps, rel=0.15)
+
+
+def _fidelity_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "fidelity.py"
+    spec = importlib.util.spec_from_file_location("fidelity_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _result(att: dict[str, tuple[int, int]], goodput: float) -> dict:
+    per = {c: {"attained": a, "requests": n} for c, (a, n) in att.items()}
+    a, n = sum(x for x, _ in att.values()), sum(y for _, y in att.values())
+    return {"overall": {"attained": a, "requests": n, "goodput_tok_s": goodput}, "per_class": per}
+
+
+def test_fidelity_benchmark_pools_rounds_by_request_and_judges_each_class():
+    """benchmarks/fidelity.py: rounds pool as attained / requests per class (not a mean
+    of percentages), goodput as the mean, and a single class off by more than the
+    allowed points fails the comparison even when the overall figure agrees."""
+    fid = _fidelity_script()
+    real = fid.pool(
+        [
+            {"p": _result({"strict": (3, 4), "batch": (10, 10)}, 100.0)},
+            {"p": _result({"strict": (1, 6), "batch": (10, 10)}, 80.0)},
+        ]
+    )
+    assert real["p"]["classes"]["strict"] == [4, 10]
+    assert real["p"]["overall"] == [24, 30]
+    sim = fid.pool([{"p": _result({"strict": (5, 10), "batch": (19, 20)}, 99.0)}])
+    cmp = fid.compare(real, sim, points=5.0, goodput_rel=0.15)["p"]
+    assert cmp["classes"]["strict"]["gap"] == pytest.approx(10.0)  # 50% vs 40%
+    assert cmp["classes"]["batch"]["gap"] == pytest.approx(-5.0)
+    assert cmp["goodput"]["rel"] == pytest.approx(0.1)
+    assert not cmp["classes_ok"] and cmp["goodput_ok"]
+    assert cmp["overall"]["real"] == pytest.approx(80.0)
+    assert cmp["overall"]["sim"] == pytest.approx(80.0)

@@ -79,6 +79,12 @@ def test_smoke_run_writes_loadable_pair(smoke_pair):
     assert 0.0 <= stats_file["greedy_agreement"] <= 1.0
     assert len(stats_file["acceptance_by_rank"]) == 8
     assert len(stats_file["acceptance_by_depth"]) == 8
+    # agreement per 32-token block of the continuation averages to the overall agreement
+    n, by_pos = stats_file["new_tokens"], stats_file["agreement_by_position"]
+    sizes = [min(32, n - i) for i in range(0, n, 32)]
+    assert len(by_pos) == len(sizes)
+    mean = sum(a * s for a, s in zip(by_pos, sizes)) / n
+    assert mean == pytest.approx(stats_file["greedy_agreement"], abs=1e-6)
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
     for role in ("target", "draft"):
         d = smoke_pair / role

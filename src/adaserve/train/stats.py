@@ -109,6 +109,8 @@ def pair_stats(
         by_depth.append(chains.float().mean().item())
     # expected tokens accepted by a greedy chain of length max_depth (+1 bonus token)
     expected = 1.0 + sum(by_depth)
+    # top-1 agreement per 32-token block of the continuation (it drifts along it)
+    by_pos = [match[:, i : i + 32].float().mean().item() for i in range(0, new_tokens, 32)]
     return {
         "num_prompts": R,
         "prompt_tokens": P,
@@ -117,6 +119,7 @@ def pair_stats(
         "acceptance_by_rank": by_rank,
         "acceptance_by_depth": by_depth,
         "expected_tokens_per_chain_step": expected,
+        "agreement_by_position": by_pos,
     }
 
 

@@ -1,0 +1,203 @@
+"""Simulator fidelity against the real engine, with the fit and the real runs interleaved.
+
+The machine's speed drifts by 10-40% within minutes, so a host-overhead fit made once
+and compared with real runs made later can be off by the drift alone. This script runs
+R rounds; each round
+
+1. fits the host-overhead model and the speed factor on a *different* workload (seed
+   100, ``benchmarks/fit_host_overhead.py``),
+2. runs the real engine in-process on the comparison workload (``adaserve bench serve``,
+   every policy once),
+3. simulates the same workload with that round's fitted profile and the pair's
+   acceptance statistics (``adaserve simulate --selection-time measured``).
+
+Real and simulated results are pooled over the rounds (requests attained / requests per
+class; goodput averaged) and compared: per-class attainment within ``--points`` points
+and goodput within ``--goodput-rel``. Writes ``fidelity.json`` and ``fidelity.md``.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fidelity.py --out /tmp/fid --rounds 3
+
+Run nothing else on the machine meanwhile (two cores: another process skews both sides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STATS = ROOT / "src" / "adaserve" / "assets" / "pair_stats.json"
+
+
+def _run(cmd: list[str], log: Path) -> None:
+    """Run one step, its output appended to ``log``; a failure stops the script."""
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        t = time.perf_counter()
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+        f.write(f"# exit {rc} after {time.perf_counter() - t:.0f} s\n")
+    if rc:
+        sys.exit(f"fidelity: step failed (exit {rc}): {' '.join(cmd)}; see {log}")
+
+
+def _results(path: Path) -> dict:
+    return json.loads((path / "result.json").read_text())["results"]
+
+
+def pool(runs: list[dict]) -> dict:
+    """Per policy: per-class (attained, requests) summed over runs, goodput averaged.
+    runs: [{policy: {"overall": M, "per_class": {cls: M}}}]."""
+    out: dict = {}
+    for res in runs:
+        for pol, r in res.items():
+            p = out.setdefault(pol, {"classes": {}, "goodput": [], "overall": [0, 0]})
+            for cls, m in r["per_class"].items():
+                a = p["classes"].setdefault(cls, [0, 0])
+                a[0] += m["attained"]
+                a[1] += m["requests"]
+            p["overall"][0] += r["overall"]["attained"]
+            p["overall"][1] += r["overall"]["requests"]
+            p["goodput"].append(r["overall"]["goodput_tok_s"])
+    return out
+
+
+def compare(real: dict, sim: dict, points: float, goodput_rel: float) -> dict:
+    """Per policy: per-class attainment (%) real / simulated / gap, goodput gap, verdict."""
+    out = {}
+    for pol, r in real.items():
+        s = sim[pol]
+        classes = {}
+        for cls, (a, n) in sorted(r["classes"].items()):
+            sa, sn = s["classes"].get(cls, (0, 0))
+            ra, sa_ = 100.0 * a / max(n, 1), 100.0 * sa / max(sn, 1)
+            classes[cls] = {"real": ra, "sim": sa_, "gap": sa_ - ra, "requests": n}
+        rg = sum(r["goodput"]) / len(r["goodput"])
+        sg = sum(s["goodput"]) / len(s["goodput"])
+        grel = (sg - rg) / rg if rg > 0 else float("inf")
+        out[pol] = {
+            "classes": classes,
+            "overall": {
+                "real": 100.0 * r["overall"][0] / max(r["overall"][1], 1),
+                "sim": 100.0 * s["overall"][0] / max(s["overall"][1], 1),
+            },
+            "goodput": {"real": rg, "sim": sg, "rel": grel, "real_runs": r["goodput"]},
+            "classes_ok": all(abs(c["gap"]) <= points for c in classes.values()),
+            "goodput_ok": abs(grel) <= goodput_rel,
+        }
+    return out
+
+
+def report(cmp: dict, speeds: list[float], args) -> str:
+    lines = [
+        "# Simulator fidelity (interleaved rounds)",
+        "",
+        f"{args.rounds} rounds; rate {args.request_rate} req/s, {args.duration} s, seed "
+        f"{args.seed}, policies {args.policies}; fit on seed {args.fit_seed}; "
+        f"acceptance statistics {args.stats}.",
+        f"Speed factor per round (fit / profile): {', '.join(f'{s:.3f}' for s in speeds)}.",
+        "",
+        "| policy | class | real % | simulated % | gap |",
+        "|---|---|---|---|---|",
+    ]
+    for pol, c in cmp.items():
+        for cls, v in c["classes"].items():
+            lines.append(
+                f"| {pol} | {cls} ({v['requests']} req) | {v['real']:.1f} | {v['sim']:.1f} "
+                f"| {v['gap']:+.1f} |"
+            )
+        o = c["overall"]
+        lines.append(
+            f"| {pol} | overall | {o['real']:.1f} | {o['sim']:.1f} | {o['sim'] - o['real']:+.1f} |"
+        )
+    lines += [
+        "",
+        "| policy | goodput real tok/s | simulated | gap | classes within | goodput within |",
+    ]
+    lines.append("|---|---|---|---|---|---|")
+    for pol, c in cmp.items():
+        g = c["goodput"]
+        lines.append(
+            f"| {pol} | {g['real']:.1f} | {g['sim']:.1f} | {100 * g['rel']:+.1f}% "
+            f"| {'yes' if c['classes_ok'] else 'no'} | {'yes' if c['goodput_ok'] else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="directory for the runs and the report")
+    ap.add_argument("--profile", help="CPU profile JSON (default: measured first)")
+    ap.add_argument(
+        "--stats",
+        default=str(STATS),
+        help="pair statistics for the simulator's acceptance model (default: the shipped "
+        "pair's; benchmarks/pair_stats.py measures them over longer continuations)",
+    )
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--policies", default="adaserve,spec-chain:4,ar")
+    ap.add_argument("--request-rate", type=float, default=2.0)
+    ap.add_argument("--duration", type=float, default=40.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--fit-seed", type=int, default=100)
+    ap.add_argument("--fit-duration", type=float, default=15.0)
+    ap.add_argument("--kv-cache-bytes", default="512M")
+    ap.add_argument("--points", type=float, default=5.0, help="per-class attainment gap allowed")
+    ap.add_argument("--goodput-rel", type=float, default=0.15, help="goodput gap allowed")
+    args = ap.parse_args()
+    if args.rounds < 1 or args.duration <= 0 or args.fit_duration <= 0:
+        ap.error("--rounds, --duration and --fit-duration must be positive")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "log.txt"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    exe = [sys.executable, "-m", "adaserve"]
+    profile = Path(args.profile) if args.profile else out / "profile.json"
+    if not args.profile:
+        _run([*exe, "profile", "--out", str(profile), "--reps", "7"], log)
+    common = [
+        "--kv-cache-bytes", args.kv_cache_bytes,
+        "--request-rate", str(args.request_rate),
+        "--duration", str(args.duration),
+        "--seed", str(args.seed),
+        "--policies", args.policies,
+        "--no-plots", "--no-progress",
+    ]  # fmt: skip
+    real, sim, speeds = [], [], []
+    for k in range(1, args.rounds + 1):
+        fitted = out / f"round{k}-profile.json"
+        _run(
+            [
+                sys.executable, str(ROOT / "benchmarks" / "fit_host_overhead.py"),
+                "--profile", str(profile), "--out", str(fitted),
+                "--kv-cache-bytes", args.kv_cache_bytes, "--seed", str(args.fit_seed),
+                "--duration", str(args.fit_duration),
+                "--request-rate", str(args.request_rate),
+            ],
+            log,
+        )  # fmt: skip
+        speeds.append(json.loads(fitted.read_text())["speed_factor"])
+        _run([*exe, "bench", "serve", "--profile", str(profile), *common,
+              "--out", str(out / f"round{k}-real")], log)  # fmt: skip
+        _run([*exe, "simulate", "--profile", str(fitted), "--stats", args.stats,
+              "--selection-time", "measured", *common,
+              "--out", str(out / f"round{k}-sim")], log)  # fmt: skip
+        real.append(_results(out / f"round{k}-real"))
+        sim.append(_results(out / f"round{k}-sim"))
+        print(f"round {k}: speed factor {speeds[-1]:.3f}", flush=True)
+    cmp = compare(pool(real), pool(sim), args.points, args.goodput_rel)
+    (out / "fidelity.json").write_text(
+        json.dumps({"args": vars(args), "speed_factors": speeds, "policies": cmp}, indent=1)
+    )
+    md = report(cmp, speeds, args)
+    (out / "fidelity.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
