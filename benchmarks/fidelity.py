@@ -30,8 +30,9 @@ import sys
 import time
 from pathlib import Path
 
+from adaserve import paths
+
 ROOT = Path(__file__).resolve().parent.parent
-STATS = ROOT / "src" / "adaserve" / "assets" / "pair_stats.json"
 
 
 def _run(cmd: list[str], log: Path) -> None:
@@ -118,8 +119,8 @@ def report(cmp: dict, speeds: list[float], args) -> str:
     lines += [
         "",
         "| policy | goodput real tok/s | simulated | gap | classes within | goodput within |",
+        "|---|---|---|---|---|---|",
     ]
-    lines.append("|---|---|---|---|---|---|")
     for pol, c in cmp.items():
         g = c["goodput"]
         lines.append(
@@ -135,7 +136,7 @@ def main() -> None:
     ap.add_argument("--profile", help="CPU profile JSON (default: measured first)")
     ap.add_argument(
         "--stats",
-        default=str(STATS),
+        default=str(paths.DEFAULT_STATS),
         help="pair statistics for the simulator's acceptance model (default: the shipped "
         "pair's; benchmarks/pair_stats.py measures them over longer continuations)",
     )
