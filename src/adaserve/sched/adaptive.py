@@ -30,6 +30,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from adaserve.sched import plan_kernel
 from adaserve.sched.base import BatchView, Plan, Policy, ReqView, chunk_prefills
 from adaserve.spec.tree import CandidateTree
 
@@ -122,6 +123,7 @@ class AdaptivePolicy(Policy):
         self.acc_by_rank: tuple[float, ...] = (0.6, 0.15, 0.07, 0.04)
         self._acc_seen: tuple = ()
         self.correction = OnlineCorrection()  # measured - profiled iteration time
+        _warm_up()
 
     # ------------------------------------------------------------------ helpers
     def _acc(self, view: BatchView) -> tuple[float, ...]:
@@ -299,8 +301,8 @@ class AdaptivePolicy(Policy):
 
     def _evaluate_depths(self, view, arr: _Arrays, ds, w, P, kv, acc) -> dict:
         """Predicted outcome of drafting each depth of ``ds`` (0 = no speculation) at
-        width w for this batch, as one array program over [D depths, n requests] (and
-        [D, E goodput options, n]).
+        width w for this batch: per-batch constants here, the per-depth, per-request
+        work in compiled loops (``plan_kernel.evaluate_depths``).
 
         Returns arrays over the depths: ``alloc`` [D, n] (candidates per request),
         ``budget`` [D] (verified tokens), ``t_iter`` [D] (predicted ms), ``static`` [D]
@@ -326,78 +328,25 @@ class AdaptivePolicy(Policy):
         fixed = (th[0] + (th[3] + th[4] * n) * di)[:, None] + th[2] * tok0
         base = hw.kv_ms_per_token * kv + draft  # [D, 1]
         V = hw.verify_table(tok0 + n * int(kmax.max()))  # every token count planned for
-
-        def t_iter(total):
-            """total [D, m] candidates -> (predicted ms, the profile's part) [D, m]:
-            the profile plus the fitted correction, never below half the profile."""
-            st = V[tok0 + total] + base
-            return np.maximum(st + (th[1] * st + th[2] * total + fixed), 0.5 * st), st
-
-        alloc = np.zeros((D, n), dtype=np.int64)
-        st0 = V[tok0] + base[:, 0]  # t_iter of no candidates, written out: [D]
-        t = np.maximum(st0 + (th[1] * st0 + fixed[:, 0]), 0.5 * st0)
-        if strict:
-            mem = np.maximum(0, view.free_kv_slots - n * w * di)  # slots for candidates
-            cap = np.maximum(0, np.minimum(mem, c.max_budget - n - P))
-            for _ in range(2):  # fixed point: requirement depends on t_iter
-                need = self._requirements_at(arr, t) - (1.0 + 1e-9)  # [D, n]
-                # the fewest best-f nodes whose expected gain reaches the need
-                alloc = np.minimum((Gs[:, None, :] < need[:, :, None]).sum(-1), kmax[:, None])
-                tot = alloc.sum(1)
-                if not tot.any():
-                    break  # nobody needs a candidate: t_iter, and so the need, stay as they are
-                if (tot > cap).any():
-                    alloc = _fit_rows(alloc, need, cap)
-                    tot = alloc.sum(1)
-                t = t_iter(tot[:, None])[0][:, 0]
-        # goodput phase: add nodes while the predicted rate improves
-        if self.name == "smartspec":  # one chain length for the whole batch
-            A = np.broadcast_to(np.minimum(di, kmax)[:, None, None], (D, 1, n))
-        else:
-            A = _fill_options_rows(alloc, kfill, _EXTRAS)  # [D, E, n]
-        totals = A.sum(-1)  # [D, E]
-        gots = G[np.arange(D)[:, None, None], A]  # [D, E, n] expected extra tokens
-        # past the token budget or the KV slots (candidates + draft scratch): not an
-        # option; the SLO-phase allocation (option 0) was already fitted to both
-        ok = (tok0 + totals <= c.max_budget) & (totals + n * w * di[:, None] <= view.free_kv_slots)
-        ok[:, 0] |= self.name != "smartspec"
-        ok[di == 0, 0] = True
-        tts, sts = t_iter(totals)
         # a prefill chunk's time is spent whatever the trees: leave it out of the rate,
         # or it makes every extra draft step and candidate look cheap next to it (a
         # 60 ms prefill iteration "gains" rate from a depth-8 tree whose marginal
         # tokens per ms are below what a decode-only iteration achieves)
         t_pre = max(0.0, (V[tok0] - V[n]) * (1.0 + th[1]) + th[2] * P) if P else 0.0
-        rates = (n + gots.sum(-1)) / np.maximum(tts - t_pre, 0.1 * tts)
-        # goodput phase by predicted rate: choosing it by the (myopic) SLO score instead
-        # starves throughput in overload and lowers attainment (tests/test_sim.py)
-        rates[~ok] = -1.0
-        b = rates.argmax(1)
-        rows = np.arange(D)
-        out = {
-            "alloc": A[rows, b],
-            "budget": tok0 + totals[rows, b],
-            "t_iter": tts[rows, b],
-            "static": sts[rows, b],
-            "rate": rates[rows, b],
-        }
+        slope, base_r = self._coef(arr) if strict else (_EMPTY, _EMPTY)
+        # the goodput phase adds nodes while the predicted rate improves, judged by
+        # the rate: choosing it by the (myopic) SLO score instead starves throughput in
+        # overload and lowers attainment (tests/test_sim.py; docs/results/shape-choice.md)
+        alloc, budget, t_iter, static, rate, met_w, need = plan_kernel.evaluate_depths(
+            slope, base_r, arr.has_tpot, arr.weight, G, Gs, kmax, kfill, di, V,
+            base[:, 0], fixed[:, 0], float(th[1]), float(th[2]), int(tok0), int(w),
+            int(view.free_kv_slots), int(c.max_budget), float(c.max_depth + 1), strict,
+            self.name == "smartspec", _EXTRAS, float(t_pre),
+        )  # fmt: skip
+        out = {"alloc": alloc, "budget": budget, "t_iter": t_iter, "static": static, "rate": rate}
         if strict:
-            out["met_w"], out["need"] = self._slo_scores(arr, out["t_iter"], gots[rows, b])
+            out["met_w"], out["need"] = met_w, need
         return out
-
-    def _slo_scores(self, arr: _Arrays, t: np.ndarray, expected_extra: np.ndarray):
-        """SLO score of m plans: t [m] (iteration ms), expected_extra [m, n] (expected
-        accepted candidates per request) -> (weighted count of requests whose
-        requirement the plan meets [m], the requirements at t [m, n]).
-
-        Requests a plan leaves short are not scored by how far short: a score that
-        rewards shrinking their predicted excess favours deep trees, whose marginal
-        ms per token beats the mean TPOT of a request already behind, and so slows
-        everyone's next iterations (it cost 3-4 points of attainment on both the CPU
-        profile and the A100 preset)."""
-        need = self._requirements_at(arr, t)
-        met = arr.has_tpot & (need <= 1.0 + expected_extra + 1e-9)
-        return (met * arr.weight).sum(1), need
 
     def _overload(self, dec: list[ReqView], best: dict, plan: Plan) -> None:
         bad = set(best["infeasible"])
@@ -557,48 +506,20 @@ class _Arrays:
         )
 
 
-def _fit_rows(alloc: np.ndarray, need: np.ndarray, cap: np.ndarray) -> np.ndarray:
-    """Trim each row of SLO-phase allocations alloc [m, n] to its cap [m], serving
-    the requests with the largest need [m, n] first."""
-    order = np.argsort(-need, axis=1, kind="stable")
-    a = np.take_along_axis(alloc, order, axis=1)
-    before = np.cumsum(a, axis=1) - a
-    out = np.empty_like(alloc)
-    np.put_along_axis(out, order, np.clip(cap[:, None] - before, 0, a), axis=1)
-    return out
-
-
 def _cheapest(c: tuple) -> tuple:
     """Order of (met_w, rate, depth index, width index) candidates by tree cost."""
     return (c[2], c[3], -c[1])
 
 
-def _fill_options_rows(alloc: np.ndarray, kmax: np.ndarray, extras: np.ndarray) -> np.ndarray:
-    """Allocations after adding e nodes by highest marginal gain, for every e in
-    ``extras`` and every row of alloc [m, n] (row i's gain curve has kmax[i] positive
-    marginal gains): [m, E, n].
-
-    Within a row every request shares the concave gain curve, so the global greedy
-    choice is a water level: all requests are raised to a common node count T (those
-    already above keep theirs), the remainder goes one node each, in request order, to
-    requests sitting at T. No sort over n x k. (SLO-phase allocations never exceed
-    kmax, so levels are counted from alloc itself.)"""
-    m, n = alloc.shape
-    e = np.asarray(extras, dtype=np.int64)
-    K = int(kmax.max()) if m else 0
-    levels = np.arange(K + 1)
-    # nodes that raise everyone to each level: [m, K+1]
-    need = np.maximum(levels - alloc[:, :, None], 0).sum(1)
-    need[levels > kmax[:, None]] = _NEVER
-    rows = np.arange(m)[:, None]
-    level = (need[:, None, :] <= e[:, None]).sum(-1) - 1  # [m, E]
-    rem = np.where(level < kmax[:, None], e - need[rows, level], 0)
-    A = np.maximum(alloc[:, None, :], level[:, :, None])
-    at = level[:, :, None] == A
-    return A + (at & (np.cumsum(at, axis=-1) <= rem[:, :, None]))
+_EMPTY = np.zeros(0)
 
 
-_NEVER = np.iinfo(np.int64).max
+@lru_cache(maxsize=1)
+def _warm_up() -> None:
+    """Compile the planner's kernel once per process, when the first policy is built."""
+    plan_kernel.warm_up()
+
+
 _EXTRAS = np.array([0, 4, 8, 16, 32, 64, 128, 256, 512])  # goodput-phase sizes tried
 
 
