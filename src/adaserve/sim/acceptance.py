@@ -44,7 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
-from adaserve.sched.calibration import DEFAULT_RANK_PRIOR, MAX_DEPTH, Calibrator
+from adaserve.sched.calibration import DEFAULT_RANK_PRIOR, Calibrator
+from adaserve.sim import kernels
 from adaserve.spec.tree import CandidateTree
 
 
@@ -368,6 +369,7 @@ class AcceptanceModel:
         a, b = self.regimes.stay
         self._stay = np.array([a, b])
         self._eff = _effective_shares(self._cq, self.regimes.stationary, self._shares)
+        self._over = float(params.overconfidence)
 
     def shares(self, w: int) -> np.ndarray:
         """[w-1] effective shares of ranks 2..w (0 past the known ranks): scaled so that,
@@ -405,44 +407,29 @@ class AcceptanceModel:
     def advance(self, states: np.ndarray, steps: np.ndarray, rng, pi=None) -> np.ndarray:
         """Regimes ``steps`` positions after ``states`` (-1 = unknown: stationary);
         ``pi`` [R]: per-request easy shares (``request_shares``) or None."""
-        pi_e = self.regimes.stationary[0] if pi is None else np.asarray(pi, dtype=float)
-        lam = self._stay.sum() - 1.0
-        k = np.maximum(np.asarray(steps, dtype=float), 0.0)
-        s0 = np.asarray(states)
-        start_e = np.where(s0 < 0, pi_e, (s0 == 0).astype(float))
-        p_easy = pi_e + lam**k * (start_e - pi_e)
-        return (rng.random(len(s0)) >= p_easy).astype(np.int64)
+        s0 = np.asarray(states, dtype=np.int64)
+        if pi is None:
+            pi_e = np.full(len(s0), self.regimes.stationary[0])
+        else:
+            pi_e = np.asarray(pi, dtype=float)
+        u = rng.random(len(s0))
+        lam = float(self._stay.sum() - 1.0)
+        return kernels.advance(s0, np.asarray(steps, dtype=np.int64), u, pi_e, lam)
 
     def _walk(self, states: np.ndarray, n: int, rng, pi=None) -> np.ndarray:
         """[R, n] regimes of the next n positions after ``states`` [R] (``pi`` as in
         ``advance``)."""
-        out = np.empty((len(states), n), dtype=np.int64)
         u = rng.random((len(states), n))
-        prev = states
         stay = self._stays(pi)
-        rows = np.arange(len(states))
-        for k in range(n):
-            p = stay[prev] if stay.ndim == 1 else stay[rows, prev]
-            prev = np.where(u[:, k] < p, prev, 1 - prev)
-            out[:, k] = prev
-        return out
+        return kernels.walk(states, u, stay.reshape(-1, 2))
 
     # ------------------------------------------------------------------ trees
     def _children(self, rng: np.random.Generator, regime: np.ndarray, w: int):
         """Children of expanded nodes whose children's positions are in ``regime``
         [R, E]: q [R, E, w] and the target's choice [R, E] (rank index, or -1)."""
         u = rng.random((2,) + regime.shape)
-        c = self._cq[regime, (u[0] * QUANTILES).astype(np.int64)]
-        acc = _rank_probs(c, self.shares(w))
-        choice = (u[1][..., None] >= np.cumsum(acc, axis=-1)).sum(-1)
-        choice[choice >= w] = -1
-        if self.params.overconfidence == 1.0:
-            return np.maximum(acc, 1e-12), choice
-        a = self.params.overconfidence
-        ca, na = c**a, (1.0 - c) ** a
-        q1 = ca / (ca + na)
-        q = _rank_probs(q1, self.shares(w))
-        return np.maximum(q, 1e-12), choice
+        reg = np.ascontiguousarray(regime)
+        return kernels.children(reg, u[0], u[1], self._cq, self.shares(w), self._over)
 
     def grow(
         self,
@@ -463,12 +450,8 @@ class AcceptanceModel:
         reg = self._walk(np.asarray(states, dtype=np.int64), d + 1, rng, pi)  # t+1..
         if w == 1:  # a chain: node t's parent is t-1; the path stops at the first miss
             qc, choice = self._children(rng, reg[:, :d], 1)
-            q = np.ones((num, N1))
-            q[:, 1:] = qc[..., 0]
-            hit = np.cumprod(choice == 0, axis=1).astype(bool)
-            path = np.where(hit, np.arange(1, d + 1)[None, :], -1)
-            parents = np.broadcast_to(_chain_parents(d), (num, N1))
-            return TreeBatch(lay, parents, q, path, regimes=reg)
+            q, path = kernels.chain(qc, choice)
+            return TreeBatch(lay, _chain_parents(d, num), q, path, regimes=reg)
         # expanded nodes: the root, then w frontier nodes at each depth 1..d-1
         exp_pos = np.concatenate(([0], np.repeat(np.arange(1, d), w)))
         qc, choice = self._children(rng, reg[:, exp_pos], w)
@@ -543,11 +526,12 @@ def _confidence_tables(p: tuple[float, float], k: float) -> np.ndarray:
     return cq
 
 
-@lru_cache(maxsize=64)
-def _chain_parents(d: int) -> np.ndarray:
+@lru_cache(maxsize=1024)
+def _chain_parents(d: int, num: int) -> np.ndarray:
+    """[num, d+1] parents of num chains of depth d (read-only; the root is its own)."""
     p = np.maximum(np.arange(d + 1) - 1, 0)
     p.flags.writeable = False
-    return p
+    return np.broadcast_to(p, (num, d + 1))
 
 
 def _beta_quantiles(mu: float, k: float, n: int = QUANTILES) -> np.ndarray:
@@ -565,23 +549,7 @@ def _beta_quantiles(mu: float, k: float, n: int = QUANTILES) -> np.ndarray:
 def apply_calibration(cal: Calibrator, batch: TreeBatch) -> np.ndarray:
     """``Calibrator.apply`` over a batch: f = product of the calibrated per-edge
     acceptance along each path. Returns (and stores) f [R, N+1]."""
-    lay = batch.lay
-    tab = cal.table()
-    d = np.clip(lay.depth, 1, MAX_DEPTH) - 1
-    acc = tab[d[None, :], cal.bucket(batch.q)]
-    acc[:, 0] = 1.0
-    if lay.w == 1:
-        f = np.cumprod(acc, axis=1)
-    else:
-        R, N1 = acc.shape
-        f = np.ones(R * N1)
-        base = (np.arange(R) * N1)[:, None]
-        fa = acc.reshape(-1)
-        for t in range(1, lay.d + 1):
-            a, b = lay.level_start[t], lay.level_start[t + 1]
-            idx = base + np.arange(a, b)
-            f[idx] = f[base + batch.parents[:, a:b]] * fa[idx]
-        f = f.reshape(R, N1)
+    f = kernels.path_estimates(batch.parents, batch.q, batch.lay.depth, cal.table())
     batch.f = f
     return f
 
@@ -591,16 +559,7 @@ def accepted_paths(batch: TreeBatch, selected: np.ndarray) -> tuple[np.ndarray, 
 
     selected: [R, N+1] bool. Returns (path length [R], on_path [R, N+1] bool, root True).
     """
-    R = selected.shape[0]
-    rows = np.arange(R)[:, None]
-    tp = batch.target_path
-    ok = (tp >= 0) & selected[rows, np.maximum(tp, 0)]
-    ok = np.cumprod(ok, axis=1).astype(bool)
-    on_path = np.zeros_like(selected)
-    on_path[:, 0] = True
-    r, t = np.nonzero(ok)
-    on_path[r, tp[r, t]] = True
-    return ok.sum(1), on_path
+    return kernels.accepted_paths(batch.target_path, selected)
 
 
 def observe_batch(
@@ -608,19 +567,7 @@ def observe_batch(
 ) -> None:
     """``Calibrator.observe`` for every verified subtree of the batch at once."""
     lay = batch.lay
-    rows = np.arange(selected.shape[0])[:, None]
-    tried = selected & on_path[rows, batch.parents]
-    tried[:, 0] = False
-    r, i = np.nonzero(tried)
-    if not len(i):
-        return
-    nb = cal.tried.shape[1]
-    cell = (np.clip(lay.depth[i], 1, MAX_DEPTH) - 1) * nb + cal.bucket(batch.q[r, i])
-    hit = on_path[r, i]
-    size = cal.tried.size
-    cal.tried += np.bincount(cell, minlength=size).reshape(cal.tried.shape)
-    cal.accepted += np.bincount(cell[hit], minlength=size).reshape(cal.tried.shape)
-    nr = len(cal.rank_tried)
-    rk = np.minimum(lay.rank[i], nr - 1)
-    cal.rank_tried += np.bincount(rk, minlength=nr)
-    cal.rank_accepted += np.bincount(rk[hit], minlength=nr)
+    kernels.observe(
+        batch.parents, batch.q, lay.depth, lay.rank, selected, on_path,
+        cal.tried, cal.accepted, cal.rank_tried, cal.rank_accepted,
+    )  # fmt: skip
