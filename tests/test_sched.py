@@ -627,3 +627,30 @@ def test_selection_takes_every_node_when_all_fit_and_one_fewer_at_the_edge(name)
             assert is_connected(trees[rid].parents, s)
             if want == total:
                 assert s.tolist() == list(range(trees[rid].num_candidates + 1))
+
+
+def test_compiled_loops_fall_back_to_per_process_compilation(monkeypatch):
+    """Where numba finds no writable cache location it refuses ``cache=True`` at
+    decoration; ``adaserve.jit.compiled`` then compiles without a disk cache instead
+    of failing the import of the planner and the simulator."""
+    import numba
+
+    from adaserve import jit
+
+    def njit(*args, **kwargs):
+        if kwargs.get("cache"):
+
+            def refuse(fn):
+                raise RuntimeError(f"cannot cache function {fn.__name__!r}: no locator available")
+
+            return refuse
+        return numba.njit(*args, **kwargs)
+
+    monkeypatch.setattr(jit, "njit", njit)
+
+    def add(a, b):
+        return a + b
+
+    fast = jit.compiled(add)
+    assert fast(np.arange(3), 1).tolist() == [1, 2, 3]
+    assert isinstance(fast, numba.core.registry.CPUDispatcher)

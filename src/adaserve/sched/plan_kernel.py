@@ -14,17 +14,18 @@ Compiled on first use and cached on disk (``cache=True``).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from adaserve.jit import compiled
 
 
-@njit(cache=True)
+@compiled
 def _t(st, tot, th1, th2, fixed):
     """Predicted ms of a pass whose profile part is st: the profile plus the fitted
     correction, never below half the profile (``OnlineCorrection.residual``)."""
     return max(st + (th1 * st + th2 * tot + fixed), 0.5 * st)
 
 
-@njit(cache=True)
+@compiled
 def evaluate_depths(
     slope, base_r, has_tpot, weight, G, Gs, kmax, kfill, di, V, base_d, fixed_d,
     th1, th2, tok0, w, free_slots, max_budget, hi, strict, smart, extras, t_pre,

@@ -10,10 +10,11 @@ R requests, N+1 tree nodes (0 = root), d depth, w width.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from adaserve.jit import compiled
 
 
-@njit(cache=True)
+@compiled
 def walk(states, u, stay):
     """[R, n] regimes of the next n positions: from ``states`` [R], position k stays in
     its regime when u[r, k] < stay[s, regime] (s = r, or 0 when stay is [1, 2])."""
@@ -30,7 +31,7 @@ def walk(states, u, stay):
     return out
 
 
-@njit(cache=True)
+@compiled
 def advance(states, steps, u, pi_e, lam):
     """[R] regimes ``steps`` [R] positions after ``states`` [R] (-1: unknown, drawn
     from the stationary share ``pi_e`` [R]); lam: the chain's persistence a + b - 1."""
@@ -44,7 +45,7 @@ def advance(states, steps, u, pi_e, lam):
     return out
 
 
-@njit(cache=True)
+@compiled
 def _rank_probs(c, eff, out):
     """out[0..len(eff)]: rank 1 gets c, rank j gets eff_j (1 - c), capped by rank
     j-1's and by the probability left (``acceptance._rank_probs``)."""
@@ -57,7 +58,7 @@ def _rank_probs(c, eff, out):
         left = left - prev
 
 
-@njit(cache=True)
+@compiled
 def children(regime, u0, u1, cq, eff, overconfidence):
     """Children of expanded nodes whose children's positions are in ``regime`` [R, E]
     (``AcceptanceModel._children``): confidence by inverse CDF from the quantile table
@@ -88,7 +89,7 @@ def children(regime, u0, u1, cq, eff, overconfidence):
     return q, choice
 
 
-@njit(cache=True)
+@compiled
 def chain(qc, choice):
     """Chains from their children (``children`` with w = 1: qc [R, d, 1], choice
     [R, d]): q [R, d+1] (root 1) and the target's path [R, d] (node t + 1 while every
@@ -106,7 +107,7 @@ def chain(qc, choice):
     return q, path
 
 
-@njit(cache=True)
+@compiled
 def path_estimates(parents, q, depth, tab):
     """f [R, N+1]: the product of the calibrated acceptance tab[depth - 1, bucket(q)]
     along each node's path (root 1); parents come before their children."""
@@ -122,7 +123,7 @@ def path_estimates(parents, q, depth, tab):
     return f
 
 
-@njit(cache=True)
+@compiled
 def accepted_paths(target_path, selected):
     """The target's path cut at its first node not selected (or not drafted): path
     length [R] and on_path [R, N+1] (root True)."""
@@ -140,7 +141,7 @@ def accepted_paths(target_path, selected):
     return length, on_path
 
 
-@njit(cache=True)
+@compiled
 def observe(parents, q, depth, rank, selected, on_path, tried, accepted, rank_tried, rank_acc):
     """Count every verified node whose parent was accepted (``Calibrator.observe`` for a
     batch): tried / accepted [D, B] by (depth, q bucket), rank_tried / rank_acc by
