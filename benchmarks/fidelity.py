@@ -4,16 +4,18 @@ The machine's speed drifts by 10-40% within minutes, so a host-overhead fit made
 and compared with real runs made later can be off by the drift alone. This script runs
 R rounds; each round
 
-1. fits the host-overhead model and the speed factor on a *different* workload (seed
-   100, ``benchmarks/fit_host_overhead.py``),
-2. runs the real engine in-process on the comparison workload (``adaserve bench serve``,
+1. runs the real engine in-process on the comparison workload (``adaserve bench serve``,
    every policy once),
-3. simulates the same workload with that round's fitted profile and the pair's
-   acceptance statistics (``adaserve simulate --selection-time measured``).
+2. simulates the same workload (``adaserve simulate --selection-time measured``, the
+   pair's acceptance statistics) twice: with the host-overhead model and speed factor
+   fitted just before the round's real runs and with those fitted just after them.
+   Fits run on a *different* workload (seed 100, ``benchmarks/fit_host_overhead.py``);
+   R + 1 fits bracket the R rounds.
 
-Real and simulated results are pooled over the rounds (requests attained / requests per
-class; goodput averaged) and compared: per-class attainment within ``--points`` points
-and goodput within ``--goodput-rel``. Writes ``fidelity.json`` and ``fidelity.md``.
+Real and simulated results are pooled over the rounds and fits (requests attained /
+requests per class; goodput averaged) and compared: per-class attainment within
+``--points`` points and goodput within ``--goodput-rel``. Writes ``fidelity.json`` and
+``fidelity.md``.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fidelity.py --out /tmp/fid --rounds 3
 
@@ -101,7 +103,8 @@ def report(cmp: dict, speeds: list[float], args) -> str:
         f"{args.rounds} rounds; rate {args.request_rate} req/s, {args.duration} s, seed "
         f"{args.seed}, policies {args.policies}; fit on seed {args.fit_seed}; "
         f"acceptance statistics {args.stats}.",
-        f"Speed factor per round (fit / profile): {', '.join(f'{s:.3f}' for s in speeds)}.",
+        f"Speed factor of each fit (fit / profile; fit k comes before round k): "
+        f"{', '.join(f'{s:.3f}' for s in speeds)}.",
         "",
         "| policy | class | real % | simulated % | gap |",
         "|---|---|---|---|---|",
@@ -169,9 +172,9 @@ def main() -> None:
         "--policies", args.policies,
         "--no-plots", "--no-progress",
     ]  # fmt: skip
-    real, sim, speeds = [], [], []
-    for k in range(1, args.rounds + 1):
-        fitted = out / f"round{k}-profile.json"
+
+    def fit(k: int) -> Path:
+        fitted = out / f"fit{k}-profile.json"
         _run(
             [
                 sys.executable, str(ROOT / "benchmarks" / "fit_host_overhead.py"),
@@ -183,14 +186,26 @@ def main() -> None:
             log,
         )  # fmt: skip
         speeds.append(json.loads(fitted.read_text())["speed_factor"])
+        return fitted
+
+    # fits bracket every round: round k's real runs lie between fit k and fit k+1, and
+    # its workload is simulated with both (the machine can change speed within a round)
+    real, sim, speeds = [], [], []
+    before = fit(1)
+    for k in range(1, args.rounds + 1):
         _run([*exe, "bench", "serve", "--profile", str(profile), *common,
               "--out", str(out / f"round{k}-real")], log)  # fmt: skip
-        _run([*exe, "simulate", "--profile", str(fitted), "--stats", args.stats,
-              "--selection-time", "measured", *common,
-              "--out", str(out / f"round{k}-sim")], log)  # fmt: skip
+        after = fit(k + 1)
         real.append(_results(out / f"round{k}-real"))
-        sim.append(_results(out / f"round{k}-sim"))
-        print(f"round {k}: speed factor {speeds[-1]:.3f}", flush=True)
+        for side, fitted in (("before", before), ("after", after)):
+            dest = out / f"round{k}-sim-{side}"
+            _run([*exe, "simulate", "--profile", str(fitted), "--stats", args.stats,
+                  "--selection-time", "measured", *common, "--out", str(dest)], log)  # fmt: skip
+            sim.append(_results(dest))
+        print(
+            f"round {k}: speed factor {speeds[-2]:.3f} before, {speeds[-1]:.3f} after", flush=True
+        )
+        before = after
     cmp = compare(pool(real), pool(sim), args.points, args.goodput_rel)
     (out / "fidelity.json").write_text(
         json.dumps({"args": vars(args), "speed_factors": speeds, "policies": cmp}, indent=1)

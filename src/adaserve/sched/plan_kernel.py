@@ -68,7 +68,7 @@ def evaluate_depths(
                 alloc[:] = 0
                 break
             for d in range(D):
-                cap = max(0, min(free_slots - n * w * di[d], max_budget - n - (tok0 - n)))
+                cap = max(0, min(free_slots - n * w * di[d], max_budget - tok0))
                 tot = 0
                 for i in range(n):
                     tot += a[d, i]
