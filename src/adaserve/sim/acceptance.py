@@ -414,7 +414,7 @@ class AcceptanceModel:
             pi_e = np.asarray(pi, dtype=float)
         u = rng.random(len(s0))
         lam = float(self._stay.sum() - 1.0)
-        return kernels.advance(s0, np.asarray(steps, dtype=np.int64), u, pi_e, lam)
+        return kernels.advance(s0, np.asarray(steps, dtype=float), u, pi_e, lam)
 
     def _walk(self, states: np.ndarray, n: int, rng, pi=None) -> np.ndarray:
         """[R, n] regimes of the next n positions after ``states`` [R] (``pi`` as in
