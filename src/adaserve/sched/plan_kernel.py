@@ -44,15 +44,13 @@ def evaluate_depths(
     D, n = G.shape[0], has_tpot.shape[0]
     alloc = np.zeros((D, n), dtype=np.int64)
     t = np.empty(D)
-    for d in range(D):
-        st0 = V[tok0] + base_d[d]
-        t[d] = max(st0 + (th1 * st0 + fixed_d[d]), 0.5 * st0)
+    for d in range(D):  # no candidates
+        t[d] = _t(V[tok0] + base_d[d], 0, th1, th2, fixed_d[d])
     if strict:
         # SLO phase: each request's fewest best-f nodes whose expected gain reaches its
         # requirement; a fixed point (the requirement depends on t_iter), two rounds,
         # stopped early when no request at any depth needs a candidate
         need = np.empty((D, n))
-        a = np.zeros((D, n), dtype=np.int64)
         for _ in range(2):
             anyone = False
             for d in range(D):
@@ -62,29 +60,24 @@ def evaluate_depths(
                     k = 0
                     while k < Gs.shape[1] and Gs[d, k] < x:
                         k += 1
-                    a[d, i] = min(k, kmax[d])
-                    anyone = anyone or a[d, i] > 0
+                    alloc[d, i] = min(k, kmax[d])
+                    anyone = anyone or alloc[d, i] > 0
             if not anyone:
-                alloc[:] = 0
-                break
+                break  # every allocation is 0; t_iter, and so the need, stay as they are
             for d in range(D):
                 cap = max(0, min(free_slots - n * w * di[d], max_budget - tok0))
                 tot = 0
                 for i in range(n):
-                    tot += a[d, i]
+                    tot += alloc[d, i]
                 if tot > cap:  # trim to the cap, the most behind first
                     order = np.argsort(-need[d], kind="mergesort")
                     before = 0
                     for i in order:
-                        k = a[d, i]
-                        a[d, i] = min(max(cap - before, 0), k)
+                        k = alloc[d, i]
+                        alloc[d, i] = min(max(cap - before, 0), k)
                         before += k
-                    tot = 0
-                    for i in range(n):
-                        tot += a[d, i]
-                st = V[tok0 + tot] + base_d[d]
-                t[d] = _t(st, tot, th1, th2, fixed_d[d])
-            alloc[:] = a
+                    tot = cap
+                t[d] = _t(V[tok0 + tot] + base_d[d], tot, th1, th2, fixed_d[d])
     budget = np.empty(D, dtype=np.int64)
     t_best = np.empty(D)
     static = np.empty(D)
