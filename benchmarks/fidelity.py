@@ -20,6 +20,13 @@ requests per class; goodput averaged) and compared: per-class attainment within
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fidelity.py --out /tmp/fid --rounds 3
 
 Run nothing else on the machine meanwhile (two cores: another process skews both sides).
+
+``--reuse DIR[,DIR...]`` runs nothing real: it re-simulates the rounds stored by earlier
+runs of this script (their real results and fits; the engine must not have changed
+since) with the current simulator and pools them all, which judges a change to the
+simulator against many more real requests than one run has:
+
+    .venv/bin/python benchmarks/fidelity.py --out /tmp/fid-re --reuse /tmp/fid1,/tmp/fid2
 """
 
 from __future__ import annotations
@@ -153,6 +160,11 @@ def main() -> None:
     ap.add_argument("--kv-cache-bytes", default="512M")
     ap.add_argument("--points", type=float, default=5.0, help="per-class attainment gap allowed")
     ap.add_argument("--goodput-rel", type=float, default=0.15, help="goodput gap allowed")
+    ap.add_argument(
+        "--reuse",
+        help="DIR[,DIR...]: re-simulate the rounds these earlier runs stored (no real runs)",
+    )
+    ap.add_argument("--sim-args", default="", help="extra adaserve simulate options (one string)")
     args = ap.parse_args()
     if args.rounds < 1 or args.duration <= 0 or args.fit_duration <= 0:
         ap.error("--rounds, --duration and --fit-duration must be positive")
@@ -161,6 +173,8 @@ def main() -> None:
     log = out / "log.txt"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     exe = [sys.executable, "-m", "adaserve"]
+    if args.reuse:
+        return resimulate(args, out, log, exe)
     profile = Path(args.profile) if args.profile else out / "profile.json"
     if not args.profile:
         _run([*exe, "profile", "--out", str(profile), "--reps", "7"], log)
@@ -200,12 +214,17 @@ def main() -> None:
         for side, fitted in (("before", before), ("after", after)):
             dest = out / f"round{k}-sim-{side}"
             _run([*exe, "simulate", "--profile", str(fitted), "--stats", args.stats,
-                  "--selection-time", "measured", *common, "--out", str(dest)], log)  # fmt: skip
+                  "--selection-time", "measured", *common, *args.sim_args.split(),
+                  "--out", str(dest)], log)  # fmt: skip
             sim.append(_results(dest))
         print(
             f"round {k}: speed factor {speeds[-2]:.3f} before, {speeds[-1]:.3f} after", flush=True
         )
         before = after
+    finish(args, out, real, sim, speeds)
+
+
+def finish(args, out: Path, real: list, sim: list, speeds: list[float]) -> None:
     cmp = compare(pool(real), pool(sim), args.points, args.goodput_rel)
     (out / "fidelity.json").write_text(
         json.dumps({"args": vars(args), "speed_factors": speeds, "policies": cmp}, indent=1)
@@ -213,6 +232,57 @@ def main() -> None:
     md = report(cmp, speeds, args)
     (out / "fidelity.md").write_text(md)
     print(md)
+
+
+def stored_rounds(run: Path) -> list[tuple[Path, list[Path]]]:
+    """(real results, fitted profiles to simulate it with) of each round a run stored:
+    bracketed runs fit before and after every round (``fit{k}-profile.json``), earlier
+    ones only before it (``round{k}-profile.json``)."""
+    rounds = []
+    k = 1
+    while (run / f"round{k}-real" / "result.json").is_file():
+        fits = [run / f"fit{k}-profile.json", run / f"fit{k + 1}-profile.json"]
+        if not all(f.is_file() for f in fits):
+            fits = [run / f"round{k}-profile.json"]
+        if not fits[0].is_file():
+            sys.exit(f"fidelity: {run} has round {k} but no fit for it")
+        rounds.append((run / f"round{k}-real", fits))
+        k += 1
+    if not rounds:
+        sys.exit(f"fidelity: {run} holds no stored rounds")
+    return rounds
+
+
+def resimulate(args, out: Path, log: Path, exe: list[str]) -> None:
+    """Pool the stored rounds of earlier runs, each re-simulated with its own workload
+    options and fits (``--reuse``)."""
+    real, sim, speeds, runs = [], [], [], []
+    rounds = 0
+    for n, run in enumerate(Path(d) for d in args.reuse.split(",")):
+        old = json.loads((run / "fidelity.json").read_text())["args"]
+        common = [
+            "--kv-cache-bytes", old["kv_cache_bytes"],
+            "--request-rate", str(old["request_rate"]),
+            "--duration", str(old["duration"]),
+            "--seed", str(old["seed"]),
+            "--policies", old["policies"],
+            "--no-plots", "--no-progress",
+        ]  # fmt: skip
+        runs.append(f"{run} ({old['policies']})")
+        for k, (real_dir, fits) in enumerate(stored_rounds(run), 1):
+            for j, fitted in enumerate(fits):
+                real.append(_results(real_dir))  # once per simulation: rounds weigh alike
+                speeds.append(json.loads(fitted.read_text())["speed_factor"])
+                dest = out / f"run{n + 1}-round{k}-sim{j + 1}"
+                _run([*exe, "simulate", "--profile", str(fitted), "--stats", args.stats,
+                      "--selection-time", "measured", *common, *args.sim_args.split(),
+                      "--out", str(dest)], log)  # fmt: skip
+                sim.append(_results(dest))
+        rounds += k
+        print(f"{run}: {k} rounds re-simulated", flush=True)
+    args.rounds = rounds
+    args.policies = "; ".join(runs)
+    finish(args, out, real, sim, speeds)
 
 
 if __name__ == "__main__":

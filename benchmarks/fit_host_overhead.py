@@ -6,9 +6,10 @@ bare forwards does not see. This script runs the shipped pair in-process on a be
 workload for a few policies, records every iteration's measured time, the profile's
 prediction for the same batch (computed the way ``adaserve simulate`` computes it) and
 the policy's own decision time, and fits the remainder by non-negative least squares
-against the features of ``adaserve.sim.loop.HostOverhead``, plus a speed factor on the
-profile's timings (a shared machine runs at a different speed than when it was
-profiled). It writes the profile with its timings multiplied by that factor,
+against the features of ``adaserve.sim.loop.HostOverhead``, plus speed factors on the
+profile's target and draft timings (a shared machine runs at a different speed than when
+it was profiled, and moves the compute-bound target and the overhead-bound one-layer
+draft differently). It writes the profile with its timings multiplied by those factors,
 ``"host_overhead"`` added and ``"unloaded_tpot_ms"`` (the original profile's, which the
 engine's class targets are built on), which ``adaserve simulate --profile`` then uses. Compare
 against real runs made right after the fit: the machine's speed drifts within minutes.
@@ -117,6 +118,7 @@ class Recorder:
             return
         steps = c["steps"] if c.get("n_spec") else None
         ms = forward_ms(engine.hw, c["v_tokens"], c["kv"], c.get("catchup", 0), steps)
+        target_ms = forward_ms(engine.hw, c["v_tokens"], c["kv"], 0, None)
         x = HostOverhead.features(
             c["requests"],
             c.get("n_spec", 0),
@@ -125,21 +127,31 @@ class Recorder:
             c["verified"],
         )
         measured = trace.duration_s * 1e3
-        self.rows.append({"x": [ms, *x], "y": measured - c.get("policy_ms", 0.0), "ms": measured})
+        # the target's and the draft's forwards apart: the machine's speed moves the
+        # compute-bound target and the overhead-bound one-layer draft differently
+        self.rows.append(
+            {
+                "x": [target_ms, ms - target_ms, *x],
+                "y": measured - c.get("policy_ms", 0.0),
+                "ms": measured,
+            }
+        )
 
 
-def _rescale(prof: dict, s: float) -> None:
-    """Multiply the profile's forward timings by s (the machine's speed during the fit
-    relative to when it was profiled: a shared machine drifts)."""
+def _rescale(prof: dict, s: float, s_draft: float) -> None:
+    """Multiply the profile's target timings by s and the draft's by s_draft (the
+    machine's speed during the fit relative to when it was profiled: a shared machine
+    drifts)."""
     v = prof["verify"]
     v["latency_ms"] = [x * s for x in v["latency_ms"]]
     v["kv_ms_per_token"] = v.get("kv_ms_per_token", 0.0) * s
     if prof.get("draft_step"):
-        prof["draft_step"]["latency_ms"] = [x * s for x in prof["draft_step"]["latency_ms"]]
+        prof["draft_step"]["latency_ms"] = [x * s_draft for x in prof["draft_step"]["latency_ms"]]
     if "draft_step_ms" in prof:
-        prof["draft_step_ms"] *= s
+        prof["draft_step_ms"] *= s_draft
     prof["overhead_ms"] = prof.get("overhead_ms", 0.0) * s
     prof["speed_factor"] = s
+    prof["draft_speed_factor"] = s_draft
 
 
 def main() -> None:
@@ -151,6 +163,7 @@ def main() -> None:
     ap.add_argument("--request-rate", type=float, default=2.0)
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--kv-cache-bytes", default=None, help="e.g. 512M (as the runs compared)")
+    ap.add_argument("--rows", help="also write every iteration's features and time here")
     args = ap.parse_args()
 
     from adaserve.bench.cli import _bytes
@@ -185,9 +198,10 @@ def main() -> None:
     y = np.array([r["y"] for r in rows])
     b = nnls(X, y)
     names = [f.name for f in dataclasses.fields(HostOverhead)]  # the x columns' order
-    speed, fit = float(b[0]), dict(zip(names, (round(float(v), 4) for v in b[1:])))
+    speed, s_draft = float(b[0]), float(b[1])
+    fit = dict(zip(names, (round(float(v), 4) for v in b[2:])))
     resid = y - X @ b
-    print(f"speed factor (this run / the profile): {speed:.3f}")
+    print(f"speed factor (this run / the profile): {speed:.3f}, draft {s_draft:.3f}")
     print("host overhead (ms):", fit)
     print(f"residual: mean {resid.mean():.2f} ms, MAE {np.abs(resid).mean():.2f} ms")
     for pol, (a, z) in spans.items():
@@ -196,9 +210,15 @@ def main() -> None:
     prof = json.loads(Path(args.profile).read_text())
     # the engine builds the class targets on the profile it was given: keep that base
     prof["unloaded_tpot_ms"] = engine.hw.unloaded_tpot_ms()
-    _rescale(prof, speed)
+    _rescale(prof, speed, s_draft)
     prof["host_overhead"] = fit
     Path(args.out).write_text(json.dumps(prof, indent=1) + "\n")
+    if args.rows:
+        cols = ["target_ms", "draft_ms", *names]
+        pols = [p for p, (a, z) in spans.items() for _ in range(a, z)]
+        Path(args.rows).write_text(
+            json.dumps({"columns": cols, "policy": pols, "rows": rows}) + "\n"
+        )
     print(f"wrote {args.out}")
 
 

@@ -529,3 +529,65 @@ def test_request_spread_gives_requests_persistent_difficulty():
     pi = AcceptanceModel(base).regimes.stationary[0]
     assert shares.mean() == pytest.approx(pi, abs=0.02)
     assert shares.std() == pytest.approx(0.8 * math.sqrt(pi * (1 - pi)), rel=0.1)
+
+
+def test_acceptance_follows_the_measured_agreement_along_the_output():
+    """``agreement_by_position`` (per 32-token block): the per-depth statistics cover the
+    first ``new_tokens`` tokens, so the shift of each block is taken against their mean,
+    and trees grown at a block's output positions accept the top-1 draft that much more
+    (or less) often."""
+    from dataclasses import replace
+
+    by_pos = [0.62, 0.72, 0.82, 0.85]
+    stats = {
+        **STATS,
+        "acceptance_by_depth": [0.804, 0.685, 0.617, 0.569, 0.537, 0.511, 0.489, 0.469],
+        "new_tokens": 64,
+        "agreement_by_position": by_pos,
+    }
+    params = AcceptanceParams.from_stats_dict(stats)
+    assert params.position_shift == pytest.approx([-0.05, 0.05, 0.15, 0.18])
+    m = AcceptanceModel(params)
+    assert m.follows_position
+    n = 30_000
+    rng = np.random.default_rng(4)
+
+    def top1_rate(out_pos: int) -> float:
+        pi = m.position_shares(np.full(n, out_pos), None)
+        states = m.advance(np.full(n, -1), np.zeros(n), rng, pi)
+        tb = m.grow(1, 1, n, rng, states, pi)
+        return float((tb.target_path[:, 0] >= 0).mean())
+
+    rates = [top1_rate(p) for p in (5, 40, 70, 100, 500)]  # 500: past the last block
+    base = float(m.regimes.stationary @ np.array(m.regimes.p))
+    expect = [base + s for s in params.position_shift] + [base + params.position_shift[-1]]
+    assert np.allclose(rates, expect, atol=0.015)
+    # the first 64 tokens keep the per-depth statistics' mean agreement
+    assert (rates[0] + rates[1]) / 2 == pytest.approx(base, abs=0.015)
+    # without the field, or with --flat-positions, every position is alike
+    flat = AcceptanceModel(replace(params, position_shift=()))
+    assert not flat.follows_position
+    assert flat.position_shares(np.array([5, 500]), None) is None
+    with pytest.raises(ValueError, match="position shifts"):
+        replace(params, position_shift=(float("nan"),))
+    # the shipped pair's statistics carry the measurement (160 tokens of continuation)
+    from adaserve import paths
+
+    shipped = AcceptanceParams.from_stats(paths.DEFAULT_STATS)
+    assert len(shipped.position_shift) == 5 and shipped.position_shift[-1] > 0.03
+
+
+@pytest.mark.parametrize("mu", [0.3, 0.7, 0.9, 0.97, 0.999])
+def test_confidence_tables_keep_the_beta_mean_and_spread(mu):
+    """The per-regime confidence table is the Beta's quantiles: its mean is the regime's
+    agreement (a table on a plain grid in x averaged 0.943 for 0.97, so the shipped pair's
+    chains were accepted 1-9% less often than its statistics say) and its variance the
+    Beta's, mu (1 - mu) / (k + 1)."""
+    from adaserve.sim.acceptance import _beta_quantiles
+
+    k = 2.0
+    q = _beta_quantiles(mu, k)
+    assert np.all(np.diff(q) >= 0) and q[0] >= 0.0 and q[-1] <= 1.0
+    assert q.mean() == pytest.approx(mu, abs=1e-9)
+    if mu < 0.99:  # beyond, the spread lies in a tail rarer than one quantile step
+        assert q.var() == pytest.approx(mu * (1 - mu) / (k + 1), rel=0.05)

@@ -158,3 +158,30 @@ def test_fidelity_benchmark_pools_rounds_by_request_and_judges_each_class():
     assert not cmp["classes_ok"] and cmp["goodput_ok"]
     assert cmp["overall"]["real"] == pytest.approx(80.0)
     assert cmp["overall"]["sim"] == pytest.approx(80.0)
+
+
+def test_fidelity_reuse_finds_the_stored_rounds_and_their_fits(tmp_path):
+    """``--reuse``: a bracketed run simulates round k with fits k and k + 1, an earlier
+    run with its one fit per round; a directory without rounds is a clear exit."""
+    fid = _fidelity_script()
+    brk, old, empty = tmp_path / "brk", tmp_path / "old", tmp_path / "empty"
+    for k in (1, 2):
+        for run in (brk, old):
+            (run / f"round{k}-real").mkdir(parents=True)
+            (run / f"round{k}-real" / "result.json").write_text("{}")
+        (old / f"round{k}-profile.json").write_text("{}")
+    for k in (1, 2, 3):
+        (brk / f"fit{k}-profile.json").write_text("{}")
+    got = fid.stored_rounds(brk)
+    assert [(r.name, [f.name for f in fits]) for r, fits in got] == [
+        ("round1-real", ["fit1-profile.json", "fit2-profile.json"]),
+        ("round2-real", ["fit2-profile.json", "fit3-profile.json"]),
+    ]
+    got = fid.stored_rounds(old)
+    assert [[f.name for f in fits] for _, fits in got] == [
+        ["round1-profile.json"],
+        ["round2-profile.json"],
+    ]
+    empty.mkdir()
+    with pytest.raises(SystemExit, match="no stored rounds"):
+        fid.stored_rounds(empty)

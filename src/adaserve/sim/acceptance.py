@@ -56,7 +56,9 @@ class AcceptanceParams:
     probability that goes to the rank-j child (j >= 2; sums to <= 1);
     concentration: Beta concentration of the per-node confidence (small = the draft's
     confidence is informative, bimodal); overconfidence: reported q_1 = c sharpened by
-    this exponent (1 = calibrated draft)."""
+    this exponent (1 = calibrated draft); position_shift[k]: top-1 agreement over output
+    tokens [32k, 32k + 32) minus the mean agreement over the tokens the per-depth
+    statistics were measured on (last value repeats; empty: the same at every position)."""
 
     top1_by_depth: tuple[float, ...] = (0.6,)
     rank_share: tuple[float, ...] = tuple(
@@ -69,6 +71,7 @@ class AcceptanceParams:
     # drawn once from a Beta around the stationary share whose standard deviation is
     # this fraction of the largest possible (0 = every request alike)
     request_spread: float = 0.0
+    position_shift: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.top1_by_depth or not all(0.0 < x < 1.0 for x in self.top1_by_depth):
@@ -79,6 +82,8 @@ class AcceptanceParams:
             raise ValueError("concentration and overconfidence must be positive")
         if not 0.0 <= self.request_spread < 1.0:
             raise ValueError("request spread must be in [0, 1)")
+        if not all(math.isfinite(x) and -1.0 < x < 1.0 for x in self.position_shift):
+            raise ValueError("position shifts must lie in (-1, 1)")
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -147,7 +152,8 @@ class AcceptanceParams:
         else:
             top1 = [by_rank[0]]
         top1 = [min(max(x, 0.01), 0.99) for x in top1]
-        return cls(tuple(top1), tuple(shares), concentration, 1.0, source)
+        shift = position_shift(_probs(_find(data, "agreement_by_position")), data.get("new_tokens"))
+        return cls(tuple(top1), tuple(shares), concentration, 1.0, source, position_shift=shift)
 
     def top1(self, depth: int) -> float:
         return self.top1_by_depth[min(depth, len(self.top1_by_depth)) - 1]
@@ -167,7 +173,24 @@ class AcceptanceParams:
             "concentration": self.concentration,
             "overconfidence": self.overconfidence,
             "request_spread": self.request_spread,
+            "position_shift": [round(x, 4) for x in self.position_shift],
         }
+
+
+POSITION_BLOCK = 32  # output tokens per entry of ``agreement_by_position``
+
+
+def position_shift(by_pos: list[float], span) -> tuple[float, ...]:
+    """Agreement per 32-token output block relative to the mean over the first ``span``
+    output tokens (the tokens the per-depth statistics cover; None: all blocks)."""
+    if not by_pos:
+        return ()
+    n = len(by_pos) * POSITION_BLOCK
+    if isinstance(span, (int, float)) and math.isfinite(span) and span >= 1:
+        n = min(int(span), n)
+    w = np.clip(n - POSITION_BLOCK * np.arange(len(by_pos)), 0, POSITION_BLOCK)
+    base = float(np.dot(w, by_pos) / w.sum())
+    return tuple(float(x) - base for x in by_pos)
 
 
 def _find(d: dict, key: str):
@@ -370,6 +393,27 @@ class AcceptanceModel:
         self._stay = np.array([a, b])
         self._eff = _effective_shares(self._cq, self.regimes.stationary, self._shares)
         self._over = float(params.overconfidence)
+        # agreement along the output: the easy share moves so that the stationary
+        # agreement pi p_easy + (1 - pi) p_hard follows the measured shift per block
+        pe, ph = self.regimes.p
+        sh = np.asarray(params.position_shift, dtype=float)
+        self._pos_delta = sh / (pe - ph) if len(sh) and pe - ph > 0.02 else None
+
+    @property
+    def follows_position(self) -> bool:
+        """Acceptance varies along the output (the stats' ``agreement_by_position``;
+        needs two regimes)."""
+        return self._pos_delta is not None
+
+    def position_shares(self, out_pos: np.ndarray, pi: np.ndarray | None) -> np.ndarray | None:
+        """[R] easy shares at output positions ``out_pos`` [R]: the request's share ``pi``
+        [R] (None: the stationary one) moved by its block's shift; None when the model
+        does not follow positions and pi is None."""
+        if self._pos_delta is None:
+            return pi
+        k = np.minimum(np.asarray(out_pos) // POSITION_BLOCK, len(self._pos_delta) - 1)
+        base = self.regimes.stationary[0] if pi is None else pi
+        return np.clip(base + self._pos_delta[np.maximum(k, 0)], 0.01, 0.99)
 
     def shares(self, w: int) -> np.ndarray:
         """[w-1] effective shares of ranks 2..w (0 past the known ranks): scaled so that,
@@ -535,14 +579,20 @@ def _chain_parents(d: int, num: int) -> np.ndarray:
 
 
 def _beta_quantiles(mu: float, k: float, n: int = QUANTILES) -> np.ndarray:
-    """[n] quantiles (at (i + 0.5) / n) of Beta(k mu, k (1 - mu)), by a fine-grid CDF."""
-    x = (np.arange(50_000) + 0.5) / 50_000
+    """[n] quantiles (at (i + 0.5) / n) of Beta(k mu, k (1 - mu)), from the CDF on a
+    logit grid (x = sigmoid(z): the density in z, x^a (1 - x)^b, has no singularity at
+    0 or 1, where a plain grid in x misses the mass of a skewed Beta: its table for
+    mu = 0.97, k = 2 averaged 0.943), then moved so that the table's mean is mu."""
+    z = np.linspace(-60.0, 60.0, 240_001)
     a, b = k * mu, k * (1 - mu)
-    logpdf = (a - 1) * np.log(x) + (b - 1) * np.log1p(-x)
-    pdf = np.exp(logpdf - logpdf.max())
-    cdf = np.cumsum(pdf)
+    logw = -a * np.logaddexp(0.0, -z) - b * np.logaddexp(0.0, z)
+    cdf = np.cumsum(np.exp(logw - logw.max()))
     cdf /= cdf[-1]
-    return np.interp((np.arange(n) + 0.5) / n, cdf, x)
+    x = np.interp((np.arange(n) + 0.5) / n, cdf, 1.0 / (1.0 + np.exp(-z)))
+    m = float(x.mean())  # the midpoint quantiles still miss a sliver of each tail
+    if m < mu:
+        return 1.0 - (1.0 - x) * ((1.0 - mu) / (1.0 - m))
+    return x * (mu / m)
 
 
 # ---------------------------------------------------------------------- calibrator

@@ -72,6 +72,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "every request alike; 0.8-0.9 matches the shipped pair's spread on the engine)",
     )
     s.add_argument(
+        "--flat-positions",
+        action="store_true",
+        help="ignore the stats' agreement_by_position: acceptance the same at every output "
+        "position (default: it follows the measured agreement along the output)",
+    )
+    s.add_argument(
         "--selection-time",
         choices=["none", "measured"],
         default="none",
@@ -196,6 +202,8 @@ def acceptance_from_args(args, using_profile: bool):
             p = replace(p, request_spread=float(spread))
         except ValueError as e:
             raise AdaServeError(f"--request-spread: {e}") from None
+    if getattr(args, "flat_positions", False):
+        p = replace(p, position_shift=())
     return p, stats
 
 

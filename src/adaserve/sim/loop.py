@@ -284,6 +284,7 @@ class _Run:
         # per-request difficulty draws use their own stream (the main one is unchanged)
         self.rng_req = np.random.default_rng(np.random.SeedSequence([cfg.seed, 0x5EED, 1]))
         self.spread = sim.acc.params.request_spread > 0
+        self.by_position = sim.acc.follows_position
         self.cal = Calibrator()
         if sim.seed_stats:
             self.cal.seed_from_stats(sim.seed_stats)
@@ -535,6 +536,9 @@ class _Run:
         trees = {}
         for (d, w), reqs in groups.items():
             pi = np.array([r.easy_share for r in reqs]) if self.spread else None
+            if self.by_position:
+                out_pos = np.array([r.n_out for r in reqs])
+                pi = self.acc.position_shares(out_pos, pi)
             states = self.acc.advance(
                 np.array([r.regime for r in reqs]),
                 np.array([r.n_tokens - r.regime_pos for r in reqs]),
