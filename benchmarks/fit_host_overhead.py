@@ -7,9 +7,11 @@ workload for a few policies, records every iteration's measured time, the profil
 prediction for the same batch (computed the way ``adaserve simulate`` computes it) and
 the policy's own decision time, and fits the remainder by non-negative least squares
 against the features of ``adaserve.sim.loop.HostOverhead``, plus speed factors on the
-profile's target and draft timings (a shared machine runs at a different speed than when
-it was profiled, and moves the compute-bound target and the overhead-bound one-layer
-draft differently). It writes the profile with its timings multiplied by those factors,
+profile's timings: one for the target's cost beyond one token, one for its one-token
+cost and one for the draft (a shared machine runs at a different speed than when it was
+profiled, and not uniformly: in slow phases big passes slowed by 1.8x while one-token
+passes kept their speed, which one factor for everything priced `ar` 13% too slow). It
+writes the profile rescaled by those factors,
 ``"host_overhead"`` added and ``"unloaded_tpot_ms"`` (the original profile's, which the
 engine's class targets are built on), which ``adaserve simulate --profile`` then uses. Compare
 against real runs made right after the fit: the machine's speed drifts within minutes.
@@ -119,6 +121,7 @@ class Recorder:
         steps = c["steps"] if c.get("n_spec") else None
         ms = forward_ms(engine.hw, c["v_tokens"], c["kv"], c.get("catchup", 0), steps)
         target_ms = forward_ms(engine.hw, c["v_tokens"], c["kv"], 0, None)
+        fixed = forward_ms(engine.hw, 1, 0, 0, None)  # one token, no context
         x = HostOverhead.features(
             c["requests"],
             c.get("n_spec", 0),
@@ -131,26 +134,32 @@ class Recorder:
         # compute-bound target and the overhead-bound one-layer draft differently
         self.rows.append(
             {
-                "x": [target_ms, ms - target_ms, *x],
+                # x[5] (HostOverhead's per_iteration, 1) is left out of the fit: the
+                # fixed part's column is that constant times the profile's cost
+                "x": [target_ms - fixed, fixed, ms - target_ms, *x],
                 "y": measured - c.get("policy_ms", 0.0),
                 "ms": measured,
             }
         )
 
 
-def _rescale(prof: dict, s: float, s_draft: float) -> None:
-    """Multiply the profile's target timings by s and the draft's by s_draft (the
-    machine's speed during the fit relative to when it was profiled: a shared machine
-    drifts)."""
+def _rescale(prof: dict, s: float, s_fixed: float, s_draft: float) -> None:
+    """Rescale the profile to the machine's speed during the fit (a shared machine
+    drifts, and not uniformly): the target's cost beyond one token by s, its one-token
+    cost (and the per-pass overhead) by s_fixed, the draft's by s_draft."""
     v = prof["verify"]
-    v["latency_ms"] = [x * s for x in v["latency_ms"]]
+    toks = np.asarray(v["tokens"], dtype=float)
+    lat = np.asarray(v["latency_ms"], dtype=float)
+    one = float(np.interp(1.0, toks, lat))
+    v["latency_ms"] = [s_fixed * one + s * (x - one) for x in lat.tolist()]
     v["kv_ms_per_token"] = v.get("kv_ms_per_token", 0.0) * s
     if prof.get("draft_step"):
         prof["draft_step"]["latency_ms"] = [x * s_draft for x in prof["draft_step"]["latency_ms"]]
     if "draft_step_ms" in prof:
         prof["draft_step_ms"] *= s_draft
-    prof["overhead_ms"] = prof.get("overhead_ms", 0.0) * s
+    prof["overhead_ms"] = prof.get("overhead_ms", 0.0) * s_fixed
     prof["speed_factor"] = s
+    prof["fixed_speed_factor"] = s_fixed
     prof["draft_speed_factor"] = s_draft
 
 
@@ -194,14 +203,18 @@ def main() -> None:
         ms = [r["ms"] for r in rec.rows[start:]]
         print(f"{pol}: {len(ms)} iterations, mean {np.mean(ms):.1f} ms", flush=True)
     rows = rec.rows
-    X = np.array([r["x"] for r in rows])
+    X = np.array([r["x"][:3] + r["x"][4:] for r in rows])  # without per_iteration
     y = np.array([r["y"] for r in rows])
     b = nnls(X, y)
     names = [f.name for f in dataclasses.fields(HostOverhead)]  # the x columns' order
-    speed, s_draft = float(b[0]), float(b[1])
-    fit = dict(zip(names, (round(float(v), 4) for v in b[2:])))
+    speed, s_fixed, s_draft = float(b[0]), float(b[1]), float(b[2])
+    fit = dict(zip(names[1:], (round(float(v), 4) for v in b[3:])))
+    fit = {names[0]: 0.0, **fit}
     resid = y - X @ b
-    print(f"speed factor (this run / the profile): {speed:.3f}, draft {s_draft:.3f}")
+    print(
+        f"speed factor (this run / the profile): {speed:.3f} beyond one token, "
+        f"{s_fixed:.3f} for one token, draft {s_draft:.3f}"
+    )
     print("host overhead (ms):", fit)
     print(f"residual: mean {resid.mean():.2f} ms, MAE {np.abs(resid).mean():.2f} ms")
     for pol, (a, z) in spans.items():
@@ -210,11 +223,11 @@ def main() -> None:
     prof = json.loads(Path(args.profile).read_text())
     # the engine builds the class targets on the profile it was given: keep that base
     prof["unloaded_tpot_ms"] = engine.hw.unloaded_tpot_ms()
-    _rescale(prof, speed, s_draft)
+    _rescale(prof, speed, s_fixed, s_draft)
     prof["host_overhead"] = fit
     Path(args.out).write_text(json.dumps(prof, indent=1) + "\n")
     if args.rows:
-        cols = ["target_ms", "draft_ms", *names]
+        cols = ["target_beyond_one_ms", "target_one_ms", "draft_ms", *names]
         pols = [p for p, (a, z) in spans.items() for _ in range(a, z)]
         Path(args.rows).write_text(
             json.dumps({"columns": cols, "policy": pols, "rows": rows}) + "\n"
