@@ -60,6 +60,81 @@ def _results(path: Path) -> dict:
     return json.loads((path / "result.json").read_text())["results"]
 
 
+def _sample_ms(hw, host, smp: dict) -> float | None:
+    """The fitted model's time (ms) of one real iteration from its timeline sample (the
+    sample's work: tokens verified, context tokens, drafted tree shapes); None for
+    samples without the work fields (runs made before they were recorded). The draft's
+    catch-up is taken as one token per drafting request."""
+    from adaserve.sim.loop import HostOverhead, forward_ms
+
+    if "shapes" not in smp:
+        return None
+    shapes = smp["shapes"]
+    depth = max((d for d, _ in shapes), default=0)
+    steps = [sum(w for d, w in shapes if d - 1 > t) for t in range(depth - 1)]
+    ms = forward_ms(hw, smp["tokens"], smp["kv_tokens"], len(shapes), steps if shapes else None)
+    if host is not None:
+        ms += host.ms(
+            HostOverhead.features(
+                smp["running"],
+                len(shapes),
+                sum(d for d, _ in shapes),
+                sum(w + (d - 1) * w * w for d, w in shapes),
+                smp["tree_nodes"],
+            )
+        )
+    return ms
+
+
+def speed_trace(samples: list[dict], profile: Path, window: float) -> dict | None:
+    """How fast the machine ran during a real run, relative to a fitted profile: per
+    ``window`` seconds of the run (by iteration start), measured / predicted iteration
+    time summed over its iterations (a window without iterations keeps the previous
+    factor). The measured time includes the policy's decisions, so simulate it with
+    ``--selection-time none``. {"t_s": [...], "factor": [...]}, or None when the
+    timeline does not record the iterations' work."""
+    from adaserve.sched.hardware import HardwareModel
+    from adaserve.sim.loop import HostOverhead
+
+    prof = json.loads(profile.read_text())
+    hw = HardwareModel.load(profile)
+    host = HostOverhead.parse(prof["host_overhead"]) if prof.get("host_overhead") else None
+    sums: dict[int, list[float]] = {}
+    for smp in samples:
+        pred = _sample_ms(hw, host, smp)
+        if pred is None:
+            return None
+        start = smp["t"] - smp["iter_ms"] / 1000.0
+        acc = sums.setdefault(int(max(start, 0.0) // window), [0.0, 0.0])
+        acc[0] += smp["iter_ms"]
+        acc[1] += pred
+    if not sums:
+        return None
+    t_s, factor, prev = [], [], None
+    for k in range(max(sums) + 1):
+        m, p = sums.get(k, (0.0, 0.0))
+        f = m / p if p > 0 else prev
+        if f is not None:
+            t_s.append(k * window)
+            factor.append(round(f, 4))
+            prev = f
+    return {"t_s": t_s, "factor": factor}
+
+
+def write_traces(real_dir: Path, profile: Path, dest: Path, window: float) -> bool:
+    """Per-policy speed traces of a stored real run (``--speed-trace`` format); False
+    when its timelines do not record the iterations' work."""
+    timelines = json.loads((real_dir / "timeline.json").read_text())
+    traces = {}
+    for pol, samples in timelines.items():
+        tr = speed_trace(samples, profile, window)
+        if tr is None:
+            return False
+        traces[pol] = tr
+    dest.write_text(json.dumps({"policies": traces}) + "\n")
+    return True
+
+
 def pool(runs: list[dict]) -> dict:
     """Per policy: per-class (attained, requests) summed over runs, goodput averaged.
     runs: [{policy: {"overall": M, "per_class": {cls: M}}}]."""
@@ -103,16 +178,20 @@ def compare(real: dict, sim: dict, points: float, goodput_rel: float) -> dict:
     return out
 
 
-def report(cmp: dict, speeds: list[float], args) -> str:
-    lines = [
-        "# Simulator fidelity (interleaved rounds)",
-        "",
-        f"{args.rounds} rounds; rate {args.request_rate} req/s, {args.duration} s, seed "
-        f"{args.seed}, policies {args.policies}; fit on seed {args.fit_seed}; "
-        f"acceptance statistics {args.stats}.",
-        f"Speed factor of each fit (fit / profile; fit k comes before round k): "
-        f"{', '.join(f'{s:.3f}' for s in speeds)}.",
-        "",
+def report(cmp: dict, speeds: list[float], args, header: bool = True) -> str:
+    lines = []
+    if header:
+        lines = [
+            "# Simulator fidelity (interleaved rounds)",
+            "",
+            f"{args.rounds} rounds; rate {args.request_rate} req/s, {args.duration} s, seed "
+            f"{args.seed}, policies {args.policies}; fit on seed {args.fit_seed}; "
+            f"acceptance statistics {args.stats}.",
+            f"Speed factor of each fit (fit / profile; fit k comes before round k): "
+            f"{', '.join(f'{s:.3f}' for s in speeds)}.",
+            "",
+        ]
+    lines += [
         "| policy | class | real % | simulated % | gap |",
         "|---|---|---|---|---|",
     ]
@@ -165,6 +244,12 @@ def main() -> None:
         help="DIR[,DIR...]: re-simulate the rounds these earlier runs stored (no real runs)",
     )
     ap.add_argument("--sim-args", default="", help="extra adaserve simulate options (one string)")
+    ap.add_argument(
+        "--window",
+        type=float,
+        default=4.0,
+        help="seconds per factor of the speed traces measured from the real runs",
+    )
     args = ap.parse_args()
     if args.rounds < 1 or args.duration <= 0 or args.fit_duration <= 0:
         ap.error("--rounds, --duration and --fit-duration must be positive")
@@ -204,7 +289,7 @@ def main() -> None:
 
     # fits bracket every round: round k's real runs lie between fit k and fit k+1, and
     # its workload is simulated with both (the machine can change speed within a round)
-    real, sim, speeds = [], [], []
+    real, sim, speeds, cond = [], [], [], []
     before = fit(1)
     for k in range(1, args.rounds + 1):
         _run([*exe, "bench", "serve", "--profile", str(profile), *common,
@@ -217,19 +302,49 @@ def main() -> None:
                   "--selection-time", "measured", *common, *args.sim_args.split(),
                   "--out", str(dest)], log)  # fmt: skip
             sim.append(_results(dest))
+            cond += conditioned(args, log, exe, common, out / f"round{k}-real", fitted, dest)
         print(
             f"round {k}: speed factor {speeds[-2]:.3f} before, {speeds[-1]:.3f} after", flush=True
         )
         before = after
-    finish(args, out, real, sim, speeds)
+    finish(args, out, real, sim, speeds, cond)
 
 
-def finish(args, out: Path, real: list, sim: list, speeds: list[float]) -> None:
+def conditioned(args, log, exe, common, real_dir: Path, fitted: Path, dest: Path) -> list:
+    """Simulate a real round again with its measured speed trace (relative to
+    ``fitted``): [(real result, simulated result)], empty when its timelines do not
+    record the iterations' work."""
+    trace = dest.parent / f"{dest.name}-trace.json"
+    if not write_traces(real_dir, fitted, trace, args.window):
+        return []
+    cdest = dest.parent / f"{dest.name}-cond"
+    _run([*exe, "simulate", "--profile", str(fitted), "--stats", args.stats,
+          "--selection-time", "none", "--speed-trace", str(trace), *common,
+          *args.sim_args.split(), "--out", str(cdest)], log)  # fmt: skip
+    return [(_results(real_dir), _results(cdest))]
+
+
+def finish(
+    args, out: Path, real: list, sim: list, speeds: list[float], cond: list | None = None
+) -> None:
+    """Judge and write the report; ``cond``: (real, simulated) results of the
+    simulations conditioned on each real run's measured speed, when there are any."""
     cmp = compare(pool(real), pool(sim), args.points, args.goodput_rel)
-    (out / "fidelity.json").write_text(
-        json.dumps({"args": vars(args), "speed_factors": speeds, "policies": cmp}, indent=1)
-    )
+    doc = {"args": vars(args), "speed_factors": speeds, "policies": cmp}
     md = report(cmp, speeds, args)
+    if cond:
+        ccmp = compare(
+            pool([r for r, _ in cond]), pool([c for _, c in cond]), args.points, args.goodput_rel
+        )
+        doc["conditioned"] = ccmp
+        md += (
+            "\n## Conditioned on the measured speed\n\n"
+            f"The same rounds simulated with each real run's speed trace ({len(cond)} "
+            f"simulations; {args.window:g} s windows, measured / fitted iteration time): "
+            "the machine's drift is then an input, and what is left is the simulator's "
+            "own error.\n\n" + report(ccmp, [], args, header=False)
+        )
+    (out / "fidelity.json").write_text(json.dumps(doc, indent=1))
     (out / "fidelity.md").write_text(md)
     print(md)
 
@@ -256,7 +371,7 @@ def stored_rounds(run: Path) -> list[tuple[Path, list[Path]]]:
 def resimulate(args, out: Path, log: Path, exe: list[str]) -> None:
     """Pool the stored rounds of earlier runs, each re-simulated with its own workload
     options and fits (``--reuse``)."""
-    real, sim, speeds, runs = [], [], [], []
+    real, sim, speeds, runs, cond = [], [], [], [], []
     rounds = 0
     for n, run in enumerate(Path(d) for d in args.reuse.split(",")):
         old = json.loads((run / "fidelity.json").read_text())["args"]
@@ -278,11 +393,12 @@ def resimulate(args, out: Path, log: Path, exe: list[str]) -> None:
                       "--selection-time", "measured", *common, *args.sim_args.split(),
                       "--out", str(dest)], log)  # fmt: skip
                 sim.append(_results(dest))
+                cond += conditioned(args, log, exe, common, real_dir, fitted, dest)
         rounds += k
         print(f"{run}: {k} rounds re-simulated", flush=True)
     args.rounds = rounds
     args.policies = "; ".join(runs)
-    finish(args, out, real, sim, speeds)
+    finish(args, out, real, sim, speeds, cond)
 
 
 if __name__ == "__main__":

@@ -270,6 +270,32 @@ def test_single_autoregressive_request_timing_is_exact():
     assert tl.info["iterations"] == 5 and rec.steps == 4
 
 
+def test_speed_trace_scales_iterations_from_its_times_on(tmp_path, capsys):
+    """A replayed machine speed: iterations that start at or after a trace point take
+    its factor times as long (the first factor applies before the first point); bad
+    traces are clear errors on the command line."""
+    prefill = float(_sim().hw.verify_latency(100, 100)) / 1000
+    dec = [float(_sim().hw.verify_latency(1, 101 + k)) / 1000 for k in range(4)]
+    # x3 for the prefill (it starts at 0), x0.5 for the decodes (from 3 x prefill on)
+    sim = _sim(speed_trace=((0.0, 3.0), (2 * prefill, 0.5)))
+    items = _items(1, prompt=100, out=5)
+    (rec,), _ = sim.run(make_policy("ar"), items, _slos(sim, items))
+    assert rec.first_token_s == pytest.approx(3 * prefill)
+    assert rec.finish_s == pytest.approx(3 * prefill + 0.5 * sum(dec))
+    with pytest.raises(ValueError, match="speed trace"):
+        SimConfig(speed_trace=((1.0, 1.0), (0.5, 2.0)))
+    with pytest.raises(ValueError, match="speed trace"):
+        SimConfig(speed_trace=((0.0, 0.0),))
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps(REDUCED_PROFILE))
+    for bad in ({"t_s": [0, 1], "factor": [1.0]}, {"t_s": [0], "factor": [-1.0]}, [1, 2]):
+        trace = tmp_path / "t.json"
+        trace.write_text(json.dumps(bad))
+        rc = _cli(["--profile", str(prof), "--duration", "2", "--speed-trace", str(trace)])
+        assert rc != 0
+        assert "--speed-trace" in capsys.readouterr().err
+
+
 def test_chain_speculation_with_certain_acceptance_yields_k_plus_one_tokens():
     acc = AcceptanceParams.parametric(0.999, topk_mass=0.9995, concentration=500.0)
     sim = _sim(acc=acc)

@@ -393,6 +393,10 @@ def _sample(engine, tr, live, t: float) -> dict:
         "kv_usage": float(engine.kv_usage()),
         "budget": budget,
         "fallback": tr.plan.fallback,
+        # the work of the pass, for pricing it afterwards (benchmarks/fidelity.py):
+        # context tokens of the batch and the (depth, width) of each drafted tree
+        "kv_tokens": sum(len(r.tokens) for r in engine.running),
+        "shapes": [list(tr.plan.shapes[rid]) for rid in nodes if rid in tr.plan.shapes],
     }
 
 

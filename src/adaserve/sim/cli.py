@@ -78,6 +78,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "position (default: it follows the measured agreement along the output)",
     )
     s.add_argument(
+        "--speed-trace",
+        metavar="FILE",
+        help='replay a measured machine speed: JSON {"t_s": [...], "factor": [...]} (from '
+        't_s on, iteration times are multiplied by factor) or {"policies": {NAME: '
+        "{...}}} per policy (benchmarks/fidelity.py writes them from real runs)",
+    )
+    s.add_argument(
         "--selection-time",
         choices=["none", "measured"],
         default="none",
@@ -207,6 +214,35 @@ def acceptance_from_args(args, using_profile: bool):
     return p, stats
 
 
+def _speed_traces(path) -> dict:
+    """``--speed-trace``: {policy name or None (every policy): ((t_s, factor), ...)}."""
+    if not path:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise AdaServeError(f"--speed-trace: cannot read {path}: {e}") from None
+
+    def one(d, where: str) -> tuple[tuple[float, float], ...]:
+        try:
+            ts, fs = d["t_s"], d["factor"]
+            pts = tuple((float(t), float(f)) for t, f in zip(ts, fs, strict=True))
+        except (KeyError, TypeError, ValueError):
+            raise AdaServeError(
+                f"--speed-trace {path}: {where} needs equally long 't_s' and 'factor' lists"
+            ) from None
+        ok = all(math.isfinite(t) and math.isfinite(f) and f > 0 for t, f in pts)
+        if not pts or not ok or [t for t, _ in pts] != sorted(t for t, _ in pts):
+            raise AdaServeError(
+                f"--speed-trace {path}: {where}: times ascending, factors finite and positive"
+            )
+        return pts
+
+    if isinstance(data, dict) and isinstance(data.get("policies"), dict):
+        return {name: one(d, f"policy {name!r}") for name, d in data["policies"].items()}
+    return {None: one(data, "the trace")}
+
+
 def _default_kv_slots(hw, block_size: int = 16) -> int:
     """The engine's default pool: min(RAM/4, 4 GiB) over the per-slot KV bytes."""
     per_slot = hw.kv_bytes_target + hw.kv_bytes_draft
@@ -288,6 +324,7 @@ class SimBackend:
             flops_per_token=(ft, fd),
             weight_bytes=wb,
         )
+        self.speed_traces = _speed_traces(getattr(args, "speed_trace", None))
         unloaded = getattr(args, "unloaded_tpot_ms", None)
         if unloaded is None:
             unloaded = self.hw_info.get("unloaded_tpot_ms")
@@ -342,6 +379,10 @@ class SimBackend:
         for s in spec.shifts:
             if s.kind == "draft-noise":
                 print(f"simulate: shift {s.describe()} is not simulated", file=sys.stderr)
+        from dataclasses import replace
+
+        trace = self.speed_traces.get(policy, self.speed_traces.get(None, ()))
+        self.sim.cfg = replace(self.cfg, speed_trace=trace)
         records, tl = self.sim.run(
             make_policy(policy),
             items,
@@ -374,6 +415,7 @@ class SimBackend:
             "admission": self.cfg.admission,
             "selection_time": self.cfg.selection_time,
             "host_overhead_ms": list(self.host.as_tuple()) if self.host else None,
+            "speed_trace": getattr(self.args, "speed_trace", None),
             "unloaded_tpot_ms": self.sim.unloaded_tpot_ms(),
             "energy_model": self.energy.as_dict(),
         }

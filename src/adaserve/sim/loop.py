@@ -18,6 +18,7 @@ are simulated seconds from the start; the result has the in-process benchmark's 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import time
@@ -105,6 +106,10 @@ class SimConfig:
     admission:      shed requests like the server does (queue full, strict capacity)
     timeline_max_samples: per-iteration samples kept (decimated beyond that)
     host_overhead:  the engine's host work per iteration beyond the profiled forwards
+    speed_trace:    ((t_s, factor), ...): from t_s on (simulated time, ascending), the
+                    models' time and the host overhead of an iteration are multiplied by
+                    factor (the first factor before the first t_s); empty = 1. Replays
+                    a machine whose speed varied, as measured during a real run
     """
 
     max_num_seqs: int = 64
@@ -122,8 +127,14 @@ class SimConfig:
     flops_per_token: tuple[float, float] = (0.0, 0.0)  # (target, draft), for energy
     weight_bytes: tuple[float, float] = (0.0, 0.0)
     host_overhead: HostOverhead | None = None
+    speed_trace: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
+        ts = [t for t, _ in self.speed_trace]
+        if ts != sorted(ts) or not all(
+            math.isfinite(t) and math.isfinite(f) and f > 0 for t, f in self.speed_trace
+        ):
+            raise ValueError("speed trace: times ascending, factors finite and positive")
         if self.max_num_seqs < 1 or self.max_prefill_tokens < 1 or self.kv_slots < 1:
             raise ValueError("max_num_seqs, max_prefill_tokens and kv_slots must be positive")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -285,6 +296,8 @@ class _Run:
         self.rng_req = np.random.default_rng(np.random.SeedSequence([cfg.seed, 0x5EED, 1]))
         self.spread = sim.acc.params.request_spread > 0
         self.by_position = sim.acc.follows_position
+        self._speed_t = [t for t, _ in sim.cfg.speed_trace]
+        self._speed_f = [f for _, f in sim.cfg.speed_trace]
         self.cal = Calibrator()
         if sim.seed_stats:
             self.cal.seed_from_stats(sim.seed_stats)
@@ -583,8 +596,6 @@ class _Run:
             v_tokens += k
             kv_tokens += r.n_tokens
         ms = forward_ms(hw, v_tokens, kv_tokens, catchup, steps if batches else None)
-        if cfg.selection_time == "measured":
-            ms += sel_s * 1000.0
         ho = cfg.host_overhead
         if ho is not None:
             ms += ho.ms(
@@ -596,6 +607,11 @@ class _Run:
                     v_tokens - len(decode) - sum(n for _, n in prefill),
                 )
             )
+        if self._speed_t:
+            k = bisect.bisect_right(self._speed_t, now) - 1
+            ms *= self._speed_f[max(k, 0)]
+        if cfg.selection_time == "measured":
+            ms += sel_s * 1000.0
         end = now + ms / 1000.0
         # --- verify (sampled acceptance) and commit
         accepted_n: dict[int, int] = {}
