@@ -185,3 +185,43 @@ def test_fidelity_reuse_finds_the_stored_rounds_and_their_fits(tmp_path):
     empty.mkdir()
     with pytest.raises(SystemExit, match="no stored rounds"):
         fid.stored_rounds(empty)
+
+
+def test_speed_trace_of_a_real_run_is_measured_over_fitted_time_per_window(tmp_path):
+    """benchmarks/fidelity.py prices every real iteration with the fitted profile from
+    the work its timeline sample records and divides measured by predicted time per
+    window (by iteration start); an empty window keeps the previous factor, and a
+    timeline without the work fields gives no trace."""
+    import json
+
+    from adaserve.sched.hardware import HardwareModel
+    from adaserve.sim.loop import HostOverhead, forward_ms
+
+    fid = _fidelity_script()
+    prof = {
+        "verify": {"tokens": [1, 64, 256], "latency_ms": [10.0, 14.0, 30.0]},
+        "draft_step_ms": 1.0,
+        "host_overhead": {"per_request": 0.5, "per_spec_step": 0.25},
+    }
+    path = tmp_path / "fit.json"
+    path.write_text(json.dumps(prof))
+    hw = HardwareModel.load(path)
+    host = HostOverhead.parse(prof["host_overhead"])
+
+    def sample(start: float, speed: float, shapes: list) -> dict:
+        tokens = 3 + sum(1 + d for d, _ in shapes)
+        steps = [sum(w for d, w in shapes if d - 1 > t) for t in range(3)]
+        steps = steps[: max((d for d, _ in shapes), default=1) - 1]
+        pred = forward_ms(hw, tokens, 500, len(shapes), steps if shapes else None)
+        pred += host.ms(HostOverhead.features(3, len(shapes), sum(d for d, _ in shapes), 0, 0))
+        ms = speed * pred
+        return {"t": start + ms / 1000, "iter_ms": ms, "tokens": tokens, "kv_tokens": 500,
+                "shapes": shapes, "running": 3, "tree_nodes": 0}  # fmt: skip
+
+    samples = [sample(0.5, 1.5, []), sample(1.0, 1.5, [[3, 1], [2, 1]]),
+               sample(4.2, 0.8, [[4, 1]]), sample(12.5, 1.2, [])]  # fmt: skip
+    trace = fid.speed_trace(samples, path, window=4.0)
+    assert trace["t_s"] == [0.0, 4.0, 8.0, 12.0]
+    assert trace["factor"] == pytest.approx([1.5, 0.8, 0.8, 1.2], abs=1e-4)
+    del samples[1]["shapes"]
+    assert fid.speed_trace(samples, path, window=4.0) is None
