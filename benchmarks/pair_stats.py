@@ -12,8 +12,10 @@ copied from ``--base``, plus the agreement by output position.
 
 With ``--position-only`` it keeps every field of ``--base`` and adds only the agreement by
 32-token block of the continuation (``agreement_by_position``, over ``--new-tokens``
-tokens), which the simulator's acceptance model follows along each request's output;
-the shipped file's was written this way:
+tokens), which the simulator's acceptance model follows along each request's output,
+and the agreement right after a miss over the base's own span
+(``agreement_after_miss``), which its regime chain is fitted to; the shipped file's were
+written this way:
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pair_stats.py --out /tmp/stats128.json
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pair_stats.py --position-only \
@@ -61,8 +63,11 @@ def main() -> None:
     pair = stats.pair_stats(target, draft, prompts, args.new_tokens)
     base = json.loads(Path(args.base).read_text())
     if args.position_only:
+        span = int(base.get("new_tokens") or args.new_tokens)  # the per-depth stats' span
+        short = stats.pair_stats(target, draft, prompts, span) if span != args.new_tokens else pair
         out = {
             **base,
+            "agreement_after_miss": short["agreement_after_miss"],
             "agreement_by_position": pair["agreement_by_position"],
             "position_tokens": args.new_tokens,
             "position_source": f"benchmarks/pair_stats.py --position-only, {args.new_tokens} "

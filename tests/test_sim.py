@@ -161,6 +161,40 @@ def test_chain_acceptance_reproduces_the_pair_statistics():
     assert tb.q[:, 1].mean() == pytest.approx(chain[0], abs=0.01)
 
 
+def test_regimes_fit_the_agreement_after_a_miss_when_it_is_measured():
+    """The shipped pair agrees 0.757 right after a miss (0.784 overall): fitted to the
+    chains alone the regime chain says 0.70, fitted to both it says what was measured
+    and still reproduces the chains."""
+    from dataclasses import replace
+
+    from adaserve import paths
+    from adaserve.sim.acceptance import _after_miss, fit_regimes
+
+    p = AcceptanceParams.from_stats(paths.DEFAULT_STATS)
+    assert p.after_miss == pytest.approx(0.757, abs=0.001)
+    chains_only = fit_regimes(p.chain)
+    both = fit_regimes(p.chain, p.after_miss)
+    assert _after_miss(*chains_only.p, *chains_only.stay) < 0.72
+    assert _after_miss(*both.p, *both.stay) == pytest.approx(p.after_miss, abs=0.005)
+    assert np.allclose(both.chain(8), p.chain, atol=0.015)
+    assert AcceptanceModel(p).regimes == both
+    assert AcceptanceModel(replace(p, after_miss=0.0)).regimes == chains_only
+    # the grown trees show it: top-1 acceptance right after a rejected draft
+    m = AcceptanceModel(replace(p, position_shift=()))
+    rng = np.random.default_rng(7)
+    n = 20_000
+    states = m.advance(np.full(n, -1), np.zeros(n), rng)
+    tb = m.grow(2, 1, n, rng, states)
+    first, second = tb.target_path[:, 0] >= 0, tb.target_path[:, 1] >= 0
+    # a chain stops at its first miss, so regrow from the regime at the missed position
+    missed = ~first
+    again = m.grow(1, 1, int(missed.sum()), rng, tb.regimes[missed, 0])
+    assert (again.target_path[:, 0] >= 0).mean() == pytest.approx(p.after_miss, abs=0.02)
+    assert second[first].mean() > (again.target_path[:, 0] >= 0).mean()
+    with pytest.raises(ValueError, match="after a miss"):
+        replace(p, after_miss=1.0)
+
+
 def test_regime_persistence_lowers_acceptance_after_a_rejection():
     # teacher-forced chain statistics of the shipped pair on held-out code: the rising
     # conditional acceptance (0.80, 0.85, 0.90, ...) is persistence of easy stretches
@@ -528,7 +562,9 @@ def test_request_spread_gives_requests_persistent_difficulty():
 
     from adaserve import paths
 
-    base = AcceptanceParams.from_stats(paths.DEFAULT_STATS)
+    # the chain fitted to the per-depth statistics alone (regimes lasting ~20 tokens)
+    shipped = AcceptanceParams.from_stats(paths.DEFAULT_STATS)
+    base = replace(shipped, after_miss=0.0, position_shift=())
     assert AcceptanceModel(base).request_shares(5, np.random.default_rng(0)) is None
     with pytest.raises(ValueError, match="request spread"):
         replace(base, request_spread=1.0)
@@ -549,6 +585,11 @@ def test_request_spread_gives_requests_persistent_difficulty():
     alike, spread = per_request_acceptance(0.0), per_request_acceptance(0.8)
     assert spread.std() > 1.8 * alike.std()
     assert spread.mean() == pytest.approx(alike.mean(), rel=0.08)
+    # fitted to the agreement after a miss as well, the regimes last most of a request:
+    # requests differ persistently without any spread drawn
+    base = replace(shipped, position_shift=())
+    assert per_request_acceptance(0.0).std() > 1.5 * alike.std()
+    base = replace(shipped, after_miss=0.0, position_shift=())
     shares = AcceptanceModel(replace(base, request_spread=0.8)).request_shares(
         4000, np.random.default_rng(2)
     )

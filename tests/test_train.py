@@ -85,6 +85,12 @@ def test_smoke_run_writes_loadable_pair(smoke_pair):
     assert len(by_pos) == len(sizes)
     mean = sum(a * s for a, s in zip(by_pos, sizes)) / n
     assert mean == pytest.approx(stats_file["greedy_agreement"], abs=1e-6)
+    # agreement after a miss = (P(agree) - P(agree twice in a row)) / P(miss), up to the
+    # edges of the continuations
+    g, two = stats_file["greedy_agreement"], stats_file["acceptance_by_depth"][1]
+    if g < 0.95:
+        expect = (g - two) / (1.0 - g)
+        assert stats_file["agreement_after_miss"] == pytest.approx(expect, abs=4.0 / n)
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
     for role in ("target", "draft"):
         d = smoke_pair / role

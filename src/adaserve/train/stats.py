@@ -111,6 +111,9 @@ def pair_stats(
     expected = 1.0 + sum(by_depth)
     # top-1 agreement per 32-token block of the continuation (it drifts along it)
     by_pos = [match[:, i : i + 32].float().mean().item() for i in range(0, new_tokens, 32)]
+    # agreement right after a miss: how persistent the draft's bad stretches are
+    missed = ~match[:, :-1]
+    after_miss = (match[:, 1:] & missed).sum().item() / max(missed.sum().item(), 1)
     return {
         "num_prompts": R,
         "prompt_tokens": P,
@@ -120,6 +123,7 @@ def pair_stats(
         "acceptance_by_depth": by_depth,
         "expected_tokens_per_chain_step": expected,
         "agreement_by_position": by_pos,
+        "agreement_after_miss": after_miss,
     }
 
 
