@@ -223,6 +223,8 @@ def _speed_traces(path) -> dict:
     except (OSError, ValueError) as e:
         raise AdaServeError(f"--speed-trace: cannot read {path}: {e}") from None
 
+    from adaserve.sim.loop import SimConfig
+
     def one(d, where: str) -> tuple[tuple[float, float], ...]:
         try:
             ts, fs = d["t_s"], d["factor"]
@@ -231,11 +233,12 @@ def _speed_traces(path) -> dict:
             raise AdaServeError(
                 f"--speed-trace {path}: {where} needs equally long 't_s' and 'factor' lists"
             ) from None
-        ok = all(math.isfinite(t) and math.isfinite(f) and f > 0 for t, f in pts)
-        if not pts or not ok or [t for t, _ in pts] != sorted(t for t, _ in pts):
-            raise AdaServeError(
-                f"--speed-trace {path}: {where}: times ascending, factors finite and positive"
-            )
+        try:
+            if not pts:
+                raise ValueError("speed trace: no points")
+            SimConfig(speed_trace=pts)  # its checks
+        except ValueError as e:
+            raise AdaServeError(f"--speed-trace {path}: {where}: {e}") from None
         return pts
 
     if isinstance(data, dict) and isinstance(data.get("policies"), dict):
