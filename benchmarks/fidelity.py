@@ -42,6 +42,7 @@ from pathlib import Path
 from adaserve import paths
 
 ROOT = Path(__file__).resolve().parent.parent
+MEASURED = ("--selection-time", "measured")  # the policy's decision time, as the engine pays it
 
 
 def _run(cmd: list[str], log: Path) -> None:
@@ -58,6 +59,25 @@ def _run(cmd: list[str], log: Path) -> None:
 
 def _results(path: Path) -> dict:
     return json.loads((path / "result.json").read_text())["results"]
+
+
+def _workload(a: dict) -> list[str]:
+    """The comparison workload's bench options, from a run's arguments (``vars(args)``)."""
+    return [
+        "--kv-cache-bytes", a["kv_cache_bytes"],
+        "--request-rate", str(a["request_rate"]),
+        "--duration", str(a["duration"]),
+        "--seed", str(a["seed"]),
+        "--policies", a["policies"],
+        "--no-plots", "--no-progress",
+    ]  # fmt: skip
+
+
+def _simulate(args, log, exe, common, fitted: Path, dest: Path, *extra: str) -> dict:
+    """``adaserve simulate`` of the workload with a fitted profile; its results."""
+    _run([*exe, "simulate", "--profile", str(fitted), "--stats", args.stats, *extra,
+          *common, *args.sim_args.split(), "--out", str(dest)], log)  # fmt: skip
+    return _results(dest)
 
 
 def _sample_ms(hw, host, smp: dict) -> float | None:
@@ -263,14 +283,7 @@ def main() -> None:
     profile = Path(args.profile) if args.profile else out / "profile.json"
     if not args.profile:
         _run([*exe, "profile", "--out", str(profile), "--reps", "7"], log)
-    common = [
-        "--kv-cache-bytes", args.kv_cache_bytes,
-        "--request-rate", str(args.request_rate),
-        "--duration", str(args.duration),
-        "--seed", str(args.seed),
-        "--policies", args.policies,
-        "--no-plots", "--no-progress",
-    ]  # fmt: skip
+    common = _workload(vars(args))
 
     def fit(k: int) -> Path:
         fitted = out / f"fit{k}-profile.json"
@@ -298,10 +311,7 @@ def main() -> None:
         real.append(_results(out / f"round{k}-real"))
         for side, fitted in (("before", before), ("after", after)):
             dest = out / f"round{k}-sim-{side}"
-            _run([*exe, "simulate", "--profile", str(fitted), "--stats", args.stats,
-                  "--selection-time", "measured", *common, *args.sim_args.split(),
-                  "--out", str(dest)], log)  # fmt: skip
-            sim.append(_results(dest))
+            sim.append(_simulate(args, log, exe, common, fitted, dest, *MEASURED))
             cond += conditioned(args, log, exe, common, out / f"round{k}-real", fitted, dest)
         print(
             f"round {k}: speed factor {speeds[-2]:.3f} before, {speeds[-1]:.3f} after", flush=True
@@ -318,10 +328,8 @@ def conditioned(args, log, exe, common, real_dir: Path, fitted: Path, dest: Path
     if not write_traces(real_dir, fitted, trace, args.window):
         return []
     cdest = dest.parent / f"{dest.name}-cond"
-    _run([*exe, "simulate", "--profile", str(fitted), "--stats", args.stats,
-          "--selection-time", "none", "--speed-trace", str(trace), *common,
-          *args.sim_args.split(), "--out", str(cdest)], log)  # fmt: skip
-    return [(_results(real_dir), _results(cdest))]
+    extra = ("--selection-time", "none", "--speed-trace", str(trace))
+    return [(_results(real_dir), _simulate(args, log, exe, common, fitted, cdest, *extra))]
 
 
 def finish(
@@ -375,24 +383,14 @@ def resimulate(args, out: Path, log: Path, exe: list[str]) -> None:
     rounds = 0
     for n, run in enumerate(Path(d) for d in args.reuse.split(",")):
         old = json.loads((run / "fidelity.json").read_text())["args"]
-        common = [
-            "--kv-cache-bytes", old["kv_cache_bytes"],
-            "--request-rate", str(old["request_rate"]),
-            "--duration", str(old["duration"]),
-            "--seed", str(old["seed"]),
-            "--policies", old["policies"],
-            "--no-plots", "--no-progress",
-        ]  # fmt: skip
+        common = _workload(old)
         runs.append(f"{run} ({old['policies']})")
         for k, (real_dir, fits) in enumerate(stored_rounds(run), 1):
             for j, fitted in enumerate(fits):
                 real.append(_results(real_dir))  # once per simulation: rounds weigh alike
                 speeds.append(json.loads(fitted.read_text())["speed_factor"])
                 dest = out / f"run{n + 1}-round{k}-sim{j + 1}"
-                _run([*exe, "simulate", "--profile", str(fitted), "--stats", args.stats,
-                      "--selection-time", "measured", *common, *args.sim_args.split(),
-                      "--out", str(dest)], log)  # fmt: skip
-                sim.append(_results(dest))
+                sim.append(_simulate(args, log, exe, common, fitted, dest, *MEASURED))
                 cond += conditioned(args, log, exe, common, real_dir, fitted, dest)
         rounds += k
         print(f"{run}: {k} rounds re-simulated", flush=True)
