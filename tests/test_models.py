@@ -139,3 +139,34 @@ def test_sharded_checkpoint_loads(tmp_path):
     a, b = load_model(tmp_path / "full"), load_model(tmp_path / "sharded")
     ids = torch.arange(20).unsqueeze(0)
     assert torch.equal(a.forward_dense(ids), b.forward_dense(ids))
+
+
+def test_folded_grouped_query_attention_equals_the_native_kernel():
+    """The CUDA layout (query heads folded into rows, no GQA flag) computes the same
+    attention as the kernel's own GQA, over padded groups of trees, decodes and a
+    prefill chunk."""
+    import numpy as np
+
+    from adaserve.models.attention import paged_attention
+
+    torch.manual_seed(1)
+    H, Hkv, D, slots = 8, 2, 16, 512
+    k_cache, v_cache = torch.randn(slots, Hkv, D), torch.randn(slots, Hkv, D)
+    tree = np.array([0, 0, 0, 1, 2])
+    specs, base = [], 0
+    for ctx, q, mask in ((40, 48, None), (9, 5, ancestor_mask(tree)), (20, 3, None), (7, 1, None)):
+        specs.append(
+            SeqSpec(
+                list(range(base, base + ctx)),
+                list(range(base + ctx, base + ctx + q)),
+                list(range(ctx, ctx + q)),
+                new_mask=mask,
+            )
+        )
+        base += ctx + q
+    meta = AttnMetadata.build(specs, torch.device("cpu"))
+    assert any(g.valid.numel() < g.tok_idx.numel() for g in meta.groups)  # padded rows
+    q = torch.randn(sum(len(s.new_slots) for s in specs), H, D)
+    native = paged_attention(q, k_cache, v_cache, meta.groups, D**-0.5, fold=False)
+    folded = paged_attention(q, k_cache, v_cache, meta.groups, D**-0.5, fold=True)
+    assert (native - folded).abs().max().item() <= 1e-5

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import sys
+from pathlib import Path
 
 from adaserve.errors import AdaServeError
 
@@ -78,26 +79,81 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _shape_dirs(shapes: str, root) -> tuple[str, str | None, dict]:
+    """Config-only checkpoint directories under ``root`` for ``TARGET[:DRAFT]``, named
+    as the simulator's model table names them; returns (target dir, draft dir, names)."""
+    from pathlib import Path
+
+    from adaserve.sim import presets
+
+    names = [n.strip() for n in shapes.split(":")]
+    if len(names) > 2 or not all(names):
+        raise AdaServeError("--shapes takes TARGET or TARGET:DRAFT")
+    dirs = []
+    for n in names:
+        try:
+            spec = presets.MODELS[presets.lookup(presets.MODELS, n, "model shape")]
+        except ValueError as e:
+            raise AdaServeError(str(e)) from None
+        d = Path(root) / spec.name
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(spec.hf_config(), indent=1))
+        dirs.append(str(d))
+    shape = {"target": Path(dirs[0]).name, "draft": Path(dirs[1]).name if len(dirs) > 1 else None}
+    return dirs[0], dirs[1] if len(dirs) > 1 else None, shape
+
+
+def _profile_kv_bytes(model: str | None, draft: str | None, dtype: str) -> int:
+    """KV pool for profiling: 4,096 token slots of the pair (at least 64 MiB), room for
+    the step and draft-host measurements whatever the models' size."""
+    from adaserve import paths
+    from adaserve.models.config import ModelConfig
+    from adaserve.models.loader import resolve_dtype
+
+    esize = resolve_dtype(dtype).itemsize
+    per_slot = ModelConfig.from_dir(model or paths.DEFAULT_TARGET).kv_bytes_per_token(esize)
+    d = draft or (paths.DEFAULT_DRAFT if model is None else None)
+    if d is not None and Path(d).is_dir():
+        per_slot += ModelConfig.from_dir(d).kv_bytes_per_token(esize)
+    return max(64 << 20, 4096 * per_slot)
+
+
 def _cmd_profile(args) -> int:
+    import tempfile
     from pathlib import Path
 
     from adaserve.config import EngineConfig
     from adaserve.engine import Engine
     from adaserve.profile import profile_engine
 
-    eng = Engine(
-        EngineConfig(
-            model=args.model,
-            draft=args.draft,
-            no_draft=args.no_draft,
-            policy="ar",
-            device=args.device,
-            dtype=args.dtype,
-            auto_profile=False,
-            kv_cache_bytes=64 << 20,
+    model, draft, no_draft, shapes = args.model, args.draft, args.no_draft, None
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.shapes:
+            if args.model or args.draft:
+                raise AdaServeError("give --shapes or --model/--draft, not both")
+            model, draft, shapes = _shape_dirs(args.shapes, tmp)
+            no_draft = no_draft or draft is None
+        eng = Engine(
+            EngineConfig(
+                model=model,
+                draft=draft,
+                no_draft=no_draft,
+                policy="ar",
+                device=args.device,
+                dtype=args.dtype,
+                auto_profile=False,
+                kv_cache_bytes=_profile_kv_bytes(model, None if no_draft else draft, args.dtype),
+                random_weights=args.random_weights or shapes is not None,
+            )
         )
-    )
-    prof = profile_engine(eng, reps=args.reps)
+        prof = profile_engine(eng, reps=args.reps)
+    if shapes is not None:
+        prof["shapes"] = shapes
+        prof["target"]["path"] = None
+        if prof["draft"] is not None:
+            prof["draft"]["path"] = None
+    if args.random_weights or shapes is not None:
+        prof["random_weights"] = True
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(prof, indent=1) + "\n")
     v = prof["verify"]
@@ -150,6 +206,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(pr)
     pr.add_argument("--out", required=True, help="profile JSON file to write")
     pr.add_argument("--reps", type=int, default=5)
+    pr.add_argument(
+        "--shapes",
+        metavar="TARGET[:DRAFT]",
+        help="profile random-weight models of these shapes (the simulator's model table: "
+        "e.g. Llama-3.1-8B:Llama-3.2-1B) instead of checkpoints",
+    )
+    pr.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="--model/--draft directories need only config.json; weights are random",
+    )
     pr.set_defaults(func=_cmd_profile)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

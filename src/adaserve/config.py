@@ -18,6 +18,8 @@ class EngineConfig:
                          capped at 4 GiB)
     max_prefill_tokens:  prefill chunk budget per iteration
     draft_sample:        sampled drafts (q-based verification) for non-greedy requests
+    random_weights:      model directories need only config.json; weights are random
+                         (profiling model shapes without their checkpoints)
     """
 
     model: str | None = None
@@ -39,6 +41,7 @@ class EngineConfig:
     admission: bool = False  # shed requests under overload (the server turns it on)
     max_waiting: int = 1024
     selection_log: str | None = None
+    random_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

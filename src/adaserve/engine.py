@@ -97,8 +97,9 @@ class Engine:
             raise ModelLoadError("device 'cuda' requested but CUDA is not available")
         self.dtype = resolve_dtype(cfg.dtype)
         self.model_dir = model_dir
-        self.target = load_model(model_dir, self.device, self.dtype)
-        self.draft = load_model(draft_dir, self.device, self.dtype) if draft_dir else None
+        rnd = cfg.random_weights
+        self.target = load_model(model_dir, self.device, self.dtype, rnd)
+        self.draft = load_model(draft_dir, self.device, self.dtype, rnd) if draft_dir else None
         self.draft_dir = draft_dir
         if self.draft is not None and self.draft.cfg.vocab_size != self.target.cfg.vocab_size:
             raise ModelLoadError(

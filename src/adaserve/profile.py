@@ -128,6 +128,7 @@ def measure(
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "machine": f"{platform.machine()} {platform.processor()} threads={torch.get_num_threads()}",
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "target": {"params": target.cfg.num_parameters()},
         "draft": None,

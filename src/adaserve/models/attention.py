@@ -31,7 +31,7 @@ class AttnGroup:
     tok_idx:   [R, Q] long, flat token index of each (request, query row); pad rows -> 0
     ctx_slots: [R, L] long, cache slot of each context position; pad -> 0
     mask:      [R, 1, Q, L] bool, True where the query may attend
-    valid:     [R*Q] bool, which padded query rows are real tokens
+    valid:     [n_valid] long, which padded query rows (of R*Q) are real tokens
     out_idx:   [n_valid] long, flat token index of each real row (in row-major order)
     """
 
@@ -136,7 +136,7 @@ def _make_group(
         tok_idx=torch.from_numpy(tok_idx).to(device),
         ctx_slots=torch.from_numpy(ctx).to(device),
         mask=torch.from_numpy(mask).unsqueeze(1).to(device),
-        valid=torch.from_numpy(valid).to(device),
+        valid=torch.from_numpy(np.flatnonzero(valid)).to(device),
         out_idx=torch.from_numpy(out_idx).to(device),
     )
 
@@ -160,17 +160,21 @@ def paged_attention(
     v_cache: torch.Tensor,
     groups: list[AttnGroup],
     scale: float,
+    fold: bool | None = None,
 ) -> torch.Tensor:
     """Attention of the batch's queries over their paged contexts.
 
     q:        [T, n_heads, head_dim]
     k_cache:  [num_slots, n_kv_heads, head_dim] (new tokens already written)
     v_cache:  [num_slots, n_kv_heads, head_dim]
+    fold:     fold grouped query heads into query rows for every group, not only for
+              decodes (default: on CUDA, whose fast mask-taking kernel lacks GQA)
     returns   [T, n_heads, head_dim]
     """
     T, H, D = q.shape
     Hkv = k_cache.shape[1]
-    G = H // Hkv
+    if fold is None:
+        fold = q.is_cuda
     out = torch.empty_like(q)
     for g in groups:
         R, Q = g.tok_idx.shape
@@ -179,22 +183,33 @@ def paged_attention(
         flat = g.ctx_slots.reshape(-1)
         kg = k_cache.index_select(0, flat).view(R, L, Hkv, D).transpose(1, 2)  # [R, Hkv, L, D]
         vg = v_cache.index_select(0, flat).view(R, L, Hkv, D).transpose(1, 2)
-        qg = q[g.tok_idx]  # [R, Q, H, D]
-        if G > 1 and Q == 1:
-            # decode: the G query heads sharing a KV head become G query rows of that
-            # head, so the kernel reads each KV row once instead of once per query head
-            qg = qg.view(R, Hkv, G, D)  # [R, Hkv, G, D]
-            o = F.scaled_dot_product_attention(
-                qg, kg, vg, attn_mask=g.mask.expand(R, 1, G, L), scale=scale
-            )  # [R, Hkv, G, D]
-            o = o.reshape(R, H, D)
-        else:
-            o = F.scaled_dot_product_attention(
-                qg.transpose(1, 2), kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=G > 1
-            )  # [R, H, Q, D]
-            o = o.transpose(1, 2).reshape(R * Q, H, D)
-        if o.shape[0] == g.out_idx.shape[0]:
-            out[g.out_idx] = o
-        else:
-            out[g.out_idx] = o[g.valid]
+        o = _attend(q[g.tok_idx], kg, vg, g.mask, scale, fold)  # [R*Q, H, D]
+        if o.shape[0] != g.out_idx.shape[0]:
+            o = o.index_select(0, g.valid)  # index, not a bool mask: no device sync
+        out[g.out_idx] = o
     return out
+
+
+def _attend(
+    qg: torch.Tensor,
+    kg: torch.Tensor,
+    vg: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    fold: bool,
+) -> torch.Tensor:
+    """qg: [R, Q, H, D]; kg, vg: [R, Hkv, L, D]; mask: [R, 1, Q, L] -> [R*Q, H, D]."""
+    R, Q, H, D = qg.shape
+    Hkv, L = kg.shape[1], kg.shape[2]
+    G = H // Hkv
+    if G > 1 and (Q == 1 or fold):
+        # the G query heads sharing a KV head become G*Q query rows of that head (head
+        # h = kv_head * G + g): the kernel reads each KV row once, and needs no GQA
+        qf = qg.view(R, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, G * Q, D)
+        mf = mask.unsqueeze(2).expand(R, 1, G, Q, L).reshape(R, 1, G * Q, L)
+        o = F.scaled_dot_product_attention(qf, kg, vg, attn_mask=mf, scale=scale)
+        return o.view(R, Hkv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(R * Q, H, D)
+    o = F.scaled_dot_product_attention(
+        qg.transpose(1, 2), kg, vg, attn_mask=mask, scale=scale, enable_gqa=G > 1
+    )  # [R, H, Q, D]
+    return o.transpose(1, 2).reshape(R * Q, H, D)

@@ -13,6 +13,7 @@ splits them back into Hugging Face names.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -120,6 +121,21 @@ class DecoderLayer(nn.Module):
         return x + self._mlp(self.post_attention_layernorm(x))
 
 
+def _gpu_attention_backends(cuda: bool):
+    """On CUDA, attention runs without the cuDNN backend, which PyTorch picks for bf16
+    and which plans a graph for every new shape: on an H200 it cost 2-6 ms of host time
+    per call (the context length changes every step), 70 ms per decode step of an
+    8B-shaped model (benchmarks/gpu_step_profile.py). Flash, memory-efficient and math
+    kernels remain. A no-op on CPU."""
+    if not cuda:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    )
+
+
 class LlamaModel(nn.Module):
     """Decoder-only transformer; parameter names follow HF except the fused projections."""
 
@@ -149,8 +165,9 @@ class LlamaModel(nn.Module):
         """input_ids: [T]; kv: per layer (k_cache, v_cache) -> hidden [T, hidden] (final-normed)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self._cos_sin(meta.positions, x.dtype)
-        for layer, (kc, vc) in zip(self.layers, kv):
-            x = layer.forward_paged(x, cos, sin, meta, kc, vc)
+        with _gpu_attention_backends(x.is_cuda):
+            for layer, (kc, vc) in zip(self.layers, kv):
+                x = layer.forward_paged(x, cos, sin, meta, kc, vc)
         return self.norm(x)
 
     def transpose_weights(self) -> None:

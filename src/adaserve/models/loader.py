@@ -53,25 +53,47 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(
-    path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32"
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "float32",
+    random_weights: bool = False,
 ) -> LlamaModel:
-    """Build the model of a checkpoint directory and load its weights (eval mode)."""
+    """Build the model of a checkpoint directory and load its weights (eval mode).
+
+    ``random_weights``: the directory needs only ``config.json``; weights are drawn at
+    random on ``device`` (for timing: a forward's cost does not depend on their values,
+    so an 8B-shaped model can be profiled without its 16 GB download)."""
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"model directory {path} does not exist")
     cfg = ModelConfig.from_dir(path)
-    tensors = read_safetensors(path)
+    tensors = None if random_weights else read_safetensors(path)
     torch_dtype = resolve_dtype(dtype)
     with torch.device("meta"):
-        model = LlamaModel(cfg)
-    model = model.to_empty(device=device).to(torch_dtype)
+        model = LlamaModel(cfg).to(torch_dtype)
+    model = model.to_empty(device=device)  # allocated once, in the final dtype
     model.inv_freq = _fresh_inv_freq(cfg, device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_hf_state_dict(tensors)
+    if tensors is None:
+        _randomize(model)
+    else:
+        model.load_hf_state_dict(tensors)
     if torch.device(device).type == "cpu":
         model.transpose_weights()
     return model.eval().requires_grad_(False)
+
+
+def _randomize(model: LlamaModel, std: float = 0.02) -> None:
+    """Initialise in place as a fresh Llama is: N(0, std) matrices, unit norms, zero biases."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std)
 
 
 def _fresh_inv_freq(cfg: ModelConfig, device) -> torch.Tensor:

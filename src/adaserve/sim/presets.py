@@ -3,7 +3,8 @@
 GPUs (SXM parts, dense bf16 tensor-core peak, HBM bandwidth, memory, NVLink per
 direction): ``A100-80GB``, ``H100``, ``H200``. Pairs: ``llama-70b`` (Llama-3.1-70B,
 Llama-3.2-1B as draft, 4 GPUs) and ``qwen-32b`` (Qwen2.5-32B, Qwen2.5-0.5B, 2 GPUs), the
-reference experiment's two set-ups. Architecture numbers are those of the published
+reference experiment's two set-ups, and ``llama-8b`` (Llama-3.1-8B, Llama-3.2-1B, 1 GPU),
+the shapes of the measured H200 profile (``adaserve profile --shapes``). Architecture numbers are those of the published
 ``config.json`` files.
 """
 
@@ -21,6 +22,7 @@ GPUS: dict[str, GPUSpec] = {
 }
 
 MODELS: dict[str, ModelSpec] = {
+    "Llama-3.1-8B": ModelSpec("Llama-3.1-8B", 32, 4096, 32, 8, 14336, 128256),
     "Llama-3.1-70B": ModelSpec("Llama-3.1-70B", 80, 8192, 64, 8, 28672, 128256),
     "Llama-3.2-1B": ModelSpec(
         "Llama-3.2-1B", 16, 2048, 32, 8, 8192, 128256, head_dim=64, tie_embeddings=True
@@ -35,6 +37,7 @@ MODELS: dict[str, ModelSpec] = {
 PAIRS: dict[str, tuple[str, str, int]] = {
     "llama-70b": ("Llama-3.1-70B", "Llama-3.2-1B", 4),
     "qwen-32b": ("Qwen2.5-32B", "Qwen2.5-0.5B", 2),
+    "llama-8b": ("Llama-3.1-8B", "Llama-3.2-1B", 1),
 }
 
 DEFAULT_PAIR = "llama-70b"
@@ -55,7 +58,7 @@ def preset_names() -> list[str]:
     return [f"{g}:{p}" for g in GPUS for p in PAIRS]
 
 
-def _lookup(table: dict, name: str, what: str):
+def lookup(table: dict, name: str, what: str):
     for k in table:
         if k.lower() == name.strip().lower():
             return k
@@ -65,8 +68,8 @@ def _lookup(table: dict, name: str, what: str):
 def deployment(name: str, framework: Framework | None = None) -> Deployment:
     """The deployment ``GPU[:PAIR]`` (pair defaults to ``llama-70b``)."""
     gpu, _, pair = name.partition(":")
-    g = _lookup(GPUS, gpu, "GPU")
-    p = _lookup(PAIRS, pair or DEFAULT_PAIR, "model pair")
+    g = lookup(GPUS, gpu, "GPU")
+    p = lookup(PAIRS, pair or DEFAULT_PAIR, "model pair")
     target, draft, tp = PAIRS[p]
     return Deployment(
         gpu=GPUS[g],

@@ -119,6 +119,27 @@ class ModelSpec:
     def flops_per_token(self) -> float:
         return 2.0 * self.compute_params
 
+    def hf_config(self) -> dict:
+        """A Hugging Face ``config.json`` of this shape (Qwen2 when the name says Qwen,
+        else Llama), for loading it with random weights (``adaserve profile --shapes``)."""
+        qwen = "qwen" in self.name.lower()
+        return {
+            "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+            "model_type": "qwen2" if qwen else "llama",
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.hd,
+            "vocab_size": self.vocab,
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1e6 if qwen else 5e5,
+            "attention_bias": self.qkv_bias,
+            "tie_word_embeddings": self.tie_embeddings,
+        }
+
 
 @dataclass(frozen=True)
 class Framework:
