@@ -84,3 +84,40 @@ def test_bfloat16_runs(tiny_pair):
     assert len(out.token_ids) == 5
     assert llm.engine.kv_target.layers[0][0].dtype.is_floating_point
     assert str(llm.engine.kv_target.layers[0][0].dtype) == "torch.bfloat16"
+
+
+def test_profile_of_random_weight_shapes_needs_only_configs(tmp_path):
+    """``adaserve profile --random-weights`` times models given by config.json alone (how
+    an 8B-shaped pair is profiled on a GPU without its checkpoints); ``--shapes`` names
+    the simulator's model table, and bad names or mixed options are one-line errors."""
+    from adaserve.sim.roofline import ModelSpec
+
+    dirs = {}
+    specs = {
+        "t": ModelSpec("tiny-t", 2, 64, 4, 2, 128, 512),
+        "d": ModelSpec("tiny-d", 1, 32, 4, 2, 64, 512, tie_embeddings=True),
+    }
+    for name, spec in specs.items():
+        dirs[name] = tmp_path / name
+        dirs[name].mkdir()
+        (dirs[name] / "config.json").write_text(json.dumps(spec.hf_config()))
+    r = adaserve(
+        "generate", "--model", str(dirs["t"]), "--no-draft", "--prompt", "1", "--token-ids"
+    )
+    assert r.returncode == 2 and "safetensors" in r.stderr
+    out = tmp_path / "p.json"
+    r = adaserve(
+        "profile", "--model", str(dirs["t"]), "--draft", str(dirs["d"]), "--random-weights",
+        "--reps", "1", "--out", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    prof = json.loads(out.read_text())
+    assert prof["random_weights"] is True and prof["gpu"] is None
+    assert prof["target"]["params"] == specs["t"].params
+    assert len(prof["draft_step"]["latency_ms"]) == len(prof["draft_step"]["tokens"])
+    assert all(ms > 0 for ms in prof["verify"]["latency_ms"])
+    for bad, msg in (("Llama-9B", "unknown model shape"), ("a:b:c", "TARGET:DRAFT")):
+        r = adaserve("profile", "--shapes", bad, "--out", str(tmp_path / "x.json"))
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr
+    r = adaserve("profile", "--shapes", "Llama-3.2-1B", "--model", str(dirs["t"]), "--out", "x")
+    assert r.returncode == 2 and "not both" in r.stderr

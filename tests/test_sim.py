@@ -53,7 +53,7 @@ def test_a100_70b_preset_is_near_the_reference_profile():
     assert 20.0 < hw.unloaded_tpot_ms() < 35.0
 
 
-@pytest.mark.parametrize("name", presets.preset_names())
+@pytest.mark.parametrize("name", presets.preset_names(measured=False))
 def test_presets_are_monotone_and_fit_in_memory(name):
     dep = presets.deployment(name)
     grid = np.array([1, 16, 128, 512, 2048])
@@ -658,3 +658,41 @@ def test_confidence_tables_keep_the_beta_mean_and_spread(mu):
     assert q.mean() == pytest.approx(mu, abs=1e-9)
     if mu < 0.99:  # beyond, the spread lies in a tail rarer than one quantile step
         assert q.var() == pytest.approx(mu * (1 - mu) / (k + 1), rel=0.05)
+
+
+def test_model_table_shapes_load_as_checkpoint_configs():
+    """``ModelSpec.hf_config`` (what ``adaserve profile --shapes`` loads) is the same
+    architecture: parameter count and KV size agree with the roofline's."""
+    from adaserve.models.config import ModelConfig
+
+    for spec in presets.MODELS.values():
+        cfg = ModelConfig.from_dict(spec.hf_config())
+        assert cfg.num_parameters() == spec.params, spec.name
+        assert cfg.kv_bytes_per_token(2) == spec.kv_bytes_per_token, spec.name
+        assert cfg.architecture == (
+            "Qwen2ForCausalLM" if "Qwen" in spec.name else "LlamaForCausalLM"
+        )
+
+
+def test_measured_preset_runs_on_the_shipped_gpu_profile(tmp_path, capsys):
+    """``--preset H200:llama-8b:measured``: the engine's measured H200 latencies with the
+    roofline deployment's memory and classes; the comparison with the roofline is kept."""
+    dep_name, prof = presets.measured_profile("H200:llama-8b:measured")
+    assert dep_name == "H200:llama-8b" and prof["shapes"]["target"] == "Llama-3.1-8B"
+    rows = presets.compare_with_profile(presets.deployment(dep_name), prof)
+    assert [r["tokens"] for r in rows] == [*prof["verify"]["tokens"], "draft step"]
+    for r in rows:
+        assert r["error"] == pytest.approx(r["roofline_ms"] / r["measured_ms"] - 1)
+    out = tmp_path / "m"
+    args = ["--preset", "H200:llama-8b:measured", "--duration", "4", "--request-rate", "8"]
+    assert _cli([*args, "--dataset", "random", "--policies", "adaserve,ar", "--out", str(out)]) == 0
+    res = json.loads((out / "result.json").read_text())
+    assert res["config"]["hardware"] == "measured"
+    assert res["config"]["preset"] == "H200:llama-8b:measured"
+    assert "measured H200:llama-8b:measured" in capsys.readouterr().err
+    tpot = [r["tpot_ms"] for r in _records(out) if r["policy"] == "ar" and r.get("tpot_ms")]
+    assert min(tpot) >= prof["verify"]["latency_ms"][0]  # the measured pass, not 4.6 ms
+    assert _cli(["--preset", "H100:llama-8b:measured", "--out", str(tmp_path / "x")]) == 2
+    assert "no measured profile" in capsys.readouterr().err
+    assert _cli(["--list-presets"]) == 0
+    assert "H200:llama-8b:measured" in capsys.readouterr().out

@@ -145,14 +145,20 @@ def hardware_from_args(args):
         }
         return hw, info, None
     name = args.preset or f"A100-80GB:{presets.DEFAULT_PAIR}"
+    measured = None
     try:
-        dep = presets.deployment(name)
-        hw = dep.hardware_model()
+        if presets.is_measured(name):
+            base, measured = presets.measured_profile(name)
+            dep = presets.deployment(base)
+            hw = HardwareModel.from_dict(measured, source=f"measured:{base}")
+        else:
+            dep = presets.deployment(name)
+            hw = dep.hardware_model()
     except ValueError as e:
         raise AdaServeError(str(e)) from None
     info = {
-        "hardware": "roofline",
-        "preset": dep.name,
+        "hardware": "roofline" if measured is None else "measured",
+        "preset": dep.name + ("" if measured is None else presets.MEASURED_SUFFIX),
         "gpu": dep.gpu.name,
         "tp": dep.tp,
         "target": dep.target.name,
@@ -163,6 +169,9 @@ def hardware_from_args(args):
     }
     if dep.target.name == "Llama-3.1-70B":
         info["roofline_vs_paper"] = presets.compare_with_paper(dep)
+    if measured is not None:
+        info["roofline_vs_measured"] = presets.compare_with_profile(dep, measured)
+        info["device"] = measured.get("gpu") or measured.get("device")
     return hw, info, dep
 
 
@@ -449,7 +458,7 @@ def _with_backend(fn, args, backend) -> int:
 def _print_presets() -> None:
     from adaserve.sim import presets
 
-    for name in presets.preset_names():
+    for name in presets.preset_names(measured=False):
         dep = presets.deployment(name)
         hw = dep.hardware_model()
         print(
@@ -466,6 +475,18 @@ def _print_presets() -> None:
             f"  {str(r['tokens']):>10}: paper {r['paper_ms']:6.1f} ms, "
             f"roofline {r['roofline_ms']:6.1f} ms ({100 * r['error']:+.0f}%)"
         )
+    for m in presets.MEASURED:
+        name = m + presets.MEASURED_SUFFIX
+        base, prof = presets.measured_profile(name)
+        print(
+            f"\n{name}: the engine measured on {prof.get('gpu') or prof['device']} "
+            f"({prof['dtype']}), against the roofline of {base}:"
+        )
+        for r in presets.compare_with_profile(presets.deployment(base), prof):
+            print(
+                f"  {str(r['tokens']):>10}: measured {r['measured_ms']:6.1f} ms, "
+                f"roofline {r['roofline_ms']:6.1f} ms ({100 * r['error']:+.0f}%)"
+            )
 
 
 def run(args) -> int:
@@ -482,6 +503,13 @@ def run(args) -> int:
             f"{r['tokens']}: {r['roofline_ms']:.0f} vs {r['paper_ms']:.0f} ms" for r in rows
         )
         print(f"roofline {backend.hw_info['preset']} (vs reference profile) {txt}", file=sys.stderr)
+    if backend.hw_info.get("roofline_vs_measured"):
+        rows = backend.hw_info["roofline_vs_measured"]
+        txt = ", ".join(
+            f"{r['tokens']}: {r['measured_ms']:.1f} vs roofline {r['roofline_ms']:.1f} ms"
+            for r in rows
+        )
+        print(f"measured {backend.hw_info['preset']} {txt}", file=sys.stderr)
     if args.sweep is None:
         if args.out is None:
             args.out = str(_default_out("simulate"))

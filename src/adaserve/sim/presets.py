@@ -54,8 +54,37 @@ PAPER_70B_VERIFY_MS: dict[int, float] = {128: 55.0, 256: 85.0, 512: 125.0, 1024:
 PAPER_DRAFT_STEP_MS = 5.0
 
 
-def preset_names() -> list[str]:
-    return [f"{g}:{p}" for g in GPUS for p in PAIRS]
+# Measured profiles shipped beside the roofline presets, named ``GPU:PAIR:measured``:
+# the engine itself on that GPU (random-weight models of the pair's shapes, bf16), from
+# ``adaserve profile --shapes TARGET:DRAFT --device cuda --dtype bfloat16``
+# (benchmarks/gpu_run.sh). File names are under ``assets/profiles``.
+MEASURED: dict[str, str] = {"H200:llama-8b": "H200-llama-8b.json"}
+MEASURED_SUFFIX = ":measured"
+
+
+def preset_names(measured: bool = True) -> list[str]:
+    names = [f"{g}:{p}" for g in GPUS for p in PAIRS]
+    return names + ([m + MEASURED_SUFFIX for m in MEASURED] if measured else [])
+
+
+def is_measured(name: str) -> bool:
+    return name.strip().lower().endswith(MEASURED_SUFFIX)
+
+
+def measured_profile(name: str) -> tuple[str, dict]:
+    """(deployment name, profile dict) of the measured preset ``GPU:PAIR:measured``."""
+    import json
+
+    from adaserve import paths
+
+    base = name.strip()[: -len(MEASURED_SUFFIX)]
+    dep = deployment(base).name
+    if dep not in MEASURED:
+        raise ValueError(
+            f"no measured profile for {dep}; measured presets: "
+            f"{', '.join(m + MEASURED_SUFFIX for m in MEASURED)}"
+        )
+    return dep, json.loads((paths.ASSETS / "profiles" / MEASURED[dep]).read_text())
 
 
 def lookup(table: dict, name: str, what: str):
@@ -93,6 +122,22 @@ def gpu_classes(base: tuple[SLOClass, ...] = DEFAULT_CLASSES) -> tuple[SLOClass,
             c = dataclasses.replace(c, tpot_ms=150.0, tpot_x=None)
         out.append(c)
     return tuple(out)
+
+
+def compare_with_profile(dep: Deployment, prof: dict) -> list[dict]:
+    """Rows {tokens, measured_ms, roofline_ms, error} of a measured profile's
+    verification (at zero KV) and draft step against the deployment's roofline."""
+    rows = []
+    v = prof["verify"]
+    for t, ms in zip(v["tokens"], v["latency_ms"]):
+        pred = float(dep.verify_ms(t, 0.0))
+        rows.append({"tokens": t, "measured_ms": ms, "roofline_ms": pred, "error": pred / ms - 1})
+    if dep.draft is not None and prof.get("draft_step_ms"):
+        pred, ms = float(dep.draft_step_ms(1)), float(prof["draft_step_ms"])
+        rows.append(
+            {"tokens": "draft step", "measured_ms": ms, "roofline_ms": pred, "error": pred / ms - 1}
+        )
+    return rows
 
 
 def compare_with_paper(dep: Deployment) -> list[dict]:
