@@ -240,3 +240,63 @@ def test_broken_verifier_fails_the_distribution_test(small_pair, monkeypatch):
     probs = exact_joint(target, PROMPT, sp)
     counts = sample_joint(target, draft, "spec-tree:3x3", PROMPT, sp, N_SAMPLES)
     assert chi_square_rejects(counts, probs)
+
+
+def resized_copy(src, dst, vocab: int, seed: int = 0):
+    """The checkpoint at ``src`` with its embedding and LM head cut or padded to
+    ``vocab`` rows (a draft that is the target on the ids both have)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src)
+    hf.resize_token_embeddings(vocab, mean_resizing=False)
+    hf.save_pretrained(dst)
+    return dst
+
+
+@pytest.mark.parametrize("delta", [-16, 16])
+def test_draft_of_another_vocabulary_size_is_lossless(tiny_pair, profile_file, tmp_path, delta):
+    """Qwen2.5's 0.5B draft has 128 fewer (padding) rows than its larger siblings: a
+    draft vocabulary smaller or larger than the target's drafts only ids the target has,
+    takes target-only ids in its input, and leaves greedy output unchanged."""
+    from conftest import VOCAB
+
+    target, _, _ = tiny_pair
+    draft = resized_copy(target, tmp_path / "d", VOCAB + delta)
+    prompts = random_prompts(24, seed=5, lo=2, hi=40)
+    prompts += [[VOCAB - 3, 5, VOCAB - 2, 7], [9, VOCAB - 1 - 1, 3]]  # ids past a small draft's
+    sp = SamplingParams(max_tokens=16)
+    ref, _ = run(target, None, "ar", prompts, sp)
+    for pol in ("spec-tree:3x2", "adaserve"):
+        got, llm = run(target, draft, pol, prompts, sp, profile=profile_file)
+        assert got == ref, pol
+        c = llm.engine.counters
+        assert c.spec_accepted_tokens >= 0.5 * c.spec_drafts, pol  # it is the target
+
+
+def test_smaller_draft_vocabulary_keeps_the_target_distribution(small_pair, tmp_path):
+    """Sampled drafts over a draft vocabulary that lacks 4 of the target's ids (q = 0
+    there): the residual still gives those ids their target probability."""
+    target, draft = small_pair
+    small = resized_copy(draft, tmp_path / "d", SMALL_VOCAB - 4)
+    sp = SamplingParams(temperature=1.0)
+    probs = exact_joint(target, PROMPT, sp)
+    assert probs[SMALL_VOCAB - 4 :].sum() > 0.05 or probs[:, SMALL_VOCAB - 4 :].sum() > 0.05
+    counts = sample_joint(target, small, "spec-tree:3x3", PROMPT, sp, N_SAMPLES, True)
+    assert not chi_square_rejects(counts, probs)
+
+
+def test_a_draft_with_another_tokenizer_is_refused():
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+
+    from adaserve.errors import ModelLoadError
+    from adaserve.tokenizer import Tokenizer, check_draft_tokenizer
+
+    def tok(words):
+        return Tokenizer(HFTokenizer(WordLevel({w: i for i, w in enumerate(words)}, "a")), {})
+
+    check_draft_tokenizer(tok("abcd"), tok("abcd"), "d")
+    check_draft_tokenizer(tok("abcd"), None, "d")  # nothing to compare
+    with pytest.raises(ModelLoadError, match="another tokenizer.*2 of its 4 tokens"):
+        check_draft_tokenizer(tok("abcd"), tok("abdc"), "d")

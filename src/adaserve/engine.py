@@ -41,7 +41,7 @@ from adaserve.slo import SLO
 from adaserve.spec.draft import DraftOutput, expand, scratch_slots_needed
 from adaserve.spec.tree import CandidateTree, ancestor_mask
 from adaserve.spec.verify import children_lists, verify_greedy, verify_stochastic
-from adaserve.tokenizer import Tokenizer, load_tokenizer
+from adaserve.tokenizer import Tokenizer, check_draft_tokenizer, load_tokenizer
 
 log = logging.getLogger("adaserve.engine")
 
@@ -101,12 +101,9 @@ class Engine:
         self.target = load_model(model_dir, self.device, self.dtype, rnd)
         self.draft = load_model(draft_dir, self.device, self.dtype, rnd) if draft_dir else None
         self.draft_dir = draft_dir
-        if self.draft is not None and self.draft.cfg.vocab_size != self.target.cfg.vocab_size:
-            raise ModelLoadError(
-                f"draft vocabulary ({self.draft.cfg.vocab_size}) differs from the target's "
-                f"({self.target.cfg.vocab_size})"
-            )
         self.tokenizer: Tokenizer | None = load_tokenizer(model_dir)
+        if self.draft is not None:
+            check_draft_tokenizer(self.tokenizer, load_tokenizer(draft_dir), draft_dir)
         tcfg = self.target.cfg
         self.eos_ids = set(tcfg.eos_token_ids)
         if not self.eos_ids and self.tokenizer is not None and self.tokenizer.eos_id is not None:
@@ -487,6 +484,7 @@ class Engine:
             [s for _, s in spec],
             sample=self.cfg.draft_sample,
             noise_std=self.draft_noise,
+            vocab_size=self.target.cfg.vocab_size,
         )
         self.counters.model_time_s += time.perf_counter() - t0
         result = {}

@@ -204,7 +204,7 @@ def measure_draft_host(engine, requests: int = 8, depth: int = 4, width: int = 2
         for r in reqs:
             r.draft_cached = 0
         t0 = time.perf_counter()
-        expand(engine.draft, engine.kv_draft, reqs, [(depth, width)] * requests)
+        expand(engine.draft, engine.kv_draft, reqs, [(depth, width)] * requests, vocab_size=V)
         times.append((time.perf_counter() - t0) * 1000)
     for r in reqs:
         r.table.release()

@@ -69,3 +69,20 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
         except json.JSONDecodeError:
             cfg = {}
     return Tokenizer(tok, cfg)
+
+
+def check_draft_tokenizer(target: Tokenizer | None, draft: Tokenizer | None, draft_dir) -> None:
+    """Refuse a draft whose tokenizer maps tokens to other ids than the target's (a
+    draft of another model family: its proposals would all be rejected). Vocabulary
+    *sizes* may differ (padding rows, as between Qwen2.5 sizes); without a tokenizer on
+    either side there is nothing to compare and speculation stays lossless anyway."""
+    if target is None or draft is None:
+        return
+    tv = target._tok.get_vocab(with_added_tokens=True)
+    dv = draft._tok.get_vocab(with_added_tokens=True)
+    if tv != dv:
+        shared = sum(1 for t, i in dv.items() if tv.get(t) == i)
+        raise ModelLoadError(
+            f"the draft {draft_dir} has another tokenizer than the target: {shared} of its "
+            f"{len(dv)} tokens have the target's id (the target has {len(tv)} tokens)"
+        )

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from adaserve.kv.cache import KVCache
 from adaserve.logits import target_probs
@@ -94,16 +95,38 @@ def expand(
     shapes: list[tuple[int, int]],
     sample: bool = False,
     noise_std: float = 0.0,
+    vocab_size: int | None = None,
 ) -> list[DraftOutput]:
     """Grow a candidate tree of depth d and width w for each request (shapes[i] = (d, w)).
 
     ``sample``: draw children i.i.d. from q for requests that do not decode greedily
     (otherwise children are the draft's top-w).
+    ``vocab_size``: the target's vocabulary when it differs from the draft's (Qwen2.5's
+    0.5B has 151,936 rows, its larger siblings 152,064: padding past the same 151,665
+    tokens). Draft distributions are then over the target's ids (no mass on ids the
+    draft lacks, none proposed that the target lacks), and target-only ids in a
+    sequence enter the draft as its last id.
     The caller guarantees each request's block table covers
     ``len(tokens) + scratch_slots_needed(d, w)`` slots.
     """
     device = model.embed_tokens.weight.device
     window = model.cfg.sliding_window
+    Vd = model.cfg.vocab_size
+    Vt = vocab_size or Vd
+
+    def forward(ids: list[int], meta: AttnMetadata, rows=None) -> torch.Tensor:
+        """ids [T] -> draft logits [rows or T, Vt]."""
+        x = torch.tensor(ids, dtype=torch.long, device=device)
+        if Vt > Vd:
+            x = x.clamp_(max=Vd - 1)
+        h = model(x, meta, kv.layers)
+        logits = model.logits(h if rows is None else h[rows])
+        if Vt < Vd:
+            return logits[:, :Vt]
+        if Vt > Vd:
+            return F.pad(logits, (0, Vt - Vd), value=float("-inf"))
+        return logits
+
     grows = [_Growing(r.tokens[-1]) for r in reqs]
     # ---- step 0: catch up the draft cache; last logits -> root's children
     seqs, ids = [], []
@@ -112,9 +135,8 @@ def expand(
         seqs.append(SeqSpec(r.table.slots(0, dc), r.table.slots(dc, C), list(range(dc, C))))
         ids.extend(r.tokens[dc:C])
     meta = AttnMetadata.build(seqs, device, window)
-    hidden = model(torch.tensor(ids, dtype=torch.long, device=device), meta, kv.layers)
     ends = np.cumsum([len(s.new_slots) for s in seqs]) - 1
-    logits = model.logits(hidden[torch.as_tensor(ends, device=device)])
+    logits = forward(ids, meta, torch.as_tensor(ends, device=device))
     for r in reqs:
         r.draft_cached = len(r.tokens)
     frontier: list[list[int]] = [[0] for _ in reqs]  # nodes whose logits rows we hold
@@ -153,10 +175,7 @@ def expand(
                 )
             )
             ids.extend(g.tokens[n] for n in chosen)
-        meta = AttnMetadata.build(seqs, device, window)
-        logits = model.logits(
-            model(torch.tensor(ids, dtype=torch.long, device=device), meta, kv.layers)
-        )
+        logits = forward(ids, AttnMetadata.build(seqs, device, window))
         frontier = [new_frontier.get(i, []) for i in range(len(reqs))]
         active = nxt_active
     return [DraftOutput(g.finish(), g.q_rows, len(g.fed_nodes)) for g in grows]
