@@ -33,6 +33,8 @@ class AttnGroup:
     mask:      [R, 1, Q, L] bool, True where the query may attend
     valid:     [n_valid] long, which padded query rows (of R*Q) are real tokens
     out_idx:   [n_valid] long, flat token index of each real row (in row-major order)
+    whole:     the group is the whole batch in order with no pad rows (tok_idx is
+               arange(T).view(R, Q)): queries and output need no gather or scatter
     """
 
     tok_idx: torch.Tensor
@@ -40,6 +42,7 @@ class AttnGroup:
     mask: torch.Tensor
     valid: torch.Tensor
     out_idx: torch.Tensor
+    whole: bool = False
 
 
 @dataclass
@@ -93,6 +96,8 @@ class AttnMetadata:
             _make_group([seqs[i] for i in idx], [starts[i] for i in idx], device, sliding_window)
             for idx in ([[i] for i in solo] + ([batched] if batched else []))
         ]
+        if len(groups) == 1 and groups[0].valid.numel() == groups[0].tok_idx.numel():
+            groups[0].whole = True  # one group, all of seqs in order, no padding
         return cls(
             positions=torch.from_numpy(positions).to(device),
             slot_mapping=torch.from_numpy(slots).to(device),
@@ -175,7 +180,7 @@ def paged_attention(
     Hkv = k_cache.shape[1]
     if fold is None:
         fold = q.is_cuda
-    out = torch.empty_like(q)
+    out = None if groups[0].whole else torch.empty_like(q)
     for g in groups:
         R, Q = g.tok_idx.shape
         L = g.ctx_slots.shape[1]
@@ -183,6 +188,8 @@ def paged_attention(
         flat = g.ctx_slots.reshape(-1)
         kg = k_cache.index_select(0, flat).view(R, L, Hkv, D).transpose(1, 2)  # [R, Hkv, L, D]
         vg = v_cache.index_select(0, flat).view(R, L, Hkv, D).transpose(1, 2)
+        if g.whole:
+            return _attend(q.view(R, Q, H, D), kg, vg, g.mask, scale, fold)
         o = _attend(q[g.tok_idx], kg, vg, g.mask, scale, fold)  # [R*Q, H, D]
         if o.shape[0] != g.out_idx.shape[0]:
             o = o.index_select(0, g.valid)  # index, not a bool mask: no device sync

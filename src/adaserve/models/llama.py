@@ -31,11 +31,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., dim] -> [..., dim]"""
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        """x: [..., dim] -> [..., dim]. Normalised in float32, scaled after rounding back
+        to x's dtype (as Hugging Face's Llama); in float32 one fused op."""
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        y = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return self.weight * y.to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -62,6 +63,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rot * sin
+
+
+def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor):
+    """``apply_rope`` in three ops: ``sin_signed`` is sin with its first half negated,
+    so the rotation is a plain half swap. x: [T, heads, head_dim]; cos, sin_signed:
+    [T, 1, head_dim]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, rot, sin_signed)
 
 
 class DecoderLayer(nn.Module):
@@ -93,13 +103,21 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
-        sin: torch.Tensor,
+        sin_signed: torch.Tensor,
         meta: AttnMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """x: [T, hidden]; caches: [num_slots, n_kv, head_dim] (written in place)."""
-        q, k, v = self._qkv(self.input_layernorm(x), cos, sin)
+        """x: [T, hidden]; cos, sin_signed: [T, 1, head_dim] (``apply_rope_signed``);
+        caches: [num_slots, n_kv, head_dim] (written in place)."""
+        c = self.cfg
+        qkv = self.qkv_proj(self.input_layernorm(x))  # [T, (H + 2 Hkv) * D]
+        # rotary embedding of q and k in one pass over their [T, H + Hkv, D] view
+        qk = apply_rope_signed(
+            qkv[:, : c.q_size + c.kv_size].unflatten(-1, (-1, c.head_dim)), cos, sin_signed
+        )
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+        v = qkv[:, c.q_size + c.kv_size :].unflatten(-1, (c.num_kv_heads, c.head_dim))
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         a = paged_attention(q, k_cache, v_cache, meta.groups, self.scale)
@@ -165,6 +183,8 @@ class LlamaModel(nn.Module):
         """input_ids: [T]; kv: per layer (k_cache, v_cache) -> hidden [T, hidden] (final-normed)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self._cos_sin(meta.positions, x.dtype)
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # apply_rope_signed's
         with _gpu_attention_backends(x.is_cuda):
             for layer, (kc, vc) in zip(self.layers, kv):
                 x = layer.forward_paged(x, cos, sin, meta, kc, vc)
