@@ -98,7 +98,9 @@ def pair_stats(
     R, P = prompts.shape
     cont = greedy_generate(target, prompts, new_tokens)  # [R, N]
     seq = torch.cat([prompts, cont], dim=1)
-    logits = draft.forward_dense(seq[:, :-1]).float()[:, P - 1 :]  # predicts cont
+    # ids the draft lacks (a smaller vocabulary, as Qwen2.5-0.5B's) enter it as its last id
+    din = seq[:, :-1].clamp(max=draft.cfg.vocab_size - 1)
+    logits = draft.forward_dense(din).float()[:, P - 1 :]  # predicts cont
     ranked = logits.topk(max_rank, dim=-1).indices  # [R, N, K]
     hit = ranked == cont.unsqueeze(-1)  # [R, N, K]
     by_rank = [hit[..., k].float().mean().item() for k in range(max_rank)]
