@@ -121,3 +121,22 @@ def test_profile_of_random_weight_shapes_needs_only_configs(tmp_path):
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr
     r = adaserve("profile", "--shapes", "Llama-3.2-1B", "--model", str(dirs["t"]), "--out", "x")
     assert r.returncode == 2 and "not both" in r.stderr
+
+
+def test_gpu_check_script_compares_speculative_and_autoregressive_output(tmp_path):
+    """``benchmarks/gpu_check.py`` (run on a GPU by benchmarks/gpu_run.sh) on the CPU:
+    the shipped pair's speculative output equals the autoregressive one."""
+    import pathlib
+
+    script = pathlib.Path(__file__).parent.parent / "benchmarks" / "gpu_check.py"
+    out = tmp_path / "c.json"
+    r = subprocess.run(
+        [sys.executable, str(script), "--device", "cpu", "--max-tokens", "12", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["identical_outputs"] == res["prompts"] == 8
+    assert max(res["adaserve"]["tokens_per_step"]) > 1.0  # it did speculate
