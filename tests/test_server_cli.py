@@ -130,3 +130,29 @@ def test_flags_override_the_file(tmp_path):
     cfg.write_text("[engine]\nwarp_speed = 9\n")
     with pytest.raises(ConfigError, match="warp_speed"):
         build_configs(_args("--config", str(cfg)))
+
+
+def test_gpu_memory_utilization_flag_and_its_validation():
+    ecfg, _ = build_configs(_args("--gpu-memory-utilization", "0.75"))
+    assert ecfg.gpu_memory_utilization == 0.75
+    for bad in ("0", "1.5", "-0.2"):
+        with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+            build_configs(_args("--gpu-memory-utilization", bad))
+
+
+def test_gpu_kv_budget_fills_the_allowed_share_of_the_card():
+    """The KV pool, one layer's gathered share of it, the activation reserve and what is
+    in use already add up to the allowed share of the card, not more."""
+    from adaserve.resources import gpu_kv_budget
+
+    GB = 10**9
+    total, used, act, layers = 141 * GB, 18 * GB, 5 * GB, 32
+    b = gpu_kv_budget(total, total - used, 0.9, layers, act)
+    assert b + b / layers + act + used == pytest.approx(0.9 * total, abs=layers + 2)
+    assert b > 100 * GB
+    # another process holding memory leaves less
+    assert gpu_kv_budget(total, total - used - 20 * GB, 0.9, layers, act) < b - 19 * GB
+    with pytest.raises(ValueError, match="no GPU memory left for the KV cache"):
+        gpu_kv_budget(80 * GB, 10 * GB, 0.9, layers, act)  # a 70B model on one 80 GB card
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        gpu_kv_budget(total, total, 0.0, layers, act)

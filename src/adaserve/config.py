@@ -14,8 +14,10 @@ class EngineConfig:
 
     model / draft:       checkpoint directories (None = the shipped pair; draft ""
                          or None with ``no_draft`` = no speculation)
-    kv_cache_bytes:      KV pool size for target + draft (None = 1/4 of available RAM,
-                         capped at 4 GiB)
+    kv_cache_bytes:      KV pool size for target + draft (None: on CPU 1/4 of available
+                         RAM, capped at 4 GiB; on CUDA what gpu_memory_utilization leaves)
+    gpu_memory_utilization: share of the GPU's memory the engine may fill (weights, KV
+                         cache, activations), as vLLM's option of that name
     max_prefill_tokens:  prefill chunk budget per iteration
     draft_sample:        sampled drafts (q-based verification) for non-greedy requests
     random_weights:      model directories need only config.json; weights are random
@@ -29,6 +31,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     block_size: int = 16
     max_num_seqs: int = 64
     max_prefill_tokens: int = 256
@@ -52,6 +55,10 @@ class EngineConfig:
             raise InvalidRequestError("max_prefill_tokens must be positive", "max_prefill_tokens")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise InvalidRequestError("kv_cache_bytes must be positive", "kv_cache_bytes")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidRequestError(
+                "gpu_memory_utilization must be in (0, 1]", "gpu_memory_utilization"
+            )
         if self.device not in ("cpu",) and not self.device.startswith("cuda"):
             raise InvalidRequestError(f"unsupported device {self.device!r}", "device")
         names = [c.name for c in self.classes]

@@ -32,7 +32,7 @@ from adaserve.logits import make_generator, target_probs
 from adaserve.models.attention import AttnMetadata, SeqSpec
 from adaserve.models.loader import load_model, resolve_dtype
 from adaserve.request import Request, Status
-from adaserve.resources import default_kv_budget
+from adaserve.resources import default_kv_budget, gpu_kv_budget
 from adaserve.sampling import SamplingParams
 from adaserve.sched.base import BatchView, Plan, ReqView
 from adaserve.sched.calibration import Calibrator
@@ -148,7 +148,7 @@ class Engine:
             per_slot += self.draft.cfg.kv_bytes_per_token(esize)
         budget = cfg.kv_cache_bytes
         if budget is None:
-            budget = default_kv_budget()
+            budget = self._gpu_kv_budget() if self.device.type == "cuda" else default_kv_budget()
         num_blocks = max(4, budget // (per_slot * cfg.block_size))
         num_slots = int(num_blocks) * cfg.block_size
         self.kv_bytes_per_slot = per_slot
@@ -157,6 +157,19 @@ class Engine:
         self.kv_draft = (
             KVCache(self.draft.cfg, num_slots, self.device, self.dtype) if self.draft else None
         )
+
+    def _gpu_kv_budget(self) -> int:
+        """KV bytes on this GPU once the models are loaded (``gpu_kv_budget``); the
+        activation reserve holds float32 logits for a full batch of trees (64 nodes a
+        request) and a prefill chunk, twice (softmax), plus 1 GiB."""
+        cfg, t = self.cfg, self.target.cfg
+        free, total = torch.cuda.mem_get_info(self.device)
+        rows = cfg.max_prefill_tokens + 64 * cfg.max_num_seqs
+        activations = (1 << 30) + 2 * rows * t.vocab_size * 4
+        try:
+            return gpu_kv_budget(total, free, cfg.gpu_memory_utilization, t.num_layers, activations)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: str | list[int]) -> list[int]:

@@ -37,6 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu or cuda[:N]")
     p.add_argument("--dtype", help="float32, bfloat16 or float16")
     p.add_argument("--kv-cache-bytes", type=int, help="KV pool size (target + draft)")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="share of the GPU's memory the engine may fill (default 0.9; CUDA only)",
+    )
     p.add_argument("--max-num-seqs", type=int, help="most requests in the running batch")
     p.add_argument("--max-model-len", type=int, help="context length cap")
     p.add_argument("--shutdown-grace", type=float, help="seconds in-flight requests may finish")
@@ -54,6 +59,7 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
         "device": args.device,
         "dtype": args.dtype,
         "kv_cache_bytes": args.kv_cache_bytes,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len,
     }
