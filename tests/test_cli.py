@@ -121,6 +121,9 @@ def test_profile_of_random_weight_shapes_needs_only_configs(tmp_path):
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr
     r = adaserve("profile", "--shapes", "Llama-3.2-1B", "--model", str(dirs["t"]), "--out", "x")
     assert r.returncode == 2 and "not both" in r.stderr
+    # a model that cannot fit is refused before anything is allocated
+    r = adaserve("profile", "--shapes", "Llama-3.1-70B", "--out", str(tmp_path / "x.json"))
+    assert r.returncode == 2 and "GiB in float32; available RAM is" in r.stderr
 
 
 def test_gpu_check_script_compares_speculative_and_autoregressive_output(tmp_path):

@@ -67,8 +67,9 @@ def load_model(
     if not path.is_dir():
         raise ModelLoadError(f"model directory {path} does not exist")
     cfg = ModelConfig.from_dir(path)
-    tensors = None if random_weights else read_safetensors(path)
     torch_dtype = resolve_dtype(dtype)
+    _check_fits(cfg, torch.device(device), torch_dtype)
+    tensors = None if random_weights else read_safetensors(path)
     with torch.device("meta"):
         model = LlamaModel(cfg).to(torch_dtype)
     model = model.to_empty(device=device)  # allocated once, in the final dtype
@@ -82,6 +83,26 @@ def load_model(
     if torch.device(device).type == "cpu":
         model.transpose_weights()
     return model.eval().requires_grad_(False)
+
+
+def _check_fits(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """A clear error, before allocating, when the weights cannot fit in host RAM (CPU)
+    or in the GPU's free memory, instead of an out-of-memory kill mid-load."""
+    need = cfg.num_parameters() * dtype.itemsize
+    if device.type == "cpu":
+        from adaserve.resources import available_ram
+
+        have, where = available_ram(), "available RAM"
+    elif device.type == "cuda" and torch.cuda.is_available():
+        have, where = torch.cuda.mem_get_info(device)[0], f"free memory on {device}"
+    else:
+        return
+    if need > have:
+        raise ModelLoadError(
+            f"the model's {cfg.num_parameters() / 1e9:.2f}B parameters need "
+            f"{need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}; "
+            f"{where} is {have / 2**30:.1f} GiB"
+        )
 
 
 def _randomize(model: LlamaModel, std: float = 0.02) -> None:
