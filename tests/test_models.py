@@ -170,3 +170,30 @@ def test_folded_grouped_query_attention_equals_the_native_kernel():
     native = paged_attention(q, k_cache, v_cache, meta.groups, D**-0.5, fold=False)
     folded = paged_attention(q, k_cache, v_cache, meta.groups, D**-0.5, fold=True)
     assert (native - folded).abs().max().item() <= 1e-5
+
+
+def test_auto_dtype_is_float32_on_cpu_and_the_checkpoints_half_on_cuda():
+    """``dtype="auto"`` (the default, as vLLM's): CPU keeps float32; on CUDA a bf16 or
+    float32 checkpoint runs in bfloat16 and a float16 one in float16."""
+    from adaserve.models.loader import resolve_dtype
+
+    assert resolve_dtype("auto", "cpu", "bfloat16") == torch.float32
+    assert resolve_dtype("auto", "cuda", "bfloat16") == torch.bfloat16
+    assert resolve_dtype("auto", "cuda:1", None) == torch.bfloat16
+    assert resolve_dtype("auto", "cuda", "float32") == torch.bfloat16
+    assert resolve_dtype("auto", "cuda", "float16") == torch.float16
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    with pytest.raises(ModelLoadError, match="auto, float32"):
+        resolve_dtype("float8", "cpu")
+
+
+def test_checkpoint_dtype_is_read_from_either_config_key(tmp_path):
+    from adaserve.models.config import ModelConfig
+
+    save_tiny(tmp_path, seed=0)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert ModelConfig.from_dir(tmp_path).extra["torch_dtype"] == "float32"
+    for key in ("torch_dtype", "dtype"):
+        cfg.pop("torch_dtype", None), cfg.pop("dtype", None)
+        cfg[key] = "float16"
+        assert ModelConfig.from_dict(cfg).extra["torch_dtype"] == "float16"

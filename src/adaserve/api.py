@@ -59,7 +59,7 @@ class LLM:
         draft: str | None = None,
         policy: str = "adaserve",
         device: str = "cpu",
-        dtype: str = "float32",
+        dtype: str = "auto",
         no_draft: bool = False,
         **engine_kwargs,
     ):

@@ -17,7 +17,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", help="draft checkpoint directory (default: shipped draft)")
     g.add_argument("--no-draft", action="store_true", help="run without a draft model")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: float32 on CPU, the checkpoint's half precision on CUDA",
+    )
 
 
 def _cmd_generate(args) -> int:
@@ -103,14 +108,14 @@ def _shape_dirs(shapes: str, root) -> tuple[str, str | None, dict]:
     return dirs[0], dirs[1] if len(dirs) > 1 else None, shape
 
 
-def _profile_kv_bytes(model: str | None, draft: str | None, dtype: str) -> int:
+def _profile_kv_bytes(model: str | None, draft: str | None, dtype: str, device: str) -> int:
     """KV pool for profiling: 4,096 token slots of the pair (at least 64 MiB), room for
     the step and draft-host measurements whatever the models' size."""
     from adaserve import paths
     from adaserve.models.config import ModelConfig
     from adaserve.models.loader import resolve_dtype
 
-    esize = resolve_dtype(dtype).itemsize
+    esize = resolve_dtype(dtype, device).itemsize
     per_slot = ModelConfig.from_dir(model or paths.DEFAULT_TARGET).kv_bytes_per_token(esize)
     d = draft or (paths.DEFAULT_DRAFT if model is None else None)
     if d is not None and Path(d).is_dir():
@@ -142,7 +147,9 @@ def _cmd_profile(args) -> int:
                 device=args.device,
                 dtype=args.dtype,
                 auto_profile=False,
-                kv_cache_bytes=_profile_kv_bytes(model, None if no_draft else draft, args.dtype),
+                kv_cache_bytes=_profile_kv_bytes(
+                    model, None if no_draft else draft, args.dtype, args.device
+                ),
                 random_weights=args.random_weights or shapes is not None,
             )
         )

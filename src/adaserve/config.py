@@ -29,7 +29,7 @@ class EngineConfig:
     no_draft: bool = False
     policy: str = "adaserve"
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # float32 on CPU; the checkpoint's half precision on CUDA
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     block_size: int = 16

@@ -30,6 +30,7 @@ from adaserve.kv.blocks import BlockAllocator, BlockTable, OutOfBlocks
 from adaserve.kv.cache import KVCache
 from adaserve.logits import make_generator, target_probs
 from adaserve.models.attention import AttnMetadata, SeqSpec
+from adaserve.models.config import ModelConfig
 from adaserve.models.loader import load_model, resolve_dtype
 from adaserve.request import Request, Status
 from adaserve.resources import default_kv_budget, gpu_kv_budget
@@ -95,10 +96,13 @@ class Engine:
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ModelLoadError("device 'cuda' requested but CUDA is not available")
-        self.dtype = resolve_dtype(cfg.dtype)
+        ckpt_dtype = None
+        if cfg.dtype == "auto" and self.device.type == "cuda":
+            ckpt_dtype = ModelConfig.from_dir(model_dir).extra.get("torch_dtype")
+        self.dtype = resolve_dtype(cfg.dtype, self.device, ckpt_dtype)
         self.model_dir = model_dir
         rnd = cfg.random_weights
-        self.target = load_model(model_dir, self.device, self.dtype, rnd)
+        self.target = load_model(model_dir, self.device, self.dtype, rnd)  # resolved dtype
         self.draft = load_model(draft_dir, self.device, self.dtype, rnd) if draft_dir else None
         self.draft_dir = draft_dir
         self.tokenizer: Tokenizer | None = load_tokenizer(model_dir)

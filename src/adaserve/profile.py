@@ -233,7 +233,8 @@ def profile_engine(engine, reps: int = 5) -> dict:
 def cached_profile_path(engine) -> Path:
     from adaserve.paths import cache_dir
 
-    key = profile_key(engine.model_dir, engine.draft_dir, engine.cfg.device, engine.cfg.dtype)
+    dtype = str(engine.dtype).removeprefix("torch.")
+    key = profile_key(engine.model_dir, engine.draft_dir, engine.cfg.device, dtype)
     return cache_dir() / "profiles" / f"{key}.json"
 
 

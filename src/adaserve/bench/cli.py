@@ -151,7 +151,12 @@ def _add_common(p: argparse.ArgumentParser, default_duration: float) -> None:
     g.add_argument("--draft", help="draft checkpoint directory")
     g.add_argument("--no-draft", action="store_true")
     e.add_argument("--device", default="cpu")
-    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    e.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: float32 on CPU, the checkpoint's half precision on CUDA",
+    )
     e.add_argument("--kv-cache-bytes", type=_bytes, default=None, help="e.g. 512M")
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--profile", help="hardware profile JSON (default: cached / measured)")
@@ -348,7 +353,7 @@ class _InProcess:
             "model": str(eng.model_dir),
             "draft": str(eng.draft_dir) if eng.draft_dir else None,
             "device": self.cfg.device,
-            "dtype": self.cfg.dtype,
+            "dtype": str(eng.dtype).removeprefix("torch."),
             "kv_pool_bytes": eng.allocator.num_blocks * self.cfg.block_size * eng.kv_bytes_per_slot,
             "max_num_seqs": self.cfg.max_num_seqs,
             "admission": self.cfg.admission,

@@ -137,7 +137,11 @@ class ModelConfig:
                 sliding_window=int(window) if window else None,
                 eos_token_ids=eos,
                 bos_token_id=cfg.get("bos_token_id"),
-                extra={"model_type": cfg.get("model_type")},
+                extra={
+                    "model_type": cfg.get("model_type"),
+                    # transformers >= 5 writes "dtype"; older versions "torch_dtype"
+                    "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype"),
+                },
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None

@@ -14,12 +14,26 @@ from adaserve.models.llama import LlamaModel
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Map a dtype name to a torch dtype (clear error on anything else)."""
+def resolve_dtype(
+    dtype: str | torch.dtype,
+    device: str | torch.device = "cpu",
+    checkpoint_dtype: str | None = None,
+) -> torch.dtype:
+    """Map a dtype name to a torch dtype (clear error on anything else).
+
+    ``"auto"`` (vLLM's default): on CUDA the checkpoint's own half precision
+    (``checkpoint_dtype``, its config's ``torch_dtype``), bfloat16 for a float32 or
+    unlabelled checkpoint; on CPU float32, whose results the tests pin exactly."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        if torch.device(device).type != "cuda":
+            return torch.float32
+        return DTYPES["float16"] if checkpoint_dtype == "float16" else DTYPES["bfloat16"]
     if dtype not in DTYPES:
-        raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        raise ModelLoadError(
+            f"unsupported dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}"
+        )
     return DTYPES[dtype]
 
 

@@ -35,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML file: server, engine, classes, tenants, service_tiers")
     p.add_argument("--served-model-name", help="model id in /v1/models and responses")
     p.add_argument("--device", help="cpu or cuda[:N]")
-    p.add_argument("--dtype", help="float32, bfloat16 or float16")
+    p.add_argument(
+        "--dtype", help="auto (default: float32 on CPU, half on CUDA), float32, bfloat16, float16"
+    )
     p.add_argument("--kv-cache-bytes", type=int, help="KV pool size (target + draft)")
     p.add_argument(
         "--gpu-memory-utilization",
