@@ -87,8 +87,6 @@ def _cmd_generate(args) -> int:
 def _shape_dirs(shapes: str, root) -> tuple[str, str | None, dict]:
     """Config-only checkpoint directories under ``root`` for ``TARGET[:DRAFT]``, named
     as the simulator's model table names them; returns (target dir, draft dir, names)."""
-    from pathlib import Path
-
     from adaserve.sim import presets
 
     names = [n.strip() for n in shapes.split(":")]
@@ -125,7 +123,6 @@ def _profile_kv_bytes(model: str | None, draft: str | None, dtype: str, device: 
 
 def _cmd_profile(args) -> int:
     import tempfile
-    from pathlib import Path
 
     from adaserve.config import EngineConfig
     from adaserve.engine import Engine
