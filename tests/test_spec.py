@@ -300,3 +300,50 @@ def test_a_draft_with_another_tokenizer_is_refused():
     check_draft_tokenizer(tok("abcd"), None, "d")  # nothing to compare
     with pytest.raises(ModelLoadError, match="another tokenizer.*2 of its 4 tokens"):
         check_draft_tokenizer(tok("abcd"), tok("abdc"), "d")
+
+
+def test_logprobs_are_the_targets_and_unchanged_by_speculation(tiny_pair, profile_file):
+    """``SamplingParams(logprobs=k)``: each generated token's log-probability under the
+    target (raw logits) and the k most likely alternatives, the same whether the token
+    came from a verified tree or a one-token step, and equal to transformers'."""
+    from adaserve.errors import InvalidRequestError
+
+    target, _, hf = tiny_pair
+    prompts = random_prompts(10, seed=9, lo=3, hi=30)
+    greedy = SamplingParams(max_tokens=12, logprobs=3)
+    sampled = SamplingParams(max_tokens=9, logprobs=0, temperature=1.0, seed=4)
+    params = [greedy] * 8 + [sampled] * 2
+    runs = {}
+    for pol, draft in (("ar", None), ("spec-tree:3x2", target), ("adaserve", target)):
+        llm = LLM(
+            model=str(target),
+            draft=str(draft) if draft else None,
+            no_draft=draft is None,
+            policy=pol,
+            kv_cache_bytes=32 << 20,
+            profile=profile_file if draft else None,
+        )
+        runs[pol] = llm.generate(prompts, params)
+        if draft:
+            assert llm.engine.counters.spec_accepted_tokens > 20, pol  # paths were verified
+    for i, (p, ref) in enumerate(zip(prompts, runs["ar"])):
+        assert len(ref.logprobs) == len(ref.token_ids)
+        with torch.no_grad():
+            lsm = torch.log_softmax(hf(torch.tensor([p + ref.token_ids])).logits[0].float(), -1)
+        for j, tl in enumerate(ref.logprobs):
+            want = lsm[len(p) - 1 + j]
+            assert tl.token_id == ref.token_ids[j]
+            assert abs(tl.logprob - want[tl.token_id].item()) < 1e-4
+            k = params[i].logprobs
+            assert [t for t, _ in tl.top] == want.topk(k).indices.tolist()
+        if params[i] is greedy:  # same tokens whatever the policy: same logprobs
+            for pol in ("spec-tree:3x2", "adaserve"):
+                got = runs[pol][i]
+                assert got.token_ids == ref.token_ids, pol
+                for a, b in zip(got.logprobs, ref.logprobs):
+                    assert abs(a.logprob - b.logprob) < 1e-4, pol
+                    assert [t for t, _ in a.top] == [t for t, _ in b.top], pol
+    assert runs["ar"][0].logprobs[0].top[0][0] == runs["ar"][0].token_ids[0]  # greedy = top 1
+    assert SamplingParams().logprobs is None
+    with pytest.raises(InvalidRequestError, match="logprobs"):
+        SamplingParams(logprobs=21)

@@ -22,6 +22,26 @@ class RequestOutput:
     text: str | None
     finish_reason: str | None
     metrics: dict = field(default_factory=dict)
+    # with SamplingParams(logprobs=k): per generated token, its log-probability under
+    # the target and the k most likely tokens at that position
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability (raw target logits) and the top ``k``
+    alternatives at its position as (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(r: Request) -> list[TokenLogprob] | None:
+    """A request's recorded logprobs (None when it did not ask for them)."""
+    if r.params.logprobs is None:
+        return None
+    return [TokenLogprob(t, lp, top) for t, (lp, top) in zip(r.output_ids, r.logprobs)]
 
 
 def request_metrics(engine: Engine, r: Request) -> dict:
@@ -106,6 +126,7 @@ class LLM:
                 text=eng.output_text(r),
                 finish_reason=r.finish_reason,
                 metrics=request_metrics(eng, r),
+                logprobs=token_logprobs(r),
             )
             for r in reqs
         ]

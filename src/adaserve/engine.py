@@ -573,6 +573,8 @@ class Engine:
             self.counters.prompt_tokens += n
             if r.num_cached == len(r.tokens):
                 tok = argmax[row] if r.params.greedy else self._sample(logits[row : row + 1], r)
+                if r.params.logprobs is not None:
+                    self._record_logprobs(r, logits, [row], [tok])
                 row += 1
                 if r.first_token_at is None:
                     r.first_token_at = now
@@ -602,6 +604,8 @@ class Engine:
                     moves_dst.append(r.table.slot(C + i))
             r.num_cached = C + len(path)
             new = [int(t.tokens[p]) for p in path] + [bonus]
+            if r.params.logprobs is not None:  # token j is drawn at node [root, *path][j]
+                self._record_logprobs(r, logits, [row - k + n for n in [0, *path]], new)
             self._record_spec(r, t, path)
             accepted_count[r.rid] = len(path)
             self._append(r, new, now)
@@ -616,6 +620,22 @@ class Engine:
             if not r.finished:
                 r.table.truncate(r.num_cached + 1)
         return finished, accepted_count
+
+    def _record_logprobs(self, r: Request, logits, rows: list[int], new: list[int]) -> None:
+        """Append the target's log-probabilities of ``new`` (token j drawn at logits row
+        ``rows[j]``) and the top ``params.logprobs`` alternatives; only the tokens that
+        ``_append`` then keeps stay (it may stop early)."""
+        lsm = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)], dim=-1)
+        ids = torch.tensor(new, device=logits.device)
+        chosen = lsm.gather(1, ids[:, None])[:, 0].tolist()
+        k = r.params.logprobs
+        if k:
+            top = lsm.topk(k, dim=-1)
+            alts = [tuple(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+        else:
+            alts = [()] * len(new)
+        keep = r.num_output  # _append trims what it does not keep
+        r.logprobs[keep:] = list(zip(chosen, alts))
 
     def _sample(self, logits_row: torch.Tensor, r: Request) -> int:
         p = target_probs(logits_row, r.params)[0]
@@ -655,6 +675,14 @@ class Engine:
 
     def _append(self, r: Request, new: list[int], now: float) -> None:
         """Append tokens one by one, stopping at EOS / stop ids / stop strings / limits."""
+        p = r.params
+        try:
+            self._append_tokens(r, new, now)
+        finally:
+            if p.logprobs is not None:
+                del r.logprobs[r.num_output :]  # the logprobs of tokens not appended
+
+    def _append_tokens(self, r: Request, new: list[int], now: float) -> None:
         p = r.params
         for tok in new:
             r.tokens.append(tok)

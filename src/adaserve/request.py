@@ -80,6 +80,8 @@ class Request:
         self.admit_seq = 0
         self.cancelled = False
         self.degraded_from: str | None = None
+        # per output token when params.logprobs is set: (logprob, ((id, logprob), ...))
+        self.logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = []
 
     @property
     def output_ids(self) -> list[int]:

@@ -23,6 +23,10 @@ class SamplingParams:
     stop: tuple[str, ...] | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # log-probability of each generated token under the target model (raw logits, before
+    # temperature/top-p, as vLLM's default) plus this many most likely alternatives;
+    # None = none recorded
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +50,11 @@ class SamplingParams:
             raise InvalidRequestError("seed must be a non-negative integer", "seed")
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop must be non-empty strings", "stop")
+        lp = self.logprobs
+        if lp is not None and (
+            not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= 20
+        ):
+            raise InvalidRequestError("logprobs must be an integer in [0, 20]", "logprobs")
 
     @property
     def greedy(self) -> bool:
