@@ -222,7 +222,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "priority": 1.5}, 400, "priority"),
     ({"prompt": "x", "service_tier": "gold"}, 400, "service_tier"),
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
-    ({"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": 2, "echo": True}, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
     ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"prompt": "x", "min_p": 0.1}, 400, "min_p"),
@@ -244,6 +245,7 @@ BAD_CHAT = [
     ({}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3}, 400, None),
     ({"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
 ]
 
 
@@ -462,3 +464,47 @@ def test_percentiles_use_numpy_linear():
 
     v = [1.0, 2.0, 3.0, 10.0]
     assert _pcts(v)["p95"] == pytest.approx(float(np.percentile(v, 95)))
+
+
+def test_logprobs_through_the_openai_client(srv, tok, tmp_path_factory):
+    """``logprobs`` (completions) and ``logprobs``/``top_logprobs`` (chat), streaming or
+    not: the target's log-probabilities of the generated tokens, the same as the Python
+    API computes with plain decoding."""
+    from adaserve import LLM, SamplingParams
+
+    c = srv.client()
+    prompt = "def add(a, b):"
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
+    r = c.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == n
+    for v, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert v <= 0 and len(top) <= 3
+        # greedy: the top token (tokens that decode alike share one key of the dict)
+        assert v >= max(top.values()) - 1e-6
+    target, _ = model_pair(tmp_path_factory)
+    ref = LLM(model=str(target), no_draft=True, policy="ar", kv_cache_bytes=16 << 20).generate(
+        [tok.encode(prompt)], SamplingParams(max_tokens=8, logprobs=3)
+    )[0]
+    assert [tok.decode([t.token_id]) for t in ref.logprobs] == lp.tokens
+    assert np.allclose([t.logprob for t in ref.logprobs], lp.token_logprobs, atol=1e-4)
+    streamed = [
+        ch.choices[0].logprobs
+        for ch in c.completions.create(stream=True, **kw)
+        if ch.choices and ch.choices[0].logprobs
+    ]
+    assert sum((x.tokens for x in streamed), []) == lp.tokens
+    got = sum((x.token_logprobs for x in streamed), [])
+    assert np.allclose(got, lp.token_logprobs, atol=1e-4)
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = c.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for t in content:
+        assert bytes(t.bytes).decode() == t.token and len(t.top_logprobs) == 2
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-6)
+    plain = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None

@@ -298,8 +298,8 @@ class ServerState:
             raise _unsupported("suffix", "suffix is not supported")
         if body.best_of not in (None, 1):
             raise _unsupported("best_of", "best_of > 1 is not supported")
-        if body.logprobs:
-            raise _unsupported("logprobs", "logprobs are not supported")
+        if body.logprobs is not None and body.echo:
+            raise _unsupported("logprobs", "prompt logprobs (echo with logprobs) are not supported")
         p = body.prompt
         if isinstance(p, str):
             prompts = [self.check_ids(await self.encode(p, "prompt"), "prompt")]
@@ -321,8 +321,8 @@ class ServerState:
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self.check_body(body)
-        if body.logprobs or body.top_logprobs:
-            raise _unsupported("logprobs", "logprobs are not supported")
+        if body.top_logprobs and not body.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         if not body.messages:
             raise ApiError(400, "messages must not be empty", param="messages")
         tok = self.loop.info.tokenizer
@@ -373,6 +373,7 @@ class ServerState:
                 stop=stop,
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 ignore_eos=body.ignore_eos,
+                logprobs=_requested_logprobs(body),
             )
         except InvalidRequestError as e:
             raise ApiError(400, str(e), param=e.param) from None
@@ -537,7 +538,7 @@ class ServerState:
                 ev = await _next_or_disconnect(job.sink, disc)
                 if ev is None:
                     return Response(status_code=499)
-                idx, _, final = ev
+                idx, final = ev[0], ev[2]
                 if final is not None:
                     finals[idx] = final
         finally:
@@ -548,16 +549,18 @@ class ServerState:
             if err is not None:
                 raise err
         choices = []
+        tok = self.loop.info.tokenizer
         for i in range(len(job.handles)):
             f = finals[i]
             text = f.text or ""
             fr = _finish_reason(f)
+            lp = _logprobs_json(tok, meta.kind, f.output_ids, f.logprobs)
             if meta.kind == "chat":
                 choices.append(
                     {
                         "index": i,
                         "message": {"role": "assistant", "content": text},
-                        "logprobs": None,
+                        "logprobs": lp,
                         "finish_reason": fr,
                         "metrics": f.metrics,
                     }
@@ -569,7 +572,7 @@ class ServerState:
                     {
                         "index": i,
                         "text": text,
-                        "logprobs": None,
+                        "logprobs": lp,
                         "finish_reason": fr,
                         "metrics": f.metrics,
                     }
@@ -597,7 +600,7 @@ class ServerState:
             disc.cancel()
         if first is None:
             return Response(status_code=499)
-        _, _, final = first
+        final = first[2]
         if final is not None:
             err = self._final_error(final, job.handles[0].ctx.cls)
             if err is not None:
@@ -612,14 +615,14 @@ class ServerState:
         chat = meta.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(i: int, text: str | None, finish=None, metrics=None) -> str:
+        def chunk(i: int, text: str | None, finish=None, metrics=None, lp=None) -> str:
             if chat:
                 delta = {} if text is None else {"content": text}
                 if text is None and finish is None:
                     delta = {"role": "assistant", "content": ""}
-                c = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+                c = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                c = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+                c = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
             out = {
                 "id": meta.id,
                 "object": obj,
@@ -640,11 +643,12 @@ class ServerState:
         completion_tokens = 0
         ev = first
         while True:
-            idx, new, final = ev
+            idx, new, final, lps = ev
             if final is None:
                 delta = detok[idx].push(new)
-                if delta:
-                    yield chunk(idx, delta)
+                lp = _logprobs_json(tok, meta.kind, new, lps) if lps else None
+                if delta or lp:
+                    yield chunk(idx, delta, lp=lp)
             else:
                 left -= 1
                 completion_tokens += final.completion_tokens
@@ -654,7 +658,8 @@ class ServerState:
                     yield f"data: {_dumps(err.body())}\n\n"
                     break
                 delta = detok[idx].finish(final.text)
-                yield chunk(idx, delta or None, _finish_reason(final), final.metrics)
+                lp = _logprobs_json(tok, meta.kind, new, lps) if lps else None
+                yield chunk(idx, delta or None, _finish_reason(final), final.metrics, lp=lp)
                 if left == 0:
                     break
             ev = await job.sink.get()
@@ -669,6 +674,51 @@ class ServerState:
             }
             yield f"data: {_dumps(usage)}\n\n"
         yield "data: [DONE]\n\n"
+
+
+def _requested_logprobs(body) -> int | None:
+    """SamplingParams.logprobs of a request: completions' ``logprobs: N``, chat's
+    ``logprobs: true`` with ``top_logprobs: N`` (0 when absent); None when not asked."""
+    lp = getattr(body, "logprobs", None)
+    if isinstance(lp, bool):
+        return (body.top_logprobs or 0) if lp else None
+    return lp
+
+
+def _token_text(tok, token_id: int) -> str:
+    """The text of one token (``token_id:N`` without a tokenizer, as vLLM writes it)."""
+    return tok.decode([token_id]) if tok is not None else f"token_id:{token_id}"
+
+
+def _logprobs_json(tok, kind: str, ids, entries) -> dict | None:
+    """The OpenAI ``logprobs`` object of some output tokens: chat's ``{"content": [...]}``
+    or completions' ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``.
+    ``entries``: (logprob, ((id, logprob), ...)) per token, or None (not requested)."""
+    if entries is None:
+        return None
+    ids = list(ids)[: len(entries)]
+    texts = [_token_text(tok, t) for t in ids]
+    if kind == "chat":
+
+        def item(text: str, lp: float) -> dict:
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        return {
+            "content": [
+                {**item(s, lp), "top_logprobs": [item(_token_text(tok, t), v) for t, v in top]}
+                for s, (lp, top) in zip(texts, entries)
+            ]
+        }
+    offsets, pos = [], 0
+    for s in texts:
+        offsets.append(pos)
+        pos += len(s)
+    return {
+        "tokens": texts,
+        "token_logprobs": [lp for lp, _ in entries],
+        "top_logprobs": [{_token_text(tok, t): v for t, v in top} for _, top in entries],
+        "text_offset": offsets,
+    }
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,8 @@ class Final:
     token_times: tuple[float, ...]
     arrival: float
     finished_at: float
+    # per output token (logprob, ((id, logprob), ...)) when the request asked for them
+    logprobs: tuple | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -95,8 +97,9 @@ class Final:
 class Handle:
     """One engine request as the HTTP side sees it.
 
-    ``sink`` receives ``(index, new_ids, final)`` tuples (``final`` None until done);
-    with ``want_tokens`` False only the final tuple is sent. ``ctx`` is opaque data
+    ``sink`` receives ``(index, new_ids, final, new_logprobs)`` tuples (``final`` None
+    until done; ``new_logprobs`` the entries of ``new_ids`` when the request asked for
+    logprobs, else None); with ``want_tokens`` False only the final tuple is sent. ``ctx`` is opaque data
     for the finish callback (tenant, class, price).
     """
 
@@ -129,10 +132,10 @@ class Handle:
     def done(self) -> bool:
         return self.final is not None
 
-    def _deliver(self, new_ids: list[int], final: Final | None) -> None:
+    def _deliver(self, new_ids: list[int], final: Final | None, new_logprobs=None) -> None:
         if final is not None:
             self.final = final
-        self.sink.put_nowait((self.index, new_ids, final))
+        self.sink.put_nowait((self.index, new_ids, final, new_logprobs))
 
 
 class EngineLoop:
@@ -348,6 +351,9 @@ class EngineLoop:
             if n <= h.sent and not r.finished:
                 continue
             new = r.output_ids[h.sent : n] if h.want_tokens else []
+            lps = (
+                r.logprobs[h.sent : n] if h.want_tokens and r.params.logprobs is not None else None
+            )
             h.sent = n
             final = None
             if r.finished:
@@ -356,7 +362,7 @@ class EngineLoop:
             elif not h.want_tokens:
                 continue
             with contextlib.suppress(RuntimeError):  # the event loop is gone
-                h.loop.call_soon_threadsafe(h._deliver, new, final)
+                h.loop.call_soon_threadsafe(h._deliver, new, final, lps)
         self._publish_snapshot()
         self._refresh_class_slos()
 
@@ -381,6 +387,7 @@ class EngineLoop:
             token_times=tuple(r.token_times),
             arrival=r.arrival,
             finished_at=r.finished_at or time.perf_counter(),
+            logprobs=tuple(r.logprobs) if r.params.logprobs is not None else None,
         )
         if self.on_finish is not None:
             try:
