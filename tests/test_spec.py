@@ -347,3 +347,30 @@ def test_logprobs_are_the_targets_and_unchanged_by_speculation(tiny_pair, profil
     assert SamplingParams().logprobs is None
     with pytest.raises(InvalidRequestError, match="logprobs"):
         SamplingParams(logprobs=21)
+
+
+def test_prompt_logprobs_score_every_prompt_token_across_prefill_chunks(tiny_pair):
+    """``SamplingParams(prompt_logprobs=k)``: each prompt token's log-probability given
+    the tokens before it (the first has none), over chunked prefills, next to requests
+    that did not ask (whose outputs are unchanged)."""
+    target, _, hf = tiny_pair
+    prompts = random_prompts(5, seed=13, lo=20, hi=70)
+    asked = SamplingParams(max_tokens=4, prompt_logprobs=2, logprobs=1)
+    plain = SamplingParams(max_tokens=4)
+    params = [asked, plain, asked, plain, asked]
+    llm = LLM(model=str(target), no_draft=True, policy="ar", max_prefill_tokens=16)
+    outs = llm.generate(prompts, params)
+    ref = LLM(model=str(target), no_draft=True, policy="ar").generate(prompts, plain)
+    for p, o, r, sp in zip(prompts, outs, ref, params):
+        assert o.token_ids == r.token_ids
+        if sp is plain:
+            assert o.prompt_logprobs is None and o.logprobs is None
+            continue
+        assert len(o.prompt_logprobs) == len(p) and o.prompt_logprobs[0] is None
+        with torch.no_grad():
+            lsm = torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), -1)
+        for i, tl in enumerate(o.prompt_logprobs[1:], start=1):
+            assert tl.token_id == p[i]
+            assert abs(tl.logprob - lsm[i - 1, p[i]].item()) < 1e-4
+            assert [t for t, _ in tl.top] == lsm[i - 1].topk(2).indices.tolist()
+        assert abs(o.logprobs[0].logprob - lsm[-1, o.token_ids[0]].item()) < 1e-4

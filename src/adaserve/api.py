@@ -25,6 +25,8 @@ class RequestOutput:
     # with SamplingParams(logprobs=k): per generated token, its log-probability under
     # the target and the k most likely tokens at that position
     logprobs: list[TokenLogprob] | None = None
+    # with SamplingParams(prompt_logprobs=k): the same per prompt token (the first None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,16 @@ def token_logprobs(r: Request) -> list[TokenLogprob] | None:
     if r.params.logprobs is None:
         return None
     return [TokenLogprob(t, lp, top) for t, (lp, top) in zip(r.output_ids, r.logprobs)]
+
+
+def prompt_token_logprobs(r: Request) -> list[TokenLogprob | None] | None:
+    """A request's prompt logprobs, None for the first token (None when not asked)."""
+    if r.params.prompt_logprobs is None:
+        return None
+    return [
+        None if e is None else TokenLogprob(t, e[0], e[1])
+        for t, e in zip(r.prompt_ids, r.prompt_logprobs)
+    ]
 
 
 def request_metrics(engine: Engine, r: Request) -> dict:
@@ -127,6 +139,7 @@ class LLM:
                 finish_reason=r.finish_reason,
                 metrics=request_metrics(eng, r),
                 logprobs=token_logprobs(r),
+                prompt_logprobs=prompt_token_logprobs(r),
             )
             for r in reqs
         ]

@@ -521,6 +521,7 @@ class Engine:
         decoding request, its 1+N tree nodes (root first). Returns [rows, V] float32.
         """
         seqs, ids, rows = [], [], []
+        extra: list[tuple[Request, int, int, int]] = []  # (request, position, row, count)
         pos = 0
         for r, n in batch.prefill:
             nc = r.num_cached
@@ -530,6 +531,11 @@ class Engine:
             ids.extend(r.tokens[nc : nc + n])
             if nc + n == len(r.tokens):
                 rows.append(pos + n - 1)
+            if r.params.prompt_logprobs is not None:
+                # rows nc..: the distributions of prompt tokens nc+1.. (not the output's)
+                m = min(n, len(r.prompt_ids) - 1 - nc)
+                if m > 0:
+                    extra.append((r, nc, pos, m))
             pos += n
         for r in batch.decode:
             t = subtrees[r.rid]
@@ -555,7 +561,37 @@ class Engine:
         hidden = self.target(
             torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_target.layers
         )
-        return self.target.logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
+        n_rows = len(rows)
+        for _, _, row, m in extra:  # after every row _commit reads
+            rows.extend(range(row, row + m))
+        logits = self.target.logits(
+            hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        )
+        if extra:
+            self._record_prompt_logprobs(extra, logits[n_rows:])
+        return logits[:n_rows]
+
+    def _record_prompt_logprobs(self, extra, logits: torch.Tensor) -> None:
+        """Prompt logprobs (``params.prompt_logprobs``) from this prefill chunk's rows:
+        row j of a chunk starting at position p scores prompt token p + j + 1.
+        logits: [sum of counts, V], in ``extra`` order."""
+        lsm = torch.log_softmax(logits, dim=-1)
+        at = 0
+        for r, p, _, m in extra:
+            part = lsm[at : at + m]
+            at += m
+            ids = torch.tensor(r.prompt_ids[p + 1 : p + 1 + m], device=part.device)
+            chosen = part.gather(1, ids[:, None])[:, 0].tolist()
+            k = r.params.prompt_logprobs
+            if k:
+                top = part.topk(k, dim=-1)
+                alts = [tuple(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+            else:
+                alts = [()] * m
+            if not r.prompt_logprobs:
+                r.prompt_logprobs = [None]  # the first token has no context to score it
+            del r.prompt_logprobs[p + 1 :]  # a chunk prefilled again after preemption
+            r.prompt_logprobs.extend(zip(chosen, alts))
 
     # ------------------------------------------------------------------ commit
     def _commit(self, batch, subtrees, drafts, logits) -> tuple[list[Request], dict[int, int]]:

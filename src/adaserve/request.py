@@ -82,6 +82,8 @@ class Request:
         self.degraded_from: str | None = None
         # per output token when params.logprobs is set: (logprob, ((id, logprob), ...))
         self.logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = []
+        # per prompt token when params.prompt_logprobs is set (the first one None)
+        self.prompt_logprobs: list = []
 
     @property
     def output_ids(self) -> list[int]:

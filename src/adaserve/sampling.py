@@ -27,6 +27,8 @@ class SamplingParams:
     # temperature/top-p, as vLLM's default) plus this many most likely alternatives;
     # None = none recorded
     logprobs: int | None = None
+    # the same for the prompt's tokens (the first has none), as vLLM's prompt_logprobs
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,11 +52,12 @@ class SamplingParams:
             raise InvalidRequestError("seed must be a non-negative integer", "seed")
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop must be non-empty strings", "stop")
-        lp = self.logprobs
-        if lp is not None and (
-            not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= 20
-        ):
-            raise InvalidRequestError("logprobs must be an integer in [0, 20]", "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            lp = getattr(self, name)
+            if lp is not None and (
+                not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= 20
+            ):
+                raise InvalidRequestError(f"{name} must be an integer in [0, 20]", name)
 
     @property
     def greedy(self) -> bool:
