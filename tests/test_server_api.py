@@ -222,7 +222,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "priority": 1.5}, 400, "priority"),
     ({"prompt": "x", "service_tier": "gold"}, 400, "service_tier"),
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
-    ({"prompt": "x", "logprobs": 2, "echo": True}, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": 2, "echo": True, "stream": True}, 400, "logprobs"),
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
     ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
@@ -497,6 +497,18 @@ def test_logprobs_through_the_openai_client(srv, tok, tmp_path_factory):
     assert sum((x.tokens for x in streamed), []) == lp.tokens
     got = sum((x.token_logprobs for x in streamed), [])
     assert np.allclose(got, lp.token_logprobs, atol=1e-4)
+    # echo + logprobs: the prompt's tokens scored too (the first has none), as OpenAI's
+    scored = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1)
+    slp = scored.choices[0].logprobs
+    ids = tok.encode(prompt)
+    assert len(slp.tokens) == len(ids) + 1 and slp.token_logprobs[0] is None
+    assert slp.top_logprobs[0] is None
+    pref = LLM(model=str(target), no_draft=True, policy="ar", kv_cache_bytes=16 << 20).generate(
+        [ids], SamplingParams(max_tokens=1, prompt_logprobs=1)
+    )[0]
+    want = [t.logprob for t in pref.prompt_logprobs[1:]]
+    assert np.allclose(slp.token_logprobs[1 : len(ids)], want, atol=1e-4)
+    assert slp.text_offset == sorted(slp.text_offset)
     msgs = [{"role": "user", "content": "hi"}]
     chat = c.chat.completions.create(
         model=MODEL, messages=msgs, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2

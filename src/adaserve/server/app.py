@@ -298,8 +298,10 @@ class ServerState:
             raise _unsupported("suffix", "suffix is not supported")
         if body.best_of not in (None, 1):
             raise _unsupported("best_of", "best_of > 1 is not supported")
-        if body.logprobs is not None and body.echo:
-            raise _unsupported("logprobs", "prompt logprobs (echo with logprobs) are not supported")
+        if body.logprobs is not None and body.echo and body.stream:
+            raise _unsupported(
+                "logprobs", "prompt logprobs (echo with logprobs) are not streamed: stream=false"
+            )
         p = body.prompt
         if isinstance(p, str):
             prompts = [self.check_ids(await self.encode(p, "prompt"), "prompt")]
@@ -374,6 +376,7 @@ class ServerState:
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 ignore_eos=body.ignore_eos,
                 logprobs=_requested_logprobs(body),
+                prompt_logprobs=body.logprobs if getattr(body, "echo", False) else None,
             )
         except InvalidRequestError as e:
             raise ApiError(400, str(e), param=e.param) from None
@@ -555,6 +558,11 @@ class ServerState:
             text = f.text or ""
             fr = _finish_reason(f)
             lp = _logprobs_json(tok, meta.kind, f.output_ids, f.logprobs)
+            if lp is not None and meta.echo is not None and f.prompt_logprobs is not None:
+                ids = job.handles[i].prompt_ids
+                lp = _logprobs_json(
+                    tok, meta.kind, [*ids, *f.output_ids], (*f.prompt_logprobs, *f.logprobs)
+                )
             if meta.kind == "chat":
                 choices.append(
                     {
@@ -713,10 +721,12 @@ def _logprobs_json(tok, kind: str, ids, entries) -> dict | None:
     for s in texts:
         offsets.append(pos)
         pos += len(s)
-    return {
+    return {  # an echoed prompt's first token has no logprob: None, as OpenAI's
         "tokens": texts,
-        "token_logprobs": [lp for lp, _ in entries],
-        "top_logprobs": [{_token_text(tok, t): v for t, v in top} for _, top in entries],
+        "token_logprobs": [None if e is None else e[0] for e in entries],
+        "top_logprobs": [
+            None if e is None else {_token_text(tok, t): v for t, v in e[1]} for e in entries
+        ],
         "text_offset": offsets,
     }
 

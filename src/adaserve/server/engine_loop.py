@@ -88,6 +88,8 @@ class Final:
     finished_at: float
     # per output token (logprob, ((id, logprob), ...)) when the request asked for them
     logprobs: tuple | None = None
+    # the same per prompt token, the first None (params.prompt_logprobs)
+    prompt_logprobs: tuple | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -388,6 +390,9 @@ class EngineLoop:
             arrival=r.arrival,
             finished_at=r.finished_at or time.perf_counter(),
             logprobs=tuple(r.logprobs) if r.params.logprobs is not None else None,
+            prompt_logprobs=(
+                tuple(r.prompt_logprobs) if r.params.prompt_logprobs is not None else None
+            ),
         )
         if self.on_finish is not None:
             try:
