@@ -580,18 +580,13 @@ class Engine:
         for r, p, _, m in extra:
             part = lsm[at : at + m]
             at += m
-            ids = torch.tensor(r.prompt_ids[p + 1 : p + 1 + m], device=part.device)
-            chosen = part.gather(1, ids[:, None])[:, 0].tolist()
-            k = r.params.prompt_logprobs
-            if k:
-                top = part.topk(k, dim=-1)
-                alts = [tuple(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
-            else:
-                alts = [()] * m
+            scored = _logprob_entries(
+                part, r.prompt_ids[p + 1 : p + 1 + m], r.params.prompt_logprobs
+            )
             if not r.prompt_logprobs:
                 r.prompt_logprobs = [None]  # the first token has no context to score it
             del r.prompt_logprobs[p + 1 :]  # a chunk prefilled again after preemption
-            r.prompt_logprobs.extend(zip(chosen, alts))
+            r.prompt_logprobs.extend(scored)
 
     # ------------------------------------------------------------------ commit
     def _commit(self, batch, subtrees, drafts, logits) -> tuple[list[Request], dict[int, int]]:
@@ -662,16 +657,8 @@ class Engine:
         ``rows[j]``) and the top ``params.logprobs`` alternatives; only the tokens that
         ``_append`` then keeps stay (it may stop early)."""
         lsm = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)], dim=-1)
-        ids = torch.tensor(new, device=logits.device)
-        chosen = lsm.gather(1, ids[:, None])[:, 0].tolist()
-        k = r.params.logprobs
-        if k:
-            top = lsm.topk(k, dim=-1)
-            alts = [tuple(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
-        else:
-            alts = [()] * len(new)
         keep = r.num_output  # _append trims what it does not keep
-        r.logprobs[keep:] = list(zip(chosen, alts))
+        r.logprobs[keep:] = _logprob_entries(lsm, new, r.params.logprobs)
 
     def _sample(self, logits_row: torch.Tensor, r: Request) -> int:
         p = target_probs(logits_row, r.params)[0]
@@ -801,3 +788,14 @@ class Engine:
 
     def kv_usage(self) -> float:
         return self.allocator.usage
+
+
+def _logprob_entries(lsm: torch.Tensor, ids: list[int], k: int) -> list:
+    """lsm: [n, V] log-probabilities; ids: the n tokens taken -> per token
+    (its logprob, ((id, logprob) of the k most likely, best first))."""
+    chosen = lsm.gather(1, torch.tensor(ids, device=lsm.device)[:, None])[:, 0].tolist()
+    if not k:
+        return [(c, ()) for c in chosen]
+    top = lsm.topk(k, dim=-1)
+    alts = [tuple(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+    return list(zip(chosen, alts))
