@@ -223,6 +223,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "service_tier": "gold"}, 400, "service_tier"),
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
     ({"prompt": "x", "logprobs": 2, "echo": True, "stream": True}, 400, "logprobs"),
+    ({"prompt": "x", "max_tokens": 0, "echo": True, "stream": True}, 400, "max_tokens"),
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
     ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
@@ -509,6 +510,12 @@ def test_logprobs_through_the_openai_client(srv, tok, tmp_path_factory):
     want = [t.logprob for t in pref.prompt_logprobs[1:]]
     assert np.allclose(slp.token_logprobs[1 : len(ids)], want, atol=1e-4)
     assert slp.text_offset == sorted(slp.text_offset)
+    # max_tokens=0 with echo (OpenAI's scoring form): the prompt alone, scored
+    only = c.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    olp = only.choices[0].logprobs
+    assert only.usage.completion_tokens == 0 and len(olp.tokens) == len(ids)
+    assert only.choices[0].text == tok.decode(ids)
+    assert np.allclose(olp.token_logprobs[1:], want, atol=1e-4)
     msgs = [{"role": "user", "content": "hi"}]
     chat = c.chat.completions.create(
         model=MODEL, messages=msgs, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2

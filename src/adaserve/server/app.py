@@ -298,6 +298,13 @@ class ServerState:
             raise _unsupported("suffix", "suffix is not supported")
         if body.best_of not in (None, 1):
             raise _unsupported("best_of", "best_of > 1 is not supported")
+        score_only = body.max_tokens == 0  # OpenAI's scoring form: echo, no completion
+        if score_only and not body.echo:
+            raise ApiError(
+                400, "max_tokens must be at least 1 (0 only with echo=true)", param="max_tokens"
+            )
+        if score_only and body.stream:
+            raise _unsupported("max_tokens", "max_tokens=0 (scoring the prompt) is not streamed")
         if body.logprobs is not None and body.echo and body.stream:
             raise _unsupported(
                 "logprobs", "prompt logprobs (echo with logprobs) are not streamed: stream=false"
@@ -318,7 +325,15 @@ class ServerState:
             tok = self.loop.info.tokenizer
             echo = [tok.decode(ids) if tok is not None else "" for ids in prompts]
         return await self._generate(
-            request, body, "completion", prompts, body.max_tokens, 16, echo, "prompt"
+            request,
+            body,
+            "completion",
+            prompts,
+            1 if score_only else body.max_tokens,  # one token is generated and dropped
+            16,
+            echo,
+            "prompt",
+            score_only=score_only,
         )
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
@@ -391,6 +406,7 @@ class ServerState:
         default_max: int | None,
         echo: list[str] | None,
         prompt_param: str,
+        score_only: bool = False,
     ):
         info = self.loop.info
         tenant: Tenant = request.state.tenant
@@ -474,6 +490,7 @@ class ServerState:
                 service_tier=body.service_tier or "default",
                 echo=echo,
                 stop_holdback=max((len(s) for s in params[0].stop or ()), default=1) - 1,
+                score_only=score_only,
             )
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -557,11 +574,14 @@ class ServerState:
             f = finals[i]
             text = f.text or ""
             fr = _finish_reason(f)
-            lp = _logprobs_json(tok, meta.kind, f.output_ids, f.logprobs)
+            out_ids, out_lps = f.output_ids, f.logprobs
+            if meta.score_only:
+                text, fr, out_ids, out_lps = "", "length", [], () if out_lps is not None else None
+            lp = _logprobs_json(tok, meta.kind, out_ids, out_lps)
             if lp is not None and meta.echo is not None and f.prompt_logprobs is not None:
                 ids = job.handles[i].prompt_ids
                 lp = _logprobs_json(
-                    tok, meta.kind, [*ids, *f.output_ids], (*f.prompt_logprobs, *f.logprobs)
+                    tok, meta.kind, [*ids, *out_ids], (*f.prompt_logprobs, *out_lps)
                 )
             if meta.kind == "chat":
                 choices.append(
@@ -586,6 +606,8 @@ class ServerState:
                     }
                 )
         completion_tokens = sum(f.completion_tokens for f in finals.values())
+        if meta.score_only:
+            completion_tokens = 0
         return _JSON(
             {
                 "id": meta.id,
@@ -741,6 +763,7 @@ class _Meta:
     service_tier: str
     echo: list[str] | None
     stop_holdback: int
+    score_only: bool = False  # max_tokens=0 with echo: the generated token is dropped
 
 
 class _Detok:

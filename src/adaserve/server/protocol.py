@@ -81,7 +81,8 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    # 0 only with echo: score the prompt, generate nothing (checked by the handler)
+    max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=64)
