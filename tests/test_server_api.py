@@ -222,7 +222,6 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "priority": 1.5}, 400, "priority"),
     ({"prompt": "x", "service_tier": "gold"}, 400, "service_tier"),
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
-    ({"prompt": "x", "logprobs": 2, "echo": True, "stream": True}, 400, "logprobs"),
     ({"prompt": "x", "max_tokens": 0, "echo": True, "stream": True}, 400, "max_tokens"),
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
@@ -499,7 +498,8 @@ def test_logprobs_through_the_openai_client(srv, tok, tmp_path_factory):
     got = sum((x.token_logprobs for x in streamed), [])
     assert np.allclose(got, lp.token_logprobs, atol=1e-4)
     # echo + logprobs: the prompt's tokens scored too (the first has none), as OpenAI's
-    scored = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1)
+    score = dict(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    scored = c.completions.create(**score)
     slp = scored.choices[0].logprobs
     ids = tok.encode(prompt)
     assert len(slp.tokens) == len(ids) + 1 and slp.token_logprobs[0] is None
@@ -510,6 +510,14 @@ def test_logprobs_through_the_openai_client(srv, tok, tmp_path_factory):
     want = [t.logprob for t in pref.prompt_logprobs[1:]]
     assert np.allclose(slp.token_logprobs[1 : len(ids)], want, atol=1e-4)
     assert slp.text_offset == sorted(slp.text_offset)
+    streamed = [
+        ch.choices[0].logprobs
+        for ch in c.completions.create(stream=True, **score)
+        if ch.choices and ch.choices[0].logprobs
+    ]
+    assert sum((x.tokens for x in streamed), []) == slp.tokens
+    got = sum((x.token_logprobs for x in streamed), [])
+    assert got[0] is None and np.allclose(got[1:], slp.token_logprobs[1:], atol=1e-4)
     # max_tokens=0 with echo (OpenAI's scoring form): the prompt alone, scored
     only = c.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
     olp = only.choices[0].logprobs

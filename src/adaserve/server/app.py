@@ -305,10 +305,6 @@ class ServerState:
             )
         if score_only and body.stream:
             raise _unsupported("max_tokens", "max_tokens=0 (scoring the prompt) is not streamed")
-        if body.logprobs is not None and body.echo and body.stream:
-            raise _unsupported(
-                "logprobs", "prompt logprobs (echo with logprobs) are not streamed: stream=false"
-            )
         p = body.prompt
         if isinstance(p, str):
             prompts = [self.check_ids(await self.encode(p, "prompt"), "prompt")]
@@ -673,10 +669,13 @@ class ServerState:
         completion_tokens = 0
         ev = first
         while True:
-            idx, new, final, lps = ev
+            idx, new, final, lps, plps = ev
+            lp_ids, lp_entries = new, lps
+            if plps is not None and lps is not None:  # echo: the prompt's logprobs first
+                lp_ids, lp_entries = [*job.handles[idx].prompt_ids, *new], (*plps, *lps)
+            lp = _logprobs_json(tok, meta.kind, lp_ids, lp_entries) if lp_entries else None
             if final is None:
                 delta = detok[idx].push(new)
-                lp = _logprobs_json(tok, meta.kind, new, lps) if lps else None
                 if delta or lp:
                     yield chunk(idx, delta, lp=lp)
             else:
@@ -688,7 +687,6 @@ class ServerState:
                     yield f"data: {_dumps(err.body())}\n\n"
                     break
                 delta = detok[idx].finish(final.text)
-                lp = _logprobs_json(tok, meta.kind, new, lps) if lps else None
                 yield chunk(idx, delta or None, _finish_reason(final), final.metrics, lp=lp)
                 if left == 0:
                     break

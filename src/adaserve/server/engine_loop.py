@@ -99,9 +99,11 @@ class Final:
 class Handle:
     """One engine request as the HTTP side sees it.
 
-    ``sink`` receives ``(index, new_ids, final, new_logprobs)`` tuples (``final`` None
-    until done; ``new_logprobs`` the entries of ``new_ids`` when the request asked for
-    logprobs, else None); with ``want_tokens`` False only the final tuple is sent. ``ctx`` is opaque data
+    ``sink`` receives ``(index, new_ids, final, new_logprobs, prompt_logprobs)`` tuples
+    (``final`` None until done; ``new_logprobs`` the entries of ``new_ids`` when the
+    request asked for logprobs, else None; ``prompt_logprobs`` the prompt's, on the first
+    tuple of a request that asked for them); with ``want_tokens`` False only the final
+    tuple is sent. ``ctx`` is opaque data
     for the finish callback (tenant, class, price).
     """
 
@@ -134,10 +136,12 @@ class Handle:
     def done(self) -> bool:
         return self.final is not None
 
-    def _deliver(self, new_ids: list[int], final: Final | None, new_logprobs=None) -> None:
+    def _deliver(
+        self, new_ids: list[int], final: Final | None, new_logprobs=None, prompt_logprobs=None
+    ) -> None:
         if final is not None:
             self.final = final
-        self.sink.put_nowait((self.index, new_ids, final, new_logprobs))
+        self.sink.put_nowait((self.index, new_ids, final, new_logprobs, prompt_logprobs))
 
 
 class EngineLoop:
@@ -356,6 +360,9 @@ class EngineLoop:
             lps = (
                 r.logprobs[h.sent : n] if h.want_tokens and r.params.logprobs is not None else None
             )
+            plps = None
+            if h.sent == 0 and h.want_tokens and r.params.prompt_logprobs is not None:
+                plps = tuple(r.prompt_logprobs)
             h.sent = n
             final = None
             if r.finished:
@@ -364,7 +371,7 @@ class EngineLoop:
             elif not h.want_tokens:
                 continue
             with contextlib.suppress(RuntimeError):  # the event loop is gone
-                h.loop.call_soon_threadsafe(h._deliver, new, final, lps)
+                h.loop.call_soon_threadsafe(h._deliver, new, final, lps, plps)
         self._publish_snapshot()
         self._refresh_class_slos()
 
