@@ -45,6 +45,7 @@ def test_generate_json_with_token_ids(tiny_pair, tmp_path):
     assert set(out["stats"]) >= {"steps", "drafted_tokens", "accepted_tokens", "tokens_per_step"}
     assert len(out["token_ids"]) == 9 and out["text"] is None
     assert out["stats"]["accepted_tokens"] > 0  # the target drafts for itself
+    assert out["logprobs"] is None  # not asked
     ref = LLM(model=str(target), no_draft=True, policy="ar").generate(
         [[5, 6, 7, 8]], SamplingParams(max_tokens=9)
     )
@@ -143,3 +144,23 @@ def test_gpu_check_script_compares_speculative_and_autoregressive_output(tmp_pat
     res = json.loads(out.read_text())
     assert res["identical_outputs"] == res["prompts"] == 8
     assert max(res["adaserve"]["tokens_per_step"]) > 1.0  # it did speculate
+
+
+def test_generate_json_with_logprobs(tiny_pair, tmp_path):
+    import os
+
+    target, _, _ = tiny_pair
+    env = dict(os.environ, ADASERVE_CACHE=str(tmp_path))
+    r = adaserve(
+        "generate", "--model", str(target), "--no-draft", "--prompt", "5 6 7", "--token-ids",
+        "--max-tokens", "4", "--json", "--logprobs", "2", env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    lps = out["logprobs"]
+    assert [x["token_id"] for x in lps] == out["token_ids"]
+    for x in lps:  # greedy: each token is its position's most likely one
+        assert len(x["top"]) == 2 and x["top"][0][0] == x["token_id"]
+        assert x["logprob"] == x["top"][0][1] and x["top"][1][1] <= x["logprob"] <= 0
+    r = adaserve("generate", "--prompt", "x", "--logprobs", "21", env=env)
+    assert r.returncode == 2 and "logprobs" in r.stderr

@@ -51,6 +51,7 @@ def _cmd_generate(args) -> int:
         max_tokens=args.max_tokens,
         seed=args.seed,
         stop=args.stop or None,
+        logprobs=args.logprobs,
     )
     out = llm.generate([prompt], sp, slo=args.slo_class)[0]
     m = out.metrics
@@ -69,6 +70,16 @@ def _cmd_generate(args) -> int:
                     "text": out.text,
                     "token_ids": out.token_ids,
                     "finish_reason": out.finish_reason,
+                    "logprobs": None
+                    if out.logprobs is None
+                    else [
+                        {
+                            "token_id": t.token_id,
+                            "logprob": t.logprob,
+                            "top": [list(x) for x in t.top],
+                        }
+                        for t in out.logprobs
+                    ],
                     "stats": stats,
                     "metrics": {k: m[k] for k in ("ttft_ms", "tpot_ms", "e2e_ms", "policy")},
                 }
@@ -204,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--policy", default="adaserve")
     g.add_argument("--slo-class", default=None, help="SLO class (default: chat)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --json: each token's logprob under the target and the K likeliest",
+    )
     g.set_defaults(func=_cmd_generate)
 
     pr = sub.add_parser("profile", help="measure the pair's latencies (hardware profile)")
