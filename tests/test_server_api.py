@@ -226,7 +226,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
     ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
-    ({"prompt": "x", "min_p": 0.1}, 400, "min_p"),
+    ({"prompt": "x", "min_p": 1.5}, 400, "min_p"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
 ]
 

@@ -191,7 +191,9 @@ def sample_joint(target, draft, policy, prompt, sp, n, draft_sample=False) -> np
         draft_sample=draft_sample,
     )
     params = [
-        SamplingParams(temperature=sp.temperature, top_p=sp.top_p, max_tokens=2, seed=i)
+        SamplingParams(
+            temperature=sp.temperature, top_p=sp.top_p, min_p=sp.min_p, max_tokens=2, seed=i
+        )
         for i in range(n)
     ]
     outs = llm.generate([prompt] * n, params)
@@ -207,15 +209,24 @@ PROMPT = [3, 7, 1, 4]
 
 
 @pytest.mark.parametrize(
-    "temperature, top_p, draft_sample",
-    [(1.0, 1.0, False), (1.0, 0.8, False), (1.0, 1.0, True), (1.5, 0.9, True)],
+    "temperature, top_p, draft_sample, min_p",
+    [
+        (1.0, 1.0, False, 0.0),
+        (1.0, 0.8, False, 0.0),
+        (1.0, 1.0, True, 0.0),
+        (1.5, 0.9, True, 0.0),
+        (1.5, 1.0, True, 0.05),
+    ],
 )
 def test_speculative_sampling_matches_target_distribution(
-    small_pair, temperature, top_p, draft_sample
+    small_pair, temperature, top_p, draft_sample, min_p
 ):
     target, draft = small_pair
-    sp = SamplingParams(temperature=temperature, top_p=top_p)
+    sp = SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p)
     probs = exact_joint(target, PROMPT, sp)
+    if min_p:  # it does cut tokens here
+        plain = exact_joint(target, PROMPT, SamplingParams(temperature=temperature, top_p=top_p))
+        assert (probs == 0).sum() > (plain == 0).sum()
     counts = sample_joint(target, draft, "spec-tree:3x3", PROMPT, sp, N_SAMPLES, draft_sample)
     assert not chi_square_rejects(counts, probs)
 
@@ -374,3 +385,15 @@ def test_prompt_logprobs_score_every_prompt_token_across_prefill_chunks(tiny_pai
             assert abs(tl.logprob - lsm[i - 1, p[i]].item()) < 1e-4
             assert [t for t, _ in tl.top] == lsm[i - 1].topk(2).indices.tolist()
         assert abs(o.logprobs[0].logprob - lsm[-1, o.token_ids[0]].item()) < 1e-4
+
+
+def test_min_p_keeps_tokens_at_least_min_p_times_the_likeliest():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04]]))
+    p = target_probs(logits, SamplingParams(temperature=1.0, min_p=0.15))
+    # 0.15 x 0.5 = 0.075: the last two drop, the rest renormalise
+    assert torch.allclose(p, torch.tensor([[0.5, 0.3, 0.1, 0.0, 0.0]]) / 0.9)
+    assert torch.equal(
+        target_probs(logits, SamplingParams(temperature=1.0, min_p=1.0)).argmax(), torch.tensor(0)
+    )
+    with pytest.raises(Exception, match="min_p"):
+        SamplingParams(min_p=1.5)

@@ -12,7 +12,8 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Processed target distribution: logits [N, V] -> probs [N, V] (float32).
 
     Temperature first, then top-k, then top-p (the smallest set whose mass reaches
-    top_p, always keeping the most likely token); the rest get probability 0.
+    top_p, always keeping the most likely token), then min-p (tokens less likely than
+    min_p times the most likely one); the rest get probability 0.
     """
     x = logits.float() / max(params.temperature, 1e-5)
     V = x.shape[-1]
@@ -27,6 +28,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop_sorted[..., 0] = False  # top_p below float32 resolution must not drop all
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
+    if params.min_p > 0:
+        p = x.softmax(-1)
+        x = x.masked_fill(p < params.min_p * p.amax(-1, keepdim=True), float("-inf"))
     return x.softmax(-1)
 
 

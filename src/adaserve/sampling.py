@@ -18,6 +18,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely (0 = off)
     max_tokens: int = 16
     seed: int | None = None
     stop: tuple[str, ...] | None = None
@@ -42,6 +43,9 @@ class SamplingParams:
         p = self.top_p
         if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
             raise InvalidRequestError("top_p must be in (0, 1]", "top_p")
+        m = self.min_p
+        if not isinstance(m, (int, float)) or math.isnan(m) or not 0 <= m <= 1:
+            raise InvalidRequestError("min_p must be in [0, 1]", "min_p")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequestError("top_k must be a non-negative integer (0 = off)", "top_k")
         if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:

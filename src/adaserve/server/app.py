@@ -251,8 +251,6 @@ class ServerState:
             raise _unsupported(
                 "repetition_penalty", "repetition_penalty other than 1 is not supported"
             )
-        if body.min_p:
-            raise _unsupported("min_p", "min_p other than 0 is not supported")
 
     def resolve(self, body, headers, tenant: Tenant) -> SLOChoice:
         info = self.loop.info
@@ -381,6 +379,7 @@ class ServerState:
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,
                 top_k=top_k,
+                min_p=body.min_p or 0.0,
                 max_tokens=max_tokens,
                 seed=seed,
                 stop=stop,
