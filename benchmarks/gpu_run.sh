@@ -20,4 +20,11 @@ step 90 python3 benchmarks/gpu_check.py --device cuda --dtype bfloat16 --out "$O
 step 90 python3 benchmarks/gpu_check.py --device cuda --dtype float32 --out "$OUT/gpu_check_fp32.json"
 step 120 python3 -m adaserve profile --shapes Qwen2.5-32B --device cuda --dtype bfloat16 \
     --reps 5 --out "$OUT/H200-qwen-32b-tp1.json"
+# defaults on CUDA: dtype auto and the KV pool gpu_memory_utilization leaves
+step 90 python3 -c "
+from adaserve import LLM, SamplingParams
+e = LLM(device='cuda').engine
+slots = e.allocator.num_blocks * e.cfg.block_size
+print('dtype', e.dtype, 'kv slots', slots, 'kv GiB', round(slots * e.kv_bytes_per_slot / 2**30, 1))
+"
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
