@@ -466,6 +466,16 @@ def test_percentiles_use_numpy_linear():
     assert _pcts(v)["p95"] == pytest.approx(float(np.percentile(v, 95)))
 
 
+def _streamed_logprobs(client, kw: dict) -> tuple[list, list]:
+    """(tokens, token_logprobs) of a streamed completion, its chunks' logprobs joined."""
+    parts = [
+        ch.choices[0].logprobs
+        for ch in client.completions.create(stream=True, **kw)
+        if ch.choices and ch.choices[0].logprobs
+    ]
+    return sum((x.tokens for x in parts), []), sum((x.token_logprobs for x in parts), [])
+
+
 def test_logprobs_through_the_openai_client(srv, tok, tmp_path_factory):
     """``logprobs`` (completions) and ``logprobs``/``top_logprobs`` (chat), streaming or
     not: the target's log-probabilities of the generated tokens, the same as the Python
@@ -484,18 +494,12 @@ def test_logprobs_through_the_openai_client(srv, tok, tmp_path_factory):
         # greedy: the top token (tokens that decode alike share one key of the dict)
         assert v >= max(top.values()) - 1e-6
     target, _ = model_pair(tmp_path_factory)
-    ref = LLM(model=str(target), no_draft=True, policy="ar", kv_cache_bytes=16 << 20).generate(
-        [tok.encode(prompt)], SamplingParams(max_tokens=8, logprobs=3)
-    )[0]
+    llm = LLM(model=str(target), no_draft=True, policy="ar", kv_cache_bytes=16 << 20)
+    ref = llm.generate([tok.encode(prompt)], SamplingParams(max_tokens=8, logprobs=3))[0]
     assert [tok.decode([t.token_id]) for t in ref.logprobs] == lp.tokens
     assert np.allclose([t.logprob for t in ref.logprobs], lp.token_logprobs, atol=1e-4)
-    streamed = [
-        ch.choices[0].logprobs
-        for ch in c.completions.create(stream=True, **kw)
-        if ch.choices and ch.choices[0].logprobs
-    ]
-    assert sum((x.tokens for x in streamed), []) == lp.tokens
-    got = sum((x.token_logprobs for x in streamed), [])
+    tokens, got = _streamed_logprobs(c, kw)
+    assert tokens == lp.tokens
     assert np.allclose(got, lp.token_logprobs, atol=1e-4)
     # echo + logprobs: the prompt's tokens scored too (the first has none), as OpenAI's
     score = dict(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0)
@@ -504,19 +508,12 @@ def test_logprobs_through_the_openai_client(srv, tok, tmp_path_factory):
     ids = tok.encode(prompt)
     assert len(slp.tokens) == len(ids) + 1 and slp.token_logprobs[0] is None
     assert slp.top_logprobs[0] is None
-    pref = LLM(model=str(target), no_draft=True, policy="ar", kv_cache_bytes=16 << 20).generate(
-        [ids], SamplingParams(max_tokens=1, prompt_logprobs=1)
-    )[0]
+    pref = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
     want = [t.logprob for t in pref.prompt_logprobs[1:]]
     assert np.allclose(slp.token_logprobs[1 : len(ids)], want, atol=1e-4)
     assert slp.text_offset == sorted(slp.text_offset)
-    streamed = [
-        ch.choices[0].logprobs
-        for ch in c.completions.create(stream=True, **score)
-        if ch.choices and ch.choices[0].logprobs
-    ]
-    assert sum((x.tokens for x in streamed), []) == slp.tokens
-    got = sum((x.token_logprobs for x in streamed), [])
+    tokens, got = _streamed_logprobs(c, score)
+    assert tokens == slp.tokens
     assert got[0] is None and np.allclose(got[1:], slp.token_logprobs[1:], atol=1e-4)
     # max_tokens=0 with echo (OpenAI's scoring form): the prompt alone, scored
     only = c.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)

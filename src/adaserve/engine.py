@@ -697,13 +697,11 @@ class Engine:
         self.calibrator.observe(t, path)
 
     def _append(self, r: Request, new: list[int], now: float) -> None:
-        """Append tokens one by one, stopping at EOS / stop ids / stop strings / limits."""
-        p = r.params
-        try:
-            self._append_tokens(r, new, now)
-        finally:
-            if p.logprobs is not None:
-                del r.logprobs[r.num_output :]  # the logprobs of tokens not appended
+        """Append tokens one by one, stopping at EOS / stop ids / stop strings / limits;
+        recorded logprobs of tokens not appended are dropped."""
+        self._append_tokens(r, new, now)
+        if r.params.logprobs is not None:
+            del r.logprobs[r.num_output :]
 
     def _append_tokens(self, r: Request, new: list[int], now: float) -> None:
         p = r.params

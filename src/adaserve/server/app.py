@@ -570,8 +570,9 @@ class ServerState:
             text = f.text or ""
             fr = _finish_reason(f)
             out_ids, out_lps = f.output_ids, f.logprobs
-            if meta.score_only:
-                text, fr, out_ids, out_lps = "", "length", [], () if out_lps is not None else None
+            if meta.score_only:  # max_tokens=0: the one token generated is dropped
+                text, fr, out_ids = "", "length", []
+                out_lps = None if out_lps is None else ()
             lp = _logprobs_json(tok, meta.kind, out_ids, out_lps)
             if lp is not None and meta.echo is not None and f.prompt_logprobs is not None:
                 ids = job.handles[i].prompt_ids
