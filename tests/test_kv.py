@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaserve.kv.blocks import BlockAllocator, BlockTable, OutOfBlocks
+from adaserve.core.blocks import BlockAllocator, BlockTable, OutOfBlocks
 
 
 def _check(alloc: BlockAllocator, tables: list[BlockTable]) -> None:

@@ -8,11 +8,11 @@ import pytest
 import torch
 from conftest import VOCAB, save_tiny
 
+from adaserve.core.tree import ancestor_mask
 from adaserve.errors import ModelLoadError
 from adaserve.kv.cache import KVCache
 from adaserve.models.attention import AttnMetadata, SeqSpec
 from adaserve.models.loader import load_model
-from adaserve.spec.tree import ancestor_mask
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adaserve import LLM, SLO, SamplingParams
+from adaserve.core.tree import CandidateTree, is_connected
 from adaserve.sched.adaptive import (
     _EXTRAS,
     DEPTHS,
@@ -25,7 +26,6 @@ from adaserve.sched.adaptive import (
 from adaserve.sched.base import BatchView, ReqView
 from adaserve.sched.calibration import Calibrator
 from adaserve.sched.hardware import HardwareModel
-from adaserve.spec.tree import CandidateTree, is_connected
 
 HW = HardwareModel.from_dict(
     {

@@ -20,13 +20,14 @@ import numpy as np
 import torch
 
 from adaserve.config import EngineConfig
+from adaserve.core.blocks import BlockAllocator, BlockTable, OutOfBlocks
+from adaserve.core.tree import CandidateTree, ancestor_mask
 from adaserve.errors import (
     AdmissionRejected,
     InvalidRequestError,
     ModelLoadError,
     PromptTooLongError,
 )
-from adaserve.kv.blocks import BlockAllocator, BlockTable, OutOfBlocks
 from adaserve.kv.cache import KVCache
 from adaserve.logits import make_generator, target_probs
 from adaserve.models.attention import AttnMetadata, SeqSpec
@@ -39,9 +40,8 @@ from adaserve.sched.base import BatchView, Plan, ReqView
 from adaserve.sched.calibration import Calibrator
 from adaserve.sched.registry import make_policy
 from adaserve.slo import SLO
-from adaserve.spec.draft import DraftOutput, expand, scratch_slots_needed
-from adaserve.spec.tree import CandidateTree, ancestor_mask
-from adaserve.spec.verify import children_lists, verify_greedy, verify_stochastic
+from adaserve.spec_decode.draft import DraftOutput, expand, scratch_slots_needed
+from adaserve.spec_decode.verify import children_lists, verify_greedy, verify_stochastic
 from adaserve.tokenizer import Tokenizer, check_draft_tokenizer, load_tokenizer
 
 log = logging.getLogger("adaserve.engine")
@@ -117,7 +117,7 @@ class Engine:
         )
         self._build_kv()
         self._class_names = {c.name for c in cfg.classes}
-        self.policy = make_policy(cfg.policy, engine=self)
+        self.policy = make_policy(cfg.policy)
         self.calibrator = Calibrator()
         if self.draft_dir is not None and Path(self.draft_dir) == paths.DEFAULT_DRAFT:
             self.calibrator.seed_from_stats(paths.DEFAULT_STATS)
@@ -224,7 +224,7 @@ class Engine:
             return
         if len(self.waiting) >= self.cfg.max_waiting:
             self._shed("queue_full")
-            raise AdmissionRejected("server queue is full", "queue_full", 2.0)
+            raise AdmissionRejected("server queue is full", "queue_full", 1.0)
         cls = self.cfg.class_by_name(slo.cls) if slo.cls in self._class_names else None
         strict = cls is None or cls.rank == 0
         if slo.tpot_ms and strict and self.hw is not None:

@@ -183,10 +183,10 @@ def measure_step_overhead(engine, new_tokens: int = 24) -> float:
 def measure_draft_host(engine, requests: int = 8, depth: int = 4, width: int = 2) -> float:
     """Host ms per speculating request per draft step: a real tree expansion of
     ``requests`` requests minus the profiled forward passes it ran."""
-    from adaserve.kv.blocks import BlockTable
+    from adaserve.core.blocks import BlockTable
     from adaserve.sampling import SamplingParams
     from adaserve.slo import SLO
-    from adaserve.spec.draft import expand, scratch_slots_needed
+    from adaserve.spec_decode.draft import expand, scratch_slots_needed
 
     if engine.draft is None:
         return 0.0

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adaserve.kv.blocks import BlockTable
+from adaserve.core.blocks import BlockTable
 from adaserve.sampling import SamplingParams
 from adaserve.slo import SLO
 

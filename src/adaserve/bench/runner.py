@@ -110,7 +110,7 @@ class EngineFactory:
 def set_policy(engine, policy: str) -> None:
     from adaserve.sched.registry import make_policy
 
-    pol = make_policy(policy, engine=engine)
+    pol = make_policy(policy)
     if pol.uses_draft and engine.draft is None:
         raise AdaServeError(f"policy {policy!r} needs a draft model")
     if pol.uses_draft and engine.hw is None:

@@ -7,11 +7,11 @@ import time
 
 import numpy as np
 
+from adaserve.core.tree import CandidateTree
 from adaserve.sched.adaptive import AdaptivePolicy
 from adaserve.sched.base import BatchView, ReqView
 from adaserve.sched.calibration import Calibrator
 from adaserve.sched.hardware import HardwareModel
-from adaserve.spec.tree import CandidateTree
 
 # the reference experiment's 70B target on 4 A100s (design note, section 6)
 REFERENCE_HW = HardwareModel.from_dict(

@@ -30,9 +30,9 @@ from functools import lru_cache
 
 import numpy as np
 
+from adaserve.core.tree import CandidateTree
 from adaserve.sched import plan_kernel
 from adaserve.sched.base import BatchView, Plan, Policy, ReqView, chunk_prefills
-from adaserve.spec.tree import CandidateTree
 
 DEPTHS = (0, 1, 2, 3, 4, 5, 6, 8)
 

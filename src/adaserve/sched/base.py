@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from adaserve.spec.tree import CandidateTree
+from adaserve.core.tree import CandidateTree
 
 
 @dataclass(slots=True)

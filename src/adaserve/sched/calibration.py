@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from adaserve.spec.tree import CandidateTree
+from adaserve.core.tree import CandidateTree
 
 NUM_Q_BUCKETS = 10
 MAX_DEPTH = 8

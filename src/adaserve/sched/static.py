@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from adaserve.core.tree import CandidateTree
 from adaserve.sched.base import BatchView, Plan, Policy, chunk_prefills, top_f_nodes
-from adaserve.spec.tree import CandidateTree
 
 WHOLE_PROMPT_BUDGET = 8192  # `ar` prefills whole prompts (vLLM v0 style)
 

@@ -25,7 +25,7 @@ fitted (least squares on log-probabilities) to its chain acceptance by depth
 (P(first d draft tokens all accepted), teacher-forced). A single regime when the chain
 statistics show no persistence (e.g. parametric: one acceptance value).
 
-Tree shape: the engine's beam expansion (``adaserve.spec.draft.expand``): depth ``d``,
+Tree shape: the engine's beam expansion (``adaserve.spec_decode.draft.expand``): depth ``d``,
 width ``w``; the root gets ``w`` children; at each later depth the ``w`` nodes of highest
 path probability (kept in index order) each get ``w`` children, so a tree has
 ``w + (d-1) w^2`` candidates, laid out level by level exactly like the engine's.
@@ -44,9 +44,9 @@ from pathlib import Path
 
 import numpy as np
 
+from adaserve.core.tree import CandidateTree
 from adaserve.sched.calibration import DEFAULT_RANK_PRIOR, Calibrator
 from adaserve.sim import kernels
-from adaserve.spec.tree import CandidateTree
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from adaserve.core.tree import CandidateTree
 from adaserve.kv.cache import KVCache
 from adaserve.logits import target_probs
 from adaserve.models.attention import AttnMetadata, SeqSpec
 from adaserve.models.llama import LlamaModel
 from adaserve.request import Request
-from adaserve.spec.tree import CandidateTree
 
 
 @dataclass
