@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from adaserve.core.trace import EnergyTally  # noqa: F401  (re-exported)
+
 
 @dataclass(frozen=True)
 class DeviceEnergy:
@@ -56,40 +58,3 @@ def device_energy(name: str = "cpu", pj_per_flop=None, pj_per_byte=None) -> Devi
         float(pj_per_flop) if pj_per_flop is not None else base.pj_per_flop,
         float(pj_per_byte) if pj_per_byte is not None else base.pj_per_byte,
     )
-
-
-@dataclass
-class EnergyTally:
-    """Running totals of work, fed once per engine iteration."""
-
-    flops: float = 0.0
-    bytes_moved: float = 0.0
-
-    def add_iteration(
-        self,
-        target_tokens: int,
-        draft_tokens: int,
-        draft_passes: int,
-        kv_tokens_attended: int,
-        target_flops_per_token: float,
-        draft_flops_per_token: float,
-        target_weight_bytes: float,
-        draft_weight_bytes: float,
-        kv_bytes_per_token: float,
-    ) -> None:
-        self.flops += target_tokens * target_flops_per_token + draft_tokens * draft_flops_per_token
-        self.bytes_moved += (
-            target_weight_bytes
-            + draft_passes * draft_weight_bytes
-            + kv_tokens_attended * kv_bytes_per_token
-        )
-
-    def summary(self, device: DeviceEnergy, output_tokens: int) -> dict:
-        j = device.joules(self.flops, self.bytes_moved)
-        return {
-            **device.as_dict(),
-            "flops": self.flops,
-            "bytes_moved": self.bytes_moved,
-            "energy_j": j,
-            "energy_per_token_mj": (j / output_tokens * 1000.0) if output_tokens else None,
-        }

@@ -18,12 +18,11 @@ import json
 import logging
 import statistics
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from adaserve.bench.energy import EnergyTally
 from adaserve.bench.metrics import RequestRecord
-from adaserve.bench.workload import WorkItem, WorkloadSpec
+from adaserve.bench.workload import WorkItem, WorkloadSpec, item_slo
+from adaserve.core.trace import EnergyTally, RunTimeline
 from adaserve.errors import AdaServeError, AdmissionRejected
 from adaserve.slo import DEFAULT_CLASSES, SLO, SLOClass
 
@@ -64,18 +63,6 @@ def class_slos(
 
 def class_ranks(classes: tuple[SLOClass, ...] = DEFAULT_CLASSES) -> dict[str, int]:
     return {c.name: c.rank for c in classes}
-
-
-def item_slo(item: WorkItem, base: SLO | None) -> SLO:
-    """The class SLO with the item's own overrides."""
-    base = base or SLO(cls=item.cls)
-    return SLO(
-        tpot_ms=item.tpot_ms if item.tpot_ms is not None else base.tpot_ms,
-        ttft_ms=item.ttft_ms if item.ttft_ms is not None else base.ttft_ms,
-        max_queue_ms=base.max_queue_ms,
-        deadline_ms=base.deadline_ms,
-        cls=item.cls,
-    )
 
 
 # ---------------------------------------------------------------------- engines
@@ -151,14 +138,6 @@ def warmup(engine, n_tokens: int = 8) -> None:
 
 
 # ---------------------------------------------------------------------- in-process
-@dataclass
-class RunTimeline:
-    """Per-iteration samples plus run-level facts (``info``)."""
-
-    samples: list[dict] = field(default_factory=list)
-    info: dict = field(default_factory=dict)
-
-
 def _apply_shift(engine, shift) -> None:
     if shift.kind == "draft-noise":
         engine.draft_noise = float(shift.value)

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from adaserve.errors import AdaServeError
+from adaserve.slo import SLO
 
 DEFAULT_CLASS_MIX: tuple[tuple[str, float], ...] = (
     ("interactive", 0.6),
@@ -718,3 +719,15 @@ def strict_share_mix(base: tuple[tuple[str, float], ...], share: float):
     if total <= 0:
         return ((first[0], share),) + tuple((c, (1 - share) / len(rest)) for c, _ in rest)
     return ((first[0], share),) + tuple((c, (1 - share) * x / total) for c, x in rest)
+
+
+def item_slo(item: WorkItem, base: SLO | None) -> SLO:
+    """The class SLO with the item's own overrides."""
+    base = base or SLO(cls=item.cls)
+    return SLO(
+        tpot_ms=item.tpot_ms if item.tpot_ms is not None else base.tpot_ms,
+        ttft_ms=item.ttft_ms if item.ttft_ms is not None else base.ttft_ms,
+        max_queue_ms=base.max_queue_ms,
+        deadline_ms=base.deadline_ms,
+        cls=item.cls,
+    )

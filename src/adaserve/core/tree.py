@@ -94,3 +94,8 @@ def path_to(parents: np.ndarray, node: int) -> list[int]:
         path.append(node)
         node = int(parents[node])
     return path[::-1]
+
+
+def scratch_slots_needed(depth: int, width: int) -> int:
+    """Scratch slot indices a (depth, width) expansion uses past the committed length."""
+    return max(0, depth - 1) * width

@@ -19,18 +19,21 @@ are simulated seconds from the start; the result has the in-process benchmark's 
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from adaserve.bench.metrics import RequestRecord
-from adaserve.bench.runner import RunTimeline, item_slo
-from adaserve.bench.workload import WorkItem
-from adaserve.sched.base import BatchView, Plan, Policy, ReqView
+from adaserve.bench.workload import WorkItem, item_slo
+from adaserve.core.clock import ManualClock
+from adaserve.core.config import SchedulerConfig
+from adaserve.core.scheduler import Batch, Scheduler
+from adaserve.core.seq import SeqState
+from adaserve.core.trace import ModelCosts, RunRecorder, RunTimeline, StepTrace
+from adaserve.errors import AdaServeError, AdmissionRejected
+from adaserve.sched.base import BatchView, Plan, Policy
 from adaserve.sched.calibration import Calibrator
 from adaserve.sched.hardware import HardwareModel
 from adaserve.sim.acceptance import (
@@ -40,7 +43,7 @@ from adaserve.sim.acceptance import (
     apply_calibration,
     observe_batch,
 )
-from adaserve.slo import DEFAULT_CLASSES, SLO, SLOClass
+from adaserve.slo import SLO
 
 
 @dataclass(frozen=True)
@@ -96,14 +99,14 @@ class HostOverhead:
 
 
 @dataclass(frozen=True)
-class SimConfig:
-    """The simulated engine's limits (the ``EngineConfig`` fields that matter).
+class SimConfig(SchedulerConfig):
+    """The simulated engine: the scheduler's limits (``SchedulerConfig``, the same
+    fields as the engine's) plus what replaces the models.
 
     kv_slots:       KV pool in token slots (target + draft share a slot)
     selection_time: "none" (neglected) or "measured" (wall time of plan + select is
                     added to the iteration, as the real engine pays it)
     has_draft:      a draft model exists (policies that draft need it)
-    admission:      shed requests like the server does (queue full, strict capacity)
     timeline_max_samples: per-iteration samples kept (decimated beyond that)
     host_overhead:  the engine's host work per iteration beyond the profiled forwards
     speed_trace:    ((t_s, factor), ...): from t_s on (simulated time, ascending), the
@@ -112,16 +115,10 @@ class SimConfig:
                     a machine whose speed varied, as measured during a real run
     """
 
-    max_num_seqs: int = 64
-    max_prefill_tokens: int = 256
-    block_size: int = 16
+    default_class: str | None = None  # work items always name their class
     kv_slots: int = 1 << 20
-    max_model_len: int | None = None
     selection_time: str = "none"
     has_draft: bool = True
-    admission: bool = False
-    max_waiting: int = 1024
-    classes: tuple[SLOClass, ...] = DEFAULT_CLASSES
     seed: int = 0
     timeline_max_samples: int = 20000
     flops_per_token: tuple[float, float] = (0.0, 0.0)  # (target, draft), for energy
@@ -130,90 +127,64 @@ class SimConfig:
     speed_trace: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         ts = [t for t, _ in self.speed_trace]
         if ts != sorted(ts) or not all(
             math.isfinite(t) and math.isfinite(f) and f > 0 for t, f in self.speed_trace
         ):
             raise ValueError("speed trace: times ascending, factors finite and positive")
-        if self.max_num_seqs < 1 or self.max_prefill_tokens < 1 or self.kv_slots < 1:
-            raise ValueError("max_num_seqs, max_prefill_tokens and kv_slots must be positive")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError("block_size must be a positive power of two")
+        if self.kv_slots < 1:
+            raise ValueError("kv_slots must be positive")
         if self.selection_time not in ("none", "measured"):
             raise ValueError("selection_time must be 'none' or 'measured'")
 
 
-class _Req:
-    """A simulated request: token counts instead of tokens, blocks instead of tables."""
+class SimRequest(SeqState):
+    """A simulated request: token counts instead of tokens."""
 
     __slots__ = (
-        "rid",
         "item",
-        "slo",
         "target",
-        "arrival",
-        "prompt_len",
-        "max_tokens",
+        "_prompt_len",
+        "_max_tokens",
         "n_tokens",
-        "num_cached",
-        "draft_cached",
-        "blocks",
-        "admit_seq",
-        "running",
-        "first_token",
-        "finish",
-        "times",
-        "reason",
+        "token_times",
         "drafted",
         "verified",
         "accepted",
         "steps",
-        "degraded_from",
-        "cls_obj",
         "regime",
         "regime_pos",
         "easy_share",
     )
 
-    def __init__(self, rid: int, item: WorkItem, slo: SLO, cls_obj: SLOClass | None):
-        self.rid = rid
+    def __init__(self, item: WorkItem, slo: SLO):
+        super().__init__(item.idx, slo, item.arrival_s)
         self.item = item
-        self.slo = slo  # working SLO (changes when degraded)
         self.target = slo  # the SLO the request is judged against
-        self.arrival = item.arrival_s
-        self.prompt_len = item.prompt_len
-        self.max_tokens = item.max_tokens
+        self._prompt_len = item.prompt_len
+        self._max_tokens = item.max_tokens
         self.n_tokens = item.prompt_len
-        self.num_cached = 0
-        self.draft_cached = 0
-        self.blocks = 0
-        self.admit_seq = 0
-        self.running = False
-        self.first_token: float | None = None
-        self.finish: float | None = None
-        self.times: list[float] = []
-        self.reason: str | None = None
+        self.token_times: list[float] = []
         self.drafted = 0
         self.verified = 0
         self.accepted = 0
         self.steps = 0
-        self.degraded_from: str | None = None
-        self.cls_obj = cls_obj
         self.regime = -1  # acceptance regime at token position regime_pos - 1 (-1: unknown)
         self.regime_pos = 0
         self.easy_share = 0.0  # per-request share of easy positions (request_spread)
 
     @property
-    def n_out(self) -> int:
-        return self.n_tokens - self.prompt_len
+    def num_tokens(self) -> int:
+        return self.n_tokens
 
     @property
-    def uncached(self) -> int:
-        return self.n_tokens - self.num_cached
+    def prompt_len(self) -> int:
+        return self._prompt_len
 
     @property
-    def in_prefill(self) -> bool:
-        return self.uncached > 1 or self.n_out == 0
+    def max_new_tokens(self) -> int:
+        return self._max_tokens
 
 
 class Simulator:
@@ -232,37 +203,16 @@ class Simulator:
         self.cfg = cfg or SimConfig()
         self.seed_stats = seed_stats
         self._unloaded = unloaded_tpot_ms  # class targets' base (None: the hardware's)
-        self._classes = {c.name: c for c in self.cfg.classes}
 
-    # ------------------------------------------------------------------ helpers
     def unloaded_tpot_ms(self) -> float:
         """The TPOT the class targets are multiples of: given, else the hardware
         model's single-request TPOT."""
         return self._unloaded if self._unloaded is not None else self.hw.unloaded_tpot_ms()
 
     def class_slo(self, name: str) -> SLO:
-        return self._classes[name].resolve(self.unloaded_tpot_ms())
+        """The SLO of class ``name`` resolved against ``unloaded_tpot_ms``."""
+        return self.cfg.class_by_name(name).resolve(self.unloaded_tpot_ms())
 
-    def _view(self, r: _Req, now: float) -> ReqView:
-        c = r.cls_obj
-        return ReqView(
-            rid=r.rid,
-            cls=r.slo.cls,
-            tpot_ms=r.slo.tpot_ms,
-            ttft_ms=r.slo.ttft_ms,
-            n_out=r.n_tokens - r.prompt_len,
-            decode_ms=(now - r.first_token) * 1000.0 if r.first_token is not None else 0.0,
-            waited_ms=(now - r.arrival) * 1000.0,
-            prefill_left=r.uncached if r.in_prefill else 0,
-            context_len=r.n_tokens,
-            rank=c.rank if c else 0,
-            max_tokens=r.max_tokens - (r.n_tokens - r.prompt_len),
-            min_rate=c.min_rate if c else 0.0,
-            max_queue_ms=r.slo.max_queue_ms,
-            deadline_ms=r.slo.deadline_ms,
-        )
-
-    # ------------------------------------------------------------------ run
     def run(
         self,
         policy: Policy,
@@ -281,8 +231,26 @@ class Simulator:
         return _Run(self, policy, items, slos, policy_name, kv_pressure, progress).go()
 
 
+@dataclass
+class PassOutcome:
+    """What executing one planned pass gave: when it ended, the verified tree size
+    (root included) and the accepted candidates per decoding request, and the work."""
+
+    end: float
+    ms: float
+    sizes: dict[int, int]
+    accepted: dict[int, int]
+    tokens: int
+    draft_tokens: int
+    draft_passes: int
+
+
 class _Run:
-    """State of one simulation run (kept off ``Simulator`` so runs are independent)."""
+    """State of one simulation run (kept off ``Simulator`` so runs are independent).
+
+    Scheduling is the engine's ``Scheduler``; this class replaces only the models:
+    ``_execute`` drafts synthetic trees, verifies them against the acceptance model
+    and prices the pass; ``_commit`` appends token counts."""
 
     def __init__(self, sim, policy, items, slos, policy_name, kv_pressure, progress):
         cfg = sim.cfg
@@ -301,109 +269,49 @@ class _Run:
         self.cal = Calibrator()
         if sim.seed_stats:
             self.cal.seed_from_stats(sim.seed_stats)
-        self.num_blocks = max(4, cfg.kv_slots // cfg.block_size)
-        self.reserved = 0
-        self.free = self.num_blocks
+        self.clock = ManualClock(0.0)
+        self.max_len = cfg.max_model_len or (1 << 40)
+        self.sched = Scheduler(
+            cfg,
+            policy,
+            self.clock,
+            max(4, cfg.kv_slots // cfg.block_size),
+            max_model_len=self.max_len,
+            unloaded_tpot_ms=sim.unloaded_tpot_ms,
+            hw=sim.hw,
+        )
+        self.counters = self.sched.counters
         self.kv_pressure = sorted(kv_pressure or [])
-        self._preempted_now = False
-        self.waiting: deque[_Req] = deque()
-        self.running: list[_Req] = []
         self.records: list[RequestRecord] = []
-        self.timeline = RunTimeline()
-        self.admit_seq = itertools.count()
         self.now = 0.0
-        self.iterations = 0
-        self.fallback: dict[str, int] = {}
-        self.shed: dict[str, int] = {}
-        self.preemptions = 0
-        self.degraded = 0
         self.sel_s = 0.0
         self.busy_s = 0.0
-        self.peak_kv = 0.0
-        self.energy = [0.0, 0.0]  # flops, bytes
-        self.max_len = cfg.max_model_len or (1 << 40)
         self.progress = progress
         horizon = self.items[-1].arrival_s if self.items else 0.0
-        self.sample_every = horizon / cfg.timeline_max_samples if horizon > 0 else 0.0
-        self.next_sample = 0.0
-        uses_draft = bool(policy.uses_draft and cfg.has_draft)
-        self.uses_draft = uses_draft
+        kvb = (sim.hw.kv_bytes_target + sim.hw.kv_bytes_draft) or 0
+        self.recorder = RunRecorder(
+            ModelCosts(cfg.flops_per_token, cfg.weight_bytes, kvb),
+            t0=0.0,
+            sample_every_s=horizon / cfg.timeline_max_samples if horizon > 0 else 0.0,
+        )
+        self.timeline = self.recorder.timeline
+        self.uses_draft = bool(policy.uses_draft and cfg.has_draft)
         if policy.uses_draft and not cfg.has_draft:
             raise ValueError(f"policy {self.name!r} needs a draft model")
-
-    # ------------------------------------------------------------------ KV blocks
-    def _num_free(self) -> int:
-        return max(0, self.free - self.reserved)
-
-    def _ensure(self, r: _Req, slots: int, may_preempt: bool) -> bool:
-        bs = self.cfg.block_size
-        while True:
-            need = -(-slots // bs) - r.blocks
-            if need <= 0:
-                return True
-            if need <= self.free - self.reserved:
-                r.blocks += need
-                self.free -= need
-                return True
-            if not may_preempt:
-                return False
-            victim = max(self.running, key=lambda x: x.admit_seq)
-            self._preempt(victim)
-            if victim is r:
-                return False
-
-    def _truncate(self, r: _Req, slots: int) -> None:
-        keep = -(-slots // self.cfg.block_size)
-        if r.blocks > keep:
-            self.free += r.blocks - keep
-            r.blocks = keep
-
-    def _preempt(self, v: _Req) -> None:
-        self._truncate(v, 0)
-        v.num_cached = 0
-        v.draft_cached = 0
-        v.running = False
-        self._preempted_now = True
-        self.preemptions += 1
-        self.running.remove(v)
-        self.waiting.appendleft(v)
 
     # ------------------------------------------------------------------ requests
     def _arrive(self, it: WorkItem) -> None:
         slo = item_slo(it, self.slos.get(it.cls))
-        cls_obj = self.sim._classes.get(it.cls)
-        if it.prompt_len < 1:
-            return self._fail(it, slo, "prompt is empty", False)
-        if it.prompt_len + 1 > self.max_len:
-            return self._fail(it, slo, "prompt is longer than the model's context", False)
-        if -(-(it.prompt_len + 1) // self.cfg.block_size) > self.num_blocks:
-            return self._fail(it, slo, "prompt does not fit in the KV cache", False)
-        if self.cfg.admission:
-            reason = self._admission_check(slo, cls_obj)
-            if reason:
-                self.shed[reason] = self.shed.get(reason, 0) + 1
-                return self._fail(it, slo, f"shed: {reason}", True)
-        r = _Req(it.idx, it, slo, cls_obj)
+        try:
+            self.sched.check_prompt(it.prompt_len)
+            r = SimRequest(it, slo)
+            self.sched.add(r)
+        except AdmissionRejected as e:
+            return self._fail(it, slo, f"shed: {e.reason}", True)
+        except AdaServeError as e:
+            return self._fail(it, slo, str(e), False)
         if self.spread:
             r.easy_share = float(self.acc.request_shares(1, self.rng_req)[0])
-        self.waiting.append(r)
-
-    def _admission_check(self, slo: SLO, cls_obj: SLOClass | None) -> str | None:
-        """``Engine._admission_check``: queue length and the strict class's demand."""
-        if len(self.waiting) >= self.cfg.max_waiting:
-            return "queue_full"
-        strict = cls_obj is None or cls_obj.rank == 0
-        if slo.tpot_ms and strict:
-            demand = 1000.0 / slo.tpot_ms + sum(
-                1000.0 / r.slo.tpot_ms
-                for r in itertools.chain(self.running, self.waiting)
-                if r.slo.tpot_ms and r.slo.cls == slo.cls
-            )
-            n = self.cfg.max_num_seqs
-            cap = float(n * 1000.0 / self.hw.iteration_ms(n, n * 256.0))
-            if demand > cap:
-                return "capacity"
-        return None
 
     def _fail(self, it: WorkItem, slo: SLO, err: str, shed: bool) -> None:
         self.records.append(
@@ -419,44 +327,37 @@ class _Run:
             )
         )
 
-    def _collect(self, r: _Req) -> None:
+    def _collect(self, r: SimRequest) -> None:
         self.records.append(
             RequestRecord(
                 idx=r.item.idx,
                 cls=r.item.cls,
                 arrival_s=r.arrival,
-                first_token_s=r.first_token,
-                finish_s=r.finish,
-                token_times_s=r.times,
+                first_token_s=r.first_token_at,
+                finish_s=r.finished_at,
+                token_times_s=r.token_times,
                 prompt_tokens=r.prompt_len,
-                output_tokens=r.n_out,
+                output_tokens=r.num_output,
                 tpot_target_ms=r.target.tpot_ms,
                 ttft_target_ms=r.target.ttft_ms,
                 drafted=r.drafted,
                 verified=r.verified,
                 accepted=r.accepted,
-                finish_reason=r.reason,
+                finish_reason=r.finish_reason,
                 degraded=r.degraded_from is not None,
                 steps=r.steps,
             )
         )
 
-    def _finish(self, r: _Req, reason: str, t: float) -> None:
-        r.reason = reason
-        r.finish = t
-        r.running = False
-        self.running.remove(r)
-        self._truncate(r, 0)
-        self._collect(r)
-
-    def _append(self, r: _Req, n: int, t: float) -> int:
+    def _append(self, r: SimRequest, n: int, t: float) -> int:
         """Append up to n tokens at time t, stopping at the limits; returns appended."""
-        left = min(r.max_tokens - r.n_out, self.max_len - r.n_tokens)
+        left = min(r.max_new_tokens - r.num_output, self.max_len - r.n_tokens)
         k = max(0, min(n, left))
         r.n_tokens += k
-        r.times.extend([t] * k)
-        if r.n_out >= r.max_tokens or r.n_tokens >= self.max_len:
-            self._finish(r, "length", t)
+        r.token_times.extend([t] * k)
+        if r.num_output >= r.max_new_tokens or r.n_tokens >= self.max_len:
+            self.sched.finish(r, "length", t)
+            self._collect(r)
         return k
 
     # ------------------------------------------------------------------ the loop
@@ -469,14 +370,15 @@ class _Run:
 
             bar = tqdm(total=n, desc=f"sim {self.name}", unit="req", leave=False)
         done_before = 0
+        sched = self.sched
         while True:
             while self.kv_pressure and self.kv_pressure[0][0] <= self.now:
                 _, frac = self.kv_pressure.pop(0)
-                self.reserved = int(frac * self.num_blocks)
+                sched.set_kv_reserved(frac)
             while i < n and items[i].arrival_s <= self.now:
                 self._arrive(items[i])
                 i += 1
-            if not self.running and not self.waiting:
+            if not sched.has_work():
                 if i >= n:
                     break
                 nxt = items[i].arrival_s
@@ -494,50 +396,66 @@ class _Run:
         self._info(time.perf_counter() - wall0)
         return self.records, self.timeline
 
-    def _admit(self) -> None:
-        if not self.waiting or len(self.running) >= self.cfg.max_num_seqs:
-            return
-        if len(self.waiting) > 1:
-            now = self.now
-            key = self.policy.admission_key
-            self.waiting = deque(sorted(self.waiting, key=lambda r: key(self._rv(r, now))))
-        bs = self.cfg.block_size
-        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
-            r = self.waiting[0]
-            first = min(r.uncached, self.cfg.max_prefill_tokens) + 1
-            if self._num_free() < -(-first // bs) + 1 and self.running:
-                break
-            self.waiting.popleft()
-            r.running = True
-            r.admit_seq = next(self.admit_seq)
-            self.running.append(r)
-
-    def _rv(self, r: _Req, now: float) -> ReqView:
-        return self.sim._view(r, now)
-
     def _step(self) -> None:
-        cfg, hw, now = self.cfg, self.hw, self.now
-        self._admit()
-        if not self.running:
+        sched = self.sched
+        self.clock.set(self.now)
+        sched.begin_step()
+        sched.admit()
+        if not sched.running:
             return
         t_sel = time.perf_counter()
-        view = BatchView(
-            now_ms=now * 1000.0,
-            requests=[self._rv(r, now) for r in self.running],
-            free_kv_slots=self._num_free() * cfg.block_size,
-            hw=hw,
-            num_waiting=len(self.waiting),
-            acc_by_rank=tuple(self.cal.acceptance_by_rank()),
-        )
-        plan = self.policy.plan(view)
+        view = sched.view(self.cal.acceptance_by_rank())
+        plan = sched.plan(view)
         sel_s = time.perf_counter() - t_sel
-        if plan.fallback:
-            self._count_fallback(plan.fallback)
-        self._apply_degrade(plan)
-        prefill, decode, spec = self._reserve(plan)
+        batch = sched.reserve(plan, self.cfg.has_draft)
+        out = self._execute(view, plan, batch, sel_s)
+        self.clock.set(out.end)
+        tr = self._commit(batch, out)
+        self.policy.feedback(plan, out.ms)
+        self.busy_s += out.ms / 1000.0
+        self.recorder.record(tr)
+        self.now = out.end
+
+    def _commit(self, batch: Batch, out: PassOutcome) -> StepTrace:
+        """Prefill completion gives the first token; a decode appends its accepted path
+        plus the bonus token, stamped at the pass's end."""
+        end = out.end
+        for r, n in batch.prefill:
+            r.num_cached += n
+            if r.num_cached == r.n_tokens:
+                if r.first_token_at is None:
+                    r.first_token_at = end
+                self._append(r, 1, end)
+        tree_nodes: dict[int, int] = {}
+        accepted: dict[int, int] = {}
+        for r in batch.decode:
+            nv = out.sizes[r.rid] - 1
+            r.steps += 1
+            a = 0
+            if nv > 0:
+                a = out.accepted[r.rid]
+                r.verified += nv
+                r.accepted += a
+            tree_nodes[r.rid] = nv
+            if r.rid in out.accepted:
+                accepted[r.rid] = out.accepted[r.rid]
+            r.num_cached = r.n_tokens + a
+            self._append(r, a + 1, end)
+        tr = self.sched.end_step(batch, end)
+        tr.tree_nodes = tree_nodes
+        tr.accepted = accepted
+        tr.tokens = out.tokens
+        tr.draft_tokens = out.draft_tokens
+        tr.draft_passes = out.draft_passes
+        return tr
+
+    def _execute(self, view: BatchView, plan: Plan, batch: Batch, sel_s: float) -> PassOutcome:
+        """Draft synthetic trees (one batch per shape), select, reserve tree slots, price
+        the pass and sample which candidates the target accepts."""
+        cfg, hw, now = self.cfg, self.hw, self.now
         # --- speculate: one synthetic tree batch per shape
-        groups: dict[tuple[int, int], list[_Req]] = {}
-        for r, shape in spec:
+        groups: dict[tuple[int, int], list[SimRequest]] = {}
+        for r, shape in batch.spec:
             g = groups.get(shape)
             if g is None:
                 groups[shape] = [r]
@@ -545,12 +463,12 @@ class _Run:
                 g.append(r)
         catchup = 0
         steps = [0] * (max((d for d, _ in groups), default=1) - 1)  # frontier tokens fed
-        batches: list[tuple[list[_Req], TreeBatch]] = []
+        batches: list[tuple[list[SimRequest], TreeBatch]] = []
         trees = {}
         for (d, w), reqs in groups.items():
             pi = np.array([r.easy_share for r in reqs]) if self.spread else None
             if self.by_position:
-                out_pos = np.array([r.n_out for r in reqs])
+                out_pos = np.array([r.num_output for r in reqs])
                 pi = self.acc.position_shares(out_pos, pi)
             states = self.acc.advance(
                 np.array([r.regime for r in reqs]),
@@ -577,34 +495,29 @@ class _Run:
         self.sel_s += sel_s
         # --- tree KV slots (admission order, like the engine); verification batch size
         sizes: dict[int, int] = {}
-        v_tokens = 0
-        kv_tokens = 0
-        for r, n in prefill:
-            v_tokens += n
-            kv_tokens += r.num_cached + n
-        for r in decode:
+        v_tokens = sum(n for _, n in batch.prefill)
+        for r in batch.decode:
             k = 1
             if r.rid in trees:
                 nodes = selected.get(r.rid)
                 if nodes is not None and len(nodes) > 1:
                     k = len(nodes)
-                    if not self._ensure(r, r.n_tokens + k - 1, False):
-                        self._count_fallback("kv_memory")
+                    if not self.sched.reserve_tree(r, k):
                         k = 1
                         selected[r.rid] = _ROOT
             sizes[r.rid] = k
             v_tokens += k
-            kv_tokens += r.n_tokens
+        kv_tokens = batch.kv_tokens
         ms = forward_ms(hw, v_tokens, kv_tokens, catchup, steps if batches else None)
         ho = cfg.host_overhead
         if ho is not None:
             ms += ho.ms(
                 HostOverhead.features(
-                    len(prefill) + len(decode),
-                    len(spec),
-                    sum(sh[0] for _, sh in spec),
+                    len(batch.prefill) + len(batch.decode),
+                    len(batch.spec),
+                    sum(sh[0] for _, sh in batch.spec),
                     sum(tb.lay.n * len(reqs) for reqs, tb in batches),
-                    v_tokens - len(decode) - sum(n for _, n in prefill),
+                    v_tokens - len(batch.decode) - sum(n for _, n in batch.prefill),
                 )
             )
         if self._speed_t:
@@ -612,8 +525,7 @@ class _Run:
             ms *= self._speed_f[max(k, 0)]
         if cfg.selection_time == "measured":
             ms += sel_s * 1000.0
-        end = now + ms / 1000.0
-        # --- verify (sampled acceptance) and commit
+        # --- verify (sampled acceptance)
         accepted_n: dict[int, int] = {}
         for reqs, tb in batches:
             mask = np.zeros((len(reqs), tb.lay.n + 1), dtype=bool)
@@ -628,152 +540,48 @@ class _Run:
                 accepted_n[r.rid] = a
                 r.regime = reg  # the regime at the bonus token's position
                 r.regime_pos = r.n_tokens + a + 1
-        for r, n in prefill:
-            r.num_cached += n
-            if r.num_cached == r.n_tokens:
-                if r.first_token is None:
-                    r.first_token = end
-                self._append(r, 1, end)
-        tree_nodes: dict[int, int] = {}
-        bs = cfg.block_size
-        for r in decode:
-            nv = sizes[r.rid] - 1
-            r.steps += 1
-            a = 0
-            if nv > 0:
-                a = accepted_n[r.rid]
-                r.verified += nv
-                r.accepted += a
-            tree_nodes[r.rid] = nv
-            r.num_cached = r.n_tokens + a
-            self._append(r, a + 1, end)
-            if r.running:  # truncate to the committed tokens + the next root
-                keep = -(-(r.num_cached + 1) // bs)
-                if r.blocks > keep:
-                    self.free += r.blocks - keep
-                    r.blocks = keep
-        self.policy.feedback(plan, ms)
-        self.iterations += 1
-        self.busy_s += ms / 1000.0
-        used = 1.0 - self.free / self.num_blocks
-        if used > self.peak_kv:
-            self.peak_kv = used
-        self._energy(v_tokens, kv_tokens, catchup, len(steps), spec, tree_nodes)
-        if end >= self.next_sample:
-            self.next_sample = end + self.sample_every
-            self._sample(end, ms, plan, v_tokens, tree_nodes, accepted_n, used)
-        self.now = end
-
-    def _reserve(self, plan: Plan):
-        """``Engine._reserve``: prefill chunks, decodes and speculating requests."""
-        prefill, decode, spec = [], [], []
-        has_draft = self.cfg.has_draft
-        shapes, pre = plan.shapes, plan.prefill
-        for r in sorted(self.running, key=_by_admit):
-            if not r.running:
-                continue  # preempted earlier in this loop
-            unc = r.n_tokens - r.num_cached
-            if unc > 1 or r.n_tokens == r.prompt_len:  # in prefill
-                n = pre.get(r.rid, 0)
-                if n <= 0:
-                    continue
-                n = min(n, unc)
-                if self._ensure(r, r.num_cached + n, True):
-                    prefill.append((r, n))
-                continue
-            if not self._ensure(r, r.n_tokens, True):
-                continue
-            decode.append(r)
-            shape = shapes.get(r.rid)
-            if shape and shape[0] > 0 and has_draft:
-                extra = (shape[0] - 1) * shape[1]
-                if self._ensure(r, r.n_tokens + extra, False):
-                    spec.append((r, (int(shape[0]), int(shape[1]))))
-                else:
-                    self._count_fallback("kv_memory")
-        if self._preempted_now:
-            self._preempted_now = False
-            prefill = [(r, n) for r, n in prefill if r.running]
-            decode = [r for r in decode if r.running]
-            spec = [(r, s) for r, s in spec if r.running]
-        return prefill, decode, spec
-
-    def _apply_degrade(self, plan: Plan) -> None:
-        if not plan.degrade:
-            return
-        for r in self.running:
-            if r.rid in plan.degrade:
-                c = r.cls_obj if r.cls_obj is not None and r.cls_obj.name == r.slo.cls else None
-                c = c or self.sim._classes.get(r.slo.cls)
-                if c is None or not c.degrade_to or c.degrade_to not in self.sim._classes:
-                    continue
-                r.degraded_from = r.degraded_from or r.slo.cls
-                r.slo = self.sim.class_slo(c.degrade_to)
-                r.cls_obj = self.sim._classes[c.degrade_to]
-                self.degraded += 1
-
-    def _count_fallback(self, reason: str) -> None:
-        self.fallback[reason] = self.fallback.get(reason, 0) + 1
-
-    # ------------------------------------------------------------------ bookkeeping
-    def _energy(self, v_tokens, kv_tokens, catchup, n_steps, spec, tree_nodes):
-        (ft, fd), (tw, dw) = self.cfg.flops_per_token, self.cfg.weight_bytes
-        d_tok = catchup + sum(tree_nodes.get(r.rid, 0) for r, _ in spec)
-        passes = (n_steps + 1) if spec else 0
-        self.energy[0] += v_tokens * ft + d_tok * fd
-        kvb = (self.hw.kv_bytes_target + self.hw.kv_bytes_draft) or 0
-        self.energy[1] += tw + passes * dw + kv_tokens * kvb
-
-    def _sample(self, t, ms, plan, v_tokens, tree_nodes, accepted_n, used) -> None:
-        by_cls: dict[str, list[int]] = {}
-        by_rid = {r.rid: r for r in self.running}
-        for rid, n in tree_nodes.items():
-            r = by_rid.get(rid)
-            cls = r.item.cls if r is not None else None
-            if cls is not None:
-                by_cls.setdefault(cls, []).append(n)
-        budget = plan.budget if plan.budget < (1 << 29) else None
-        self.timeline.samples.append(
-            {
-                "t": t,
-                "iter_ms": ms,
-                "running": len(self.running),
-                "waiting": len(self.waiting),
-                "tokens": v_tokens,
-                "tree_nodes": int(sum(tree_nodes.values())),
-                "tree_mean": (sum(tree_nodes.values()) / len(tree_nodes)) if tree_nodes else 0.0,
-                "tree_by_class": {k: sum(v) / len(v) for k, v in by_cls.items()},
-                "accepted": int(sum(accepted_n.values())),
-                "kv_usage": float(used),
-                "budget": budget,
-                "fallback": plan.fallback,
-            }
+        spec_nodes = sum(sizes[r.rid] - 1 for r, _ in batch.spec)
+        return PassOutcome(
+            end=now + ms / 1000.0,
+            ms=ms,
+            sizes=sizes,
+            accepted=accepted_n,
+            tokens=v_tokens,
+            draft_tokens=catchup + spec_nodes,
+            draft_passes=(len(steps) + 1) if batch.spec else 0,
         )
 
+    # ------------------------------------------------------------------ bookkeeping
     def _info(self, wall: float) -> None:
         finish = [r.finish_s for r in self.records if r.finish_s is not None]
         duration = max(finish) if finish else max(self.now, 1e-9)
         kvb = self.hw.kv_bytes_target + self.hw.kv_bytes_draft
-        pool = self.num_blocks * self.cfg.block_size * kvb
+        alloc = self.sched.allocator
+        pool = alloc.num_blocks * self.cfg.block_size * kvb
         ft, fd = self.cfg.flops_per_token
+        c = self.counters
+        peak = self.recorder.peak_kv
         self.timeline.info = {
             "policy": self.name,
             "duration_s": duration if duration > 0 else 1e-9,
             "wall_s": duration,
-            "iterations": self.iterations,
-            "fallback_iterations": dict(self.fallback),
-            "fallback_iterations_total": sum(self.fallback.values()),
-            "shed_by_reason": dict(self.shed),
-            "degraded_total": self.degraded,
-            "preemptions": self.preemptions,
+            "iterations": c.iterations,
+            "fallback_iterations": dict(c.fallback_iterations),
+            "fallback_iterations_total": sum(c.fallback_iterations.values()),
+            "shed_by_reason": dict(c.shed),
+            "degraded_total": c.degraded,
+            "preemptions": c.preemptions,
             "model_time_s": self.busy_s,
             "step_time_s": self.busy_s,
-            "peak_kv_usage": self.peak_kv,
-            "peak_kv_bytes": self.peak_kv * pool,
+            "peak_kv_usage": peak,
+            "peak_kv_bytes": peak * pool,
             "kv_pool_bytes": pool,
             "flops_per_token_target": ft,
             "flops_per_token_draft": fd,
-            "energy_tally": {"flops": self.energy[0], "bytes_moved": self.energy[1]},
+            "energy_tally": {
+                "flops": self.recorder.energy.flops,
+                "bytes_moved": self.recorder.energy.bytes_moved,
+            },
             "shifts_applied": [],
             "unloaded_tpot_ms": self.sim.unloaded_tpot_ms(),
             "slo_targets": {
@@ -800,7 +608,3 @@ def forward_ms(hw: HardwareModel, v_tokens, kv_tokens, catchup, steps) -> float:
     if steps is not None:
         ms += float(hw.draft_latency(np.array([max(catchup, 1)] + list(steps), dtype=float)).sum())
     return ms
-
-
-def _by_admit(r: _Req) -> int:
-    return r.admit_seq

@@ -82,11 +82,6 @@ class _Growing:
         )
 
 
-def scratch_slots_needed(depth: int, width: int) -> int:
-    """Scratch slot indices a (depth, width) expansion uses past the committed length."""
-    return max(0, depth - 1) * width
-
-
 @torch.inference_mode()
 def expand(
     model: LlamaModel,

@@ -1,0 +1,68 @@
+"""The scheduler's configuration, shared by ``EngineConfig`` and ``SimConfig``.
+
+Both inherit ``SchedulerConfig``: the scheduling limits are declared and validated once,
+and the simulator cannot drift from the engine by copying them by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from adaserve.errors import InvalidRequestError
+from adaserve.slo import DEFAULT_CLASSES, SLOClass
+
+# Retry-After (seconds) answered when the waiting queue is full
+QUEUE_FULL_RETRY_S = 1.0
+# Retry-After (seconds) answered when a strict class's demand exceeds capacity
+CAPACITY_RETRY_S = 1.0
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of admission, batching and the KV pool's block size.
+
+    max_num_seqs:       requests admitted at once (vLLM's option)
+    max_prefill_tokens: prefill chunk budget per iteration
+    block_size:         KV slots per block (a power of two)
+    max_model_len:      context limit (None: the model's)
+    admission:          shed new requests under overload (queue full, strict capacity)
+    max_waiting:        waiting-queue bound when ``admission`` is on
+    classes:            the SLO classes; ``default_class`` (one of them) is the SLO of a
+                        request that names none (None: the request must name one)
+    """
+
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_prefill_tokens: int = 256
+    max_model_len: int | None = None
+    classes: tuple[SLOClass, ...] = field(default_factory=lambda: DEFAULT_CLASSES)
+    default_class: str | None = "chat"
+    admission: bool = False
+    max_waiting: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise InvalidRequestError("block_size must be a positive power of two", "block_size")
+        if self.max_num_seqs <= 0:
+            raise InvalidRequestError("max_num_seqs must be positive", "max_num_seqs")
+        if self.max_prefill_tokens <= 0:
+            raise InvalidRequestError("max_prefill_tokens must be positive", "max_prefill_tokens")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidRequestError("max_model_len must be at least 2", "max_model_len")
+        if self.max_waiting < 1:
+            raise InvalidRequestError("max_waiting must be positive", "max_waiting")
+        names = [c.name for c in self.classes]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("SLO class names must be unique", "classes")
+        if self.default_class is not None and self.default_class not in names:
+            raise InvalidRequestError(f"default class {self.default_class!r} is not defined")
+
+    def class_by_name(self, name: str) -> SLOClass:
+        """The class called ``name`` (``InvalidRequestError`` when there is none)."""
+        for c in self.classes:
+            if c.name == name:
+                return c
+        raise InvalidRequestError(
+            f"unknown SLO class {name!r}; known: {', '.join(c.name for c in self.classes)}",
+            "slo_class",
+        )

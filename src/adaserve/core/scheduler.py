@@ -1,0 +1,388 @@
+"""The scheduler: one implementation of admission, KV reservation, preemption and
+degradation, run by the engine and by the simulator alike.
+
+A step reads, for both:
+
+    begin_step -> admit -> view -> plan (policy.plan, fallbacks, degrade)
+    -> reserve (prefill chunks, decodes, draft scratch) -> [executor drafts]
+    -> reserve_tree (selected nodes' KV) -> [executor verifies, commits tokens]
+    -> end_step (tables truncated, trace)
+
+Who owns what: the scheduler owns the waiting and running queues, the block pool and
+every request's block table, admission order, preemption and the run-wide scheduling
+counters. The executor (the engine's model runner, or the simulator's synthetic
+drafting and pricing) owns tokens, trees and time spent; it tells the scheduler what a
+request committed (``num_cached``, appended tokens) and when it finished (``finish``).
+
+Invariants:
+- ``running`` holds at most ``max_num_seqs`` requests, each RUNNING with a table;
+  ``waiting`` holds WAITING requests only; a request is in at most one of them.
+- preemption takes the most recently admitted running request, frees all its KV and
+  puts it at the front of the queue (it recomputes prompt + output on readmission).
+- a request is admitted only when the pool holds its first prefill chunk plus one
+  block (or when nothing else runs).
+The clock is read once per step (``begin_step``) and when a request is aborted: the
+scheduler never reads the wall clock itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from adaserve.core.blocks import BlockAllocator, BlockTable, OutOfBlocks
+from adaserve.core.clock import Clock
+from adaserve.core.config import CAPACITY_RETRY_S, QUEUE_FULL_RETRY_S, SchedulerConfig
+from adaserve.core.counters import Counters
+from adaserve.core.seq import SeqState, Status
+from adaserve.core.trace import StepTrace
+from adaserve.core.tree import scratch_slots_needed
+from adaserve.errors import AdmissionRejected, InvalidRequestError, PromptTooLongError
+from adaserve.sched.base import BatchView, Plan, Policy, ReqView
+from adaserve.slo import SLO, SLOClass
+
+# context tokens per sequence assumed when pricing the full-batch capacity
+_CAPACITY_CONTEXT = 256.0
+
+
+@dataclass
+class Batch:
+    """The requests of one pass, in admission order.
+
+    prefill: (request, prefill tokens) for requests prefilling in this pass
+    decode:  requests decoding (their root, and a tree when speculating)
+    spec:    (request, (depth, width)) for decoding requests that draft a tree
+    """
+
+    prefill: list[tuple[SeqState, int]] = field(default_factory=list)
+    decode: list[SeqState] = field(default_factory=list)
+    spec: list[tuple[SeqState, tuple[int, int]]] = field(default_factory=list)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Context tokens the pass attends: cached + new of each prefill, the context
+        of each decode."""
+        return sum(r.num_cached + n for r, n in self.prefill) + sum(
+            r.num_tokens for r in self.decode
+        )
+
+
+class Scheduler:
+    """Queues, KV blocks, admission, reservation, preemption and degradation.
+
+    ``unloaded_tpot_ms`` gives the TPOT class targets are multiples of (called when a
+    class SLO is resolved); ``hw`` (a ``HardwareModel``, optional) prices capacity
+    for admission control and is handed to policies in the view.
+    """
+
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        policy: Policy,
+        clock: Clock,
+        num_blocks: int,
+        *,
+        max_model_len: int,
+        unloaded_tpot_ms: Callable[[], float],
+        hw=None,
+        counters: Counters | None = None,
+    ):
+        self.cfg = cfg
+        self.policy = policy
+        self.clock = clock
+        self.allocator = BlockAllocator(int(num_blocks), cfg.block_size)
+        self.max_model_len = int(max_model_len)
+        self.hw = hw
+        self.counters = counters if counters is not None else Counters()
+        self._unloaded = unloaded_tpot_ms
+        self._classes: dict[str, SLOClass] = {c.name: c for c in cfg.classes}
+        self.waiting: deque[SeqState] = deque()
+        self.running: list[SeqState] = []
+        self._admit_seq = itertools.count()
+        self.now = clock.now()
+        self._trace: StepTrace | None = None
+        self._admitted: list[int] = []
+        self._preempted: list[int] = []
+
+    # ------------------------------------------------------------------ classes
+    def class_of(self, name: str) -> SLOClass | None:
+        """The SLO class called ``name``, or None for an ad-hoc class."""
+        return self._classes.get(name)
+
+    def class_slo(self, name: str) -> SLO:
+        """The SLO of class ``name``, multiples resolved against the unloaded TPOT."""
+        return self.cfg.class_by_name(name).resolve(self._unloaded())
+
+    def default_slo(self) -> SLO:
+        """The SLO of a request that names no class."""
+        if self.cfg.default_class is None:
+            raise InvalidRequestError("no default SLO class: name one", "slo_class")
+        return self.class_slo(self.cfg.default_class)
+
+    # ------------------------------------------------------------------ requests
+    def check_prompt(self, prompt_len: int) -> None:
+        """Raise a clear error for a prompt that can never run here."""
+        if prompt_len < 1:
+            raise InvalidRequestError("prompt is empty", "prompt")
+        if prompt_len + 1 > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {prompt_len} tokens; the model's context is {self.max_model_len}",
+                "prompt",
+            )
+        if -(-(prompt_len + 1) // self.cfg.block_size) > self.allocator.num_blocks:
+            raise PromptTooLongError("prompt does not fit in the KV cache", "prompt")
+
+    def check_admission(self, slo: SLO) -> None:
+        """Shed a new request (``AdmissionRejected``) when the queue is full or its
+        strict class's demand would exceed capacity; counts the shed."""
+        if not self.cfg.admission:
+            return
+        if len(self.waiting) >= self.cfg.max_waiting:
+            self.counters.count_shed("queue_full")
+            raise AdmissionRejected("server queue is full", "queue_full", QUEUE_FULL_RETRY_S)
+        cls = self._classes.get(slo.cls)
+        strict = cls is None or cls.rank == 0
+        if slo.tpot_ms and strict and self.hw is not None:
+            demand = 1000.0 / slo.tpot_ms + sum(
+                1000.0 / r.slo.tpot_ms
+                for r in itertools.chain(self.running, self.waiting)
+                if r.slo.tpot_ms and r.slo.cls == slo.cls
+            )
+            if demand > self.capacity_tok_s():
+                self.counters.count_shed("capacity")
+                raise AdmissionRejected(
+                    f"predicted demand of class {slo.cls!r} exceeds capacity",
+                    "capacity",
+                    CAPACITY_RETRY_S,
+                )
+
+    def capacity_tok_s(self) -> float:
+        """Largest token rate the pair sustains at full batch (from the hardware model)."""
+        n = self.cfg.max_num_seqs
+        return float(n * 1000.0 / self.hw.iteration_ms(n, n * _CAPACITY_CONTEXT))
+
+    def add(self, seq: SeqState) -> None:
+        """Queue a validated request after the admission check (may raise
+        ``AdmissionRejected``)."""
+        self.check_admission(seq.slo)
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: SeqState, reason: str, t: float | None = None) -> None:
+        """End a request at ``t`` (default: now on the clock) and release its KV."""
+        seq.finish_reason = reason
+        seq.finished_at = self.clock.now() if t is None else t
+        if seq.status is Status.RUNNING and seq in self.running:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        if seq.table is not None:
+            seq.table.release()
+
+    def abort(self, seq: SeqState, reason: str = "abort") -> None:
+        """Cancel a request, waiting or running; its KV is freed at once."""
+        if seq.finished:
+            return
+        seq.cancelled = True
+        self.finish(seq, reason)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def set_policy(self, policy: Policy) -> None:
+        """Schedule with ``policy`` from the next step on (only between runs)."""
+        self.policy = policy
+
+    def set_hardware(self, hw) -> None:
+        """The hardware model used for admission and handed to policies."""
+        self.hw = hw
+
+    def set_kv_reserved(self, fraction: float) -> None:
+        """Hold back ``fraction`` of the KV pool (simulated memory pressure)."""
+        self.allocator.reserved = int(fraction * self.allocator.num_blocks)
+
+    # ------------------------------------------------------------------ the step
+    def begin_step(self) -> None:
+        """Read the clock for this step; start its trace."""
+        self.now = self.clock.now()
+        self._admitted = []
+        self._preempted = []
+
+    def admit(self) -> None:
+        """Move waiting requests to running in ``policy.admission_key`` order while
+        seats and KV for their first chunk remain."""
+        if not self.waiting or len(self.running) >= self.cfg.max_num_seqs:
+            return
+        if len(self.waiting) > 1:
+            key, now = self.policy.admission_key, self.now
+            self.waiting = deque(sorted(self.waiting, key=lambda r: key(self.req_view(r, now))))
+        bs = self.cfg.block_size
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            r = self.waiting[0]
+            first_chunk = min(r.uncached, self.cfg.max_prefill_tokens) + 1
+            if self.allocator.num_free < -(-first_chunk // bs) + 1 and self.running:
+                break
+            self.waiting.popleft()
+            r.status = Status.RUNNING
+            r.table = r.table or BlockTable(self.allocator)
+            r.admit_seq = next(self._admit_seq)
+            if r.admitted_at is None:
+                r.admitted_at = self.now
+            self.running.append(r)
+            self._admitted.append(r.rid)
+
+    def req_view(self, r: SeqState, now: float) -> ReqView:
+        """What a policy may know about ``r`` at ``now``."""
+        c = self._classes.get(r.slo.cls)
+        return ReqView(
+            rid=r.rid,
+            cls=r.slo.cls,
+            tpot_ms=r.slo.tpot_ms,
+            ttft_ms=r.slo.ttft_ms,
+            n_out=r.num_output,
+            decode_ms=(now - r.first_token_at) * 1000.0 if r.first_token_at is not None else 0.0,
+            waited_ms=(now - r.arrival) * 1000.0,
+            prefill_left=r.uncached if r.in_prefill else 0,
+            context_len=r.num_tokens,
+            rank=c.rank if c else 0,
+            max_tokens=r.max_new_tokens - r.num_output,
+            min_rate=c.min_rate if c else 0.0,
+            max_queue_ms=r.slo.max_queue_ms,
+            deadline_ms=r.slo.deadline_ms,
+        )
+
+    def view(self, acc_by_rank: tuple[float, ...] = ()) -> BatchView:
+        """The running requests and free resources at this step's start;
+        ``acc_by_rank`` is the executor's calibrated acceptance by sibling rank."""
+        now = self.now
+        return BatchView(
+            now_ms=now * 1000.0,
+            requests=[self.req_view(r, now) for r in self.running],
+            free_kv_slots=self.allocator.num_free * self.cfg.block_size,
+            hw=self.hw,
+            num_waiting=len(self.waiting),
+            acc_by_rank=tuple(acc_by_rank),
+        )
+
+    def plan(self, view: BatchView) -> Plan:
+        """The policy's plan for ``view``; counts its fallback and applies its degrades."""
+        plan = self.policy.plan(view)
+        if plan.fallback:
+            self.counters.count_fallback(plan.fallback)
+        self._apply_degrade(plan)
+        self._trace = StepTrace(plan=plan, t_start=self.now)
+        return plan
+
+    def _apply_degrade(self, plan: Plan) -> None:
+        """Move requests the policy gave up on to their class's looser class (a class
+        naming an unknown ``degrade_to`` is left alone)."""
+        if not plan.degrade:
+            return
+        for r in self.running:
+            if r.rid not in plan.degrade:
+                continue
+            c = self._classes.get(r.slo.cls)
+            if c is None or not c.degrade_to or c.degrade_to not in self._classes:
+                continue
+            r.degraded_from = r.degraded_from or r.slo.cls
+            r.slo = self.class_slo(c.degrade_to)
+            self.counters.degraded += 1
+
+    def reserve(self, plan: Plan, can_draft: bool) -> Batch:
+        """Pick this pass's requests and give each the KV slots it needs: prefill chunks
+        and decodes may preempt; draft scratch may not (fallback ``kv_memory``)."""
+        b = Batch()
+        for r in sorted(self.running, key=_by_admit):
+            if r.status is not Status.RUNNING:
+                continue  # preempted by an earlier request in this loop
+            if r.in_prefill:
+                n = plan.prefill.get(r.rid, 0)
+                if n <= 0:
+                    continue
+                n = min(n, r.uncached)
+                if self._ensure(r, r.num_cached + n, may_preempt=True):
+                    b.prefill.append((r, n))
+                continue
+            if not self._ensure(r, r.num_tokens, may_preempt=True):
+                continue
+            b.decode.append(r)
+            shape = plan.shapes.get(r.rid)
+            if shape and shape[0] > 0 and can_draft:
+                shape = (int(shape[0]), int(shape[1]))
+                if self._ensure(r, r.num_tokens + scratch_slots_needed(*shape), False):
+                    b.spec.append((r, shape))
+                else:
+                    self.counters.count_fallback("kv_memory")
+        if self._preempted:
+            b.prefill = [(r, n) for r, n in b.prefill if r.running]
+            b.decode = [r for r in b.decode if r.running]
+            b.spec = [(r, s) for r, s in b.spec if r.running]
+        self._trace.kv_tokens = b.kv_tokens  # before commit moves the counts on
+        return b
+
+    def reserve_tree(self, r: SeqState, nodes: int) -> bool:
+        """KV slots for a tree of ``nodes`` nodes (root included) past ``r``'s context;
+        False (fallback ``kv_memory`` counted) when the pool cannot hold it."""
+        if nodes <= 1:
+            return True
+        if self._ensure(r, r.num_tokens + nodes - 1, may_preempt=False):
+            return True
+        self.counters.count_fallback("kv_memory")
+        return False
+
+    def end_step(self, batch: Batch, t_end: float) -> StepTrace:
+        """Truncate decoding requests' tables to their committed tokens + the next root;
+        count the iteration; return the step's trace (the executor fills its token
+        counts)."""
+        for r in batch.decode:
+            if r.running and r.table is not None:
+                r.table.truncate(r.num_cached + 1)
+        self.counters.iterations += 1
+        tr = self._trace
+        self._trace = None
+        tr.t_end = t_end
+        tr.admitted = self._admitted
+        tr.preempted = self._preempted
+        tr.prefill = {r.rid: n for r, n in batch.prefill}
+        tr.decode = [r.rid for r in batch.decode]
+        tr.spec = {r.rid: s for r, s in batch.spec}
+        tr.classes = {r.rid: r.cls for r, _ in batch.prefill}
+        tr.classes.update((r.rid, r.cls) for r in batch.decode)
+        tr.running = len(self.running)
+        tr.waiting = len(self.waiting)
+        tr.kv_usage = self.allocator.usage
+        return tr
+
+    # ------------------------------------------------------------------ KV
+    def _ensure(self, r: SeqState, slots: int, may_preempt: bool) -> bool:
+        """Make r's table hold ``slots`` slots, preempting the newest requests if allowed."""
+        while True:
+            try:
+                r.table.ensure(slots)
+                return True
+            except OutOfBlocks:
+                if not may_preempt:
+                    return False
+                victim = max(self.running, key=_by_admit)
+                self._preempt(victim)
+                if victim is r:
+                    return False
+
+    def _preempt(self, victim: SeqState) -> None:
+        """Free a running request's KV and put it back in front of the queue."""
+        victim.table.release()
+        victim.num_cached = 0
+        victim.draft_cached = 0
+        victim.status = Status.WAITING
+        victim.preemptions += 1
+        self.counters.preemptions += 1
+        self.running.remove(victim)
+        self.waiting.appendleft(victim)
+        self._preempted.append(victim.rid)
+
+
+def _by_admit(r: SeqState) -> int:
+    return r.admit_seq

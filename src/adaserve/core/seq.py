@@ -1,0 +1,111 @@
+"""The scheduling state of one request, common to the engine and the simulator.
+
+The engine's ``Request`` (tokens, sampling, logprobs) and the simulator's request
+(token counts, acceptance regime) both extend ``SeqState``; the ``Scheduler`` reads and
+writes only what is declared here.
+
+Invariants (kept by the ``Scheduler``):
+- status WAITING: in ``Scheduler.waiting``, no KV blocks held (``num_cached == 0`` after
+  a preemption); RUNNING: in ``Scheduler.running`` with a block table; FINISHED: in
+  neither, its blocks released.
+- the target cache holds ``num_cached`` tokens (positions ``0..num_cached-1``); while
+  decoding exactly one token (the root) is uncached.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from adaserve.core.blocks import BlockTable
+from adaserve.slo import SLO
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class SeqState:
+    """What the scheduler keeps per request. Subclasses provide ``num_tokens``,
+    ``prompt_len`` and ``max_new_tokens``."""
+
+    __slots__ = (
+        "rid",
+        "slo",
+        "arrival",
+        "status",
+        "table",
+        "num_cached",
+        "draft_cached",
+        "admit_seq",
+        "admitted_at",
+        "first_token_at",
+        "finished_at",
+        "finish_reason",
+        "degraded_from",
+        "preemptions",
+        "cancelled",
+    )
+
+    def __init__(self, rid: int, slo: SLO, arrival: float):
+        self.rid = rid
+        self.slo = slo  # the working SLO (a degraded request gets its looser class's)
+        self.arrival = arrival
+        self.status = Status.WAITING
+        self.table: BlockTable | None = None
+        self.num_cached = 0
+        self.draft_cached = 0
+        self.admit_seq = 0
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.finish_reason: str | None = None
+        self.degraded_from: str | None = None
+        self.preemptions = 0
+        self.cancelled = False
+
+    # ------------------------------------------------------------ provided by subclasses
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the context: prompt + output so far."""
+        raise NotImplementedError
+
+    @property
+    def prompt_len(self) -> int:
+        """Prompt tokens."""
+        raise NotImplementedError
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The output-token limit (``max_tokens``)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ derived
+    @property
+    def cls(self) -> str:
+        """The class the request arrived in (before any degradation)."""
+        return self.degraded_from or self.slo.cls
+
+    @property
+    def num_output(self) -> int:
+        """Output tokens so far."""
+        return self.num_tokens - self.prompt_len
+
+    @property
+    def uncached(self) -> int:
+        """Context tokens not yet in the target's KV cache."""
+        return self.num_tokens - self.num_cached
+
+    @property
+    def in_prefill(self) -> bool:
+        """True until the prompt is cached and the first token produced."""
+        return self.uncached > 1 or self.num_output == 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def running(self) -> bool:
+        return self.status is Status.RUNNING

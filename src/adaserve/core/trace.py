@@ -1,0 +1,173 @@
+"""What one iteration did (``StepTrace``), and what a run makes of its traces: the
+timeline samples and the energy tally (``RunRecorder``), for the engine's in-process
+benchmark and the simulator alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from adaserve.sched.base import Plan
+
+
+@dataclass
+class StepTrace:
+    """One iteration's decisions and outcome.
+
+    t_start / t_end: clock seconds at the step's start (admission, views) and at commit
+    admitted:    rids admitted at the start of this step, in order
+    preempted:   rids preempted while reserving KV, in order
+    prefill:     rid -> prefill tokens run in this pass
+    decode:      rids decoding in this pass (admission order)
+    spec:        rid -> (depth, width) of the drafted tree
+    classes:     rid -> class it arrived in, for every request in the pass
+    tree_nodes:  rid -> candidate nodes verified (0 = root only)
+    accepted:    rid -> candidates accepted
+    tokens:      tokens in the verification pass (prefill + roots + candidates)
+    kv_tokens:   context tokens the pass attends (cached + new, per request)
+    draft_tokens / draft_passes: tokens the draft processed and its forward passes
+    """
+
+    plan: Plan
+    t_start: float = 0.0
+    t_end: float = 0.0
+    admitted: list[int] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    prefill: dict[int, int] = field(default_factory=dict)
+    decode: list[int] = field(default_factory=list)
+    spec: dict[int, tuple[int, int]] = field(default_factory=dict)
+    classes: dict[int, str] = field(default_factory=dict)
+    tree_nodes: dict[int, int] = field(default_factory=dict)
+    accepted: dict[int, int] = field(default_factory=dict)
+    tokens: int = 0
+    kv_tokens: int = 0
+    draft_tokens: int = 0
+    draft_passes: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+    @property
+    def duration_s(self) -> float:
+        """Seconds from the step's start to its commit."""
+        return self.t_end - self.t_start
+
+
+@dataclass
+class EnergyTally:
+    """Running totals of work, fed once per iteration (the model of ``bench.energy``)."""
+
+    flops: float = 0.0
+    bytes_moved: float = 0.0
+
+    def add_iteration(
+        self,
+        target_tokens: int,
+        draft_tokens: int,
+        draft_passes: int,
+        kv_tokens_attended: int,
+        target_flops_per_token: float,
+        draft_flops_per_token: float,
+        target_weight_bytes: float,
+        draft_weight_bytes: float,
+        kv_bytes_per_token: float,
+    ) -> None:
+        """Add one iteration: 2 x params FLOPs per token a model processes; bytes are the
+        weights read once per pass plus the KV the batch attends."""
+        self.flops += target_tokens * target_flops_per_token + draft_tokens * draft_flops_per_token
+        self.bytes_moved += (
+            target_weight_bytes
+            + draft_passes * draft_weight_bytes
+            + kv_tokens_attended * kv_bytes_per_token
+        )
+
+    def summary(self, device, output_tokens: int) -> dict:
+        """The totals and their energy on ``device`` (a ``bench.energy.DeviceEnergy``)."""
+        j = device.joules(self.flops, self.bytes_moved)
+        return {
+            **device.as_dict(),
+            "flops": self.flops,
+            "bytes_moved": self.bytes_moved,
+            "energy_j": j,
+            "energy_per_token_mj": (j / output_tokens * 1000.0) if output_tokens else None,
+        }
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """Per-token FLOPs and weight bytes of the pair, and KV bytes per context token."""
+
+    flops_per_token: tuple[float, float] = (0.0, 0.0)  # (target, draft)
+    weight_bytes: tuple[float, float] = (0.0, 0.0)
+    kv_bytes_per_token: float = 0.0
+
+
+@dataclass
+class RunTimeline:
+    """Per-iteration samples plus run-level facts (``info``)."""
+
+    samples: list[dict] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+
+
+class RunRecorder:
+    """Turns step traces into timeline samples (every ``sample_every_s`` of clock time;
+    0 = every iteration) and the energy tally. ``t0`` is the run's start on the clock."""
+
+    def __init__(self, costs: ModelCosts, t0: float = 0.0, sample_every_s: float = 0.0):
+        self.costs = costs
+        self.t0 = t0
+        self.sample_every_s = sample_every_s
+        self._next = t0
+        self.timeline = RunTimeline()
+        self.energy = EnergyTally()
+        self.peak_kv = 0.0
+
+    def record(self, tr: StepTrace) -> None:
+        """Account for one iteration."""
+        c = self.costs
+        self.energy.add_iteration(
+            target_tokens=tr.tokens,
+            draft_tokens=tr.draft_tokens,
+            draft_passes=tr.draft_passes,
+            kv_tokens_attended=tr.kv_tokens,
+            target_flops_per_token=c.flops_per_token[0],
+            draft_flops_per_token=c.flops_per_token[1],
+            target_weight_bytes=c.weight_bytes[0],
+            draft_weight_bytes=c.weight_bytes[1],
+            kv_bytes_per_token=c.kv_bytes_per_token,
+        )
+        self.peak_kv = max(self.peak_kv, tr.kv_usage)
+        if tr.t_end >= self._next:
+            self._next = tr.t_end + self.sample_every_s
+            self.timeline.samples.append(sample(tr, tr.t_end - self.t0))
+
+
+def sample(tr: StepTrace, t: float) -> dict:
+    """One timeline sample of ``tr`` stamped ``t`` (seconds from the run's start)."""
+    nodes = tr.tree_nodes
+    by_cls: dict[str, list[int]] = {}
+    for rid, n in nodes.items():
+        cls = tr.classes.get(rid)
+        if cls is not None:
+            by_cls.setdefault(cls, []).append(n)
+    return {
+        "t": t,
+        "iter_ms": tr.duration_s * 1000.0,
+        "running": tr.running,
+        "waiting": tr.waiting,
+        "tokens": tr.tokens,
+        "tree_nodes": int(sum(nodes.values())),
+        "tree_mean": (sum(nodes.values()) / len(nodes)) if nodes else 0.0,
+        "tree_by_class": {k: sum(v) / len(v) for k, v in by_cls.items()},
+        "accepted": int(sum(tr.accepted.values())),
+        "kv_usage": float(tr.kv_usage),
+        "budget": tr.plan.budget if tr.plan.budget < NO_BUDGET else None,
+        "fallback": tr.plan.fallback,
+        # the work of the pass, for pricing it afterwards (benchmarks/fidelity.py):
+        # context tokens of the batch and the (depth, width) of each drafted tree
+        "kv_tokens": tr.kv_tokens,
+        "shapes": [list(tr.spec[rid]) for rid in nodes if rid in tr.spec],
+    }
+
+
+NO_BUDGET = 1 << 30
