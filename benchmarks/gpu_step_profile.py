@@ -27,12 +27,12 @@ def main() -> None:
 
     from adaserve.cli import _shape_dirs
     from adaserve.config import EngineConfig
-    from adaserve.engine import Engine
+    from adaserve.engine import build_engine
     from adaserve.sampling import SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
         model = _shape_dirs(a.shapes, tmp)[0] if a.shapes else None
-        eng = Engine(
+        eng = build_engine(
             EngineConfig(
                 model=model,
                 no_draft=True,

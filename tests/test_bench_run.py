@@ -177,10 +177,12 @@ def test_run_in_process_applies_and_resets_shifts(tiny_pair, profile, tmp_path):
     eng = factory("spec-chain:2")
     items = build_workload(spec, vocab_size=eng.target.cfg.vocab_size)
     seen = {}
-    eng.on_step = lambda e, tr: seen.update(noise=e.draft_noise, reserved=e.allocator.reserved)
+    eng.on_step = lambda e, tr: seen.update(
+        noise=e.faults.draft_noise, reserved=e.allocator.reserved
+    )
     records, tl = run_in_process(factory, "spec-chain:2", items, spec, progress=False)
     assert seen == {"noise": 3.0, "reserved": eng.allocator.num_blocks // 2}
-    assert eng.draft_noise == 0.0 and eng.allocator.reserved == 0
+    assert eng.faults.draft_noise == 0.0 and eng.allocator.reserved == 0
     assert [s["change"] for s in tl.info["shifts_applied"]] == ["kv-pressure:0.5", "draft-noise:3"]
     assert len(records) == 5 and all(r.output_tokens == 6 for r in records)
     assert all(r.finish_reason == "length" for r in records)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from adaserve import LLM, SLO, SamplingParams
 from adaserve.core.tree import CandidateTree, is_connected
+from adaserve.engine import Faults
 from adaserve.sched.adaptive import (
     _EXTRAS,
     DEPTHS,
@@ -260,7 +261,7 @@ def test_mixed_batch_end_to_end_per_request_trees_output_unchanged(tiny_pair, ch
             profile=cheap_profile,
             kv_cache_bytes=32 << 20,
         )
-        llm.engine.draft_noise = 0.5
+        llm.engine.set_faults(Faults(draft_noise=0.5))
         return llm
 
     plain = spec_llm().generate(prompts, params, slo=slos)

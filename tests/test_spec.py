@@ -92,7 +92,8 @@ def test_eos_inside_accepted_path_cuts_it(tiny_pair, profile_file):
     assert got == ref
     assert got[0][-1] == stop_tok and len(got[0]) == full[0].index(stop_tok) + 1
     # the eos set of the checkpoint works the same way
-    llm.engine.eos_ids = {stop_tok}
+    llm.engine.eos_ids.clear()  # the set the output processor checks
+    llm.engine.eos_ids.add(stop_tok)
     outs = llm.generate(prompts, sp)
     assert [o.token_ids for o in outs] == ref
 
@@ -233,7 +234,7 @@ def test_speculative_sampling_matches_target_distribution(
 
 def test_broken_verifier_fails_the_distribution_test(small_pair, monkeypatch):
     """Negative control: accepting any child in the target's top-2 is not lossless."""
-    import adaserve.engine as eng
+    import adaserve.engine.verification as eng
 
     def almost_lossless(tokens, children, probs, gen, draft_q=None):
         node, path = 0, []

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from adaserve.config import EngineConfig
-from adaserve.engine import Engine
+from adaserve.engine import Engine, build_engine
 from adaserve.errors import InvalidRequestError
 from adaserve.request import Request
 from adaserve.sampling import SamplingParams
@@ -66,6 +66,7 @@ def request_metrics(engine: Engine, r: Request) -> dict:
     m["output_tokens"] = r.num_output
     m["prompt_tokens"] = len(r.prompt_ids)
     m.update(r.stats.as_dict())
+    m["preemptions"] = r.preemptions
     m["policy"] = engine.policy.name
     if r.degraded_from:
         m["degraded_from"] = r.degraded_from
@@ -104,7 +105,7 @@ class LLM:
             dtype=dtype,
             **engine_kwargs,
         )
-        self.engine = Engine(cfg)
+        self.engine = build_engine(cfg)
 
     @property
     def tokenizer(self):

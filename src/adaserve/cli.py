@@ -136,7 +136,7 @@ def _cmd_profile(args) -> int:
     import tempfile
 
     from adaserve.config import EngineConfig
-    from adaserve.engine import Engine
+    from adaserve.engine import build_engine
     from adaserve.profile import profile_engine
 
     model, draft, no_draft, shapes = args.model, args.draft, args.no_draft, None
@@ -146,7 +146,7 @@ def _cmd_profile(args) -> int:
                 raise AdaServeError("give --shapes or --model/--draft, not both")
             model, draft, shapes = _shape_dirs(args.shapes, tmp)
             no_draft = no_draft or draft is None
-        eng = Engine(
+        eng = build_engine(
             EngineConfig(
                 model=model,
                 draft=draft,

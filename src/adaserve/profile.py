@@ -164,7 +164,7 @@ def measure_step_overhead(engine, new_tokens: int = 24) -> float:
     from adaserve.slo import SLO
 
     saved = engine.policy
-    engine.policy = AutoregressivePolicy("ar")
+    engine.set_policy(AutoregressivePolicy("ar"))
     try:
         prompt = [i % engine.target.cfg.vocab_size for i in range(1, 33)]
         r = engine.add_request(
@@ -176,7 +176,7 @@ def measure_step_overhead(engine, new_tokens: int = 24) -> float:
             engine.step()
             times.append((time.perf_counter() - t0) * 1000)
     finally:
-        engine.policy = saved
+        engine.set_policy(saved)
     return statistics.median(times[2:]) if len(times) > 3 else statistics.median(times)
 
 
@@ -184,19 +184,19 @@ def measure_draft_host(engine, requests: int = 8, depth: int = 4, width: int = 2
     """Host ms per speculating request per draft step: a real tree expansion of
     ``requests`` requests minus the profiled forward passes it ran."""
     from adaserve.core.blocks import BlockTable
+    from adaserve.core.tree import scratch_slots_needed
     from adaserve.sampling import SamplingParams
     from adaserve.slo import SLO
-    from adaserve.spec_decode.draft import expand, scratch_slots_needed
+    from adaserve.spec_decode.draft import expand
 
     if engine.draft is None:
         return 0.0
     V = engine.target.cfg.vocab_size
-    reqs = [
-        engine.add_request([(7 * i + j) % V for j in range(24)], SamplingParams(), SLO())
+    reqs = [  # not queued: as if prefilled, with blocks of their own
+        engine.new_request([(7 * i + j) % V for j in range(24)], SamplingParams(), SLO())
         for i in range(requests)
     ]
-    for r in reqs:  # as if prefilled: give them blocks, no engine step needed
-        engine.waiting.remove(r)
+    for r in reqs:
         r.table = BlockTable(engine.allocator)
         r.table.ensure(len(r.tokens) + scratch_slots_needed(depth, width))
     times = []

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import enum
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from adaserve.core.blocks import BlockTable
+from adaserve.core.seq import SeqState, Status  # noqa: F401  (Status re-exported)
 from adaserve.sampling import SamplingParams
 from adaserve.slo import SLO
-
-
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 @dataclass
@@ -31,7 +23,6 @@ class RequestStats:
     accepted_by_depth: dict[int, int] = field(default_factory=dict)
     rejected_flops_draft: float = 0.0
     rejected_flops_target: float = 0.0
-    preemptions: int = 0
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -42,12 +33,11 @@ class RequestStats:
         return d
 
 
-class Request:
+class Request(SeqState):
     """One generation request inside the engine.
 
-    ``tokens`` holds prompt + output. The target cache holds ``num_cached`` tokens
-    (positions ``0..num_cached-1``); in decode exactly one token (the root) is
-    uncached. The draft cache holds ``draft_cached`` tokens.
+    ``tokens`` holds prompt + output; the scheduling state (KV, status, times) is the
+    ``SeqState`` the scheduler keeps. The draft cache holds ``draft_cached`` tokens.
     """
 
     def __init__(
@@ -57,56 +47,36 @@ class Request:
         params: SamplingParams,
         slo: SLO,
         generator: torch.Generator,
-        arrival: float | None = None,
+        arrival: float,
     ):
-        self.rid = rid
+        super().__init__(rid, slo, arrival)
         self.prompt_ids = list(prompt_ids)
         self.tokens = list(prompt_ids)
         self.params = params
-        self.slo = slo
         self.gen = generator
-        self.status = Status.WAITING
-        self.table: BlockTable | None = None
-        self.num_cached = 0
-        self.draft_cached = 0
-        self.arrival = time.perf_counter() if arrival is None else arrival
-        self.admitted_at: float | None = None
-        self.first_token_at: float | None = None
-        self.finished_at: float | None = None
         self.token_times: list[float] = []
-        self.finish_reason: str | None = None
         self.stop_text_cut: int | None = None  # char offset where a stop string starts
         self.stats = RequestStats()
-        self.admit_seq = 0
-        self.cancelled = False
-        self.degraded_from: str | None = None
         # per output token when params.logprobs is set: (logprob, ((id, logprob), ...))
         self.logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = []
         # per prompt token when params.prompt_logprobs is set (the first one None)
         self.prompt_logprobs: list = []
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.params.max_tokens
+
+    @property
     def output_ids(self) -> list[int]:
         return self.tokens[len(self.prompt_ids) :]
-
-    @property
-    def num_output(self) -> int:
-        return len(self.tokens) - len(self.prompt_ids)
-
-    @property
-    def uncached(self) -> int:
-        return len(self.tokens) - self.num_cached
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.uncached > 1 or self.num_output == 0
-
-    @property
-    def finished(self) -> bool:
-        return self.status is Status.FINISHED
-
-    def queue_time(self) -> float:
-        return ((self.admitted_at or time.perf_counter()) - self.arrival) * 1000.0
 
     def timing(self) -> dict:
         """Latency figures in milliseconds (None where not applicable yet)."""

@@ -3,7 +3,8 @@
 In-process: items are added at their arrival times (``arrival = t0 + item.arrival_s``)
 and ``engine.step()`` runs while there is work; the loop sleeps until the next arrival
 when idle. Engine-side shifts (``draft-noise``, ``kv-pressure``) are applied at their
-times. Every iteration adds one timeline sample (tree sizes, accepted tokens, KV use).
+times through ``engine.faults``. Every iteration's trace goes to a ``RunRecorder`` (one
+timeline sample per iteration, the energy tally), the simulator's too.
 
 HTTP: each request is a streaming ``POST /v1/completions`` sent at its arrival time; the
 SLO travels as ``slo: {tpot_ms, ttft_ms}`` and ``slo_class`` (our extensions) and as
@@ -18,11 +19,10 @@ import json
 import logging
 import statistics
 import time
-from pathlib import Path
 
 from adaserve.bench.metrics import RequestRecord
 from adaserve.bench.workload import WorkItem, WorkloadSpec, item_slo
-from adaserve.core.trace import EnergyTally, RunTimeline
+from adaserve.core.trace import ModelCosts, RunRecorder, RunTimeline
 from adaserve.errors import AdaServeError, AdmissionRejected
 from adaserve.slo import DEFAULT_CLASSES, SLO, SLOClass
 
@@ -68,8 +68,8 @@ def class_ranks(classes: tuple[SLOClass, ...] = DEFAULT_CLASSES) -> dict[str, in
 # ---------------------------------------------------------------------- engines
 class EngineFactory:
     """``factory(policy) -> Engine``: builds one engine and reuses it for every policy
-    (swapping ``engine.policy`` and resetting counters, calibration, noise and KV
-    pressure), so models load and the hardware profile is measured once."""
+    (``Engine.set_policy`` and ``Engine.reset_stats``), so models load and the hardware
+    profile is measured once."""
 
     def __init__(self, cfg, reuse: bool = True):
         self.cfg = cfg
@@ -79,22 +79,23 @@ class EngineFactory:
     def _build(self, policy: str):
         from dataclasses import replace
 
-        from adaserve.engine import Engine
+        from adaserve.engine import build_engine
 
         # build with a drafting policy so the hardware profile is loaded
         first = "adaserve" if not self.cfg.no_draft else policy
-        return Engine(replace(self.cfg, policy=first))
+        return build_engine(replace(self.cfg, policy=first))
 
     def __call__(self, policy: str):
         if self.engine is None or not self.reuse:
             self.engine = self._build(policy)
         eng = self.engine
         set_policy(eng, policy)
-        reset_engine(eng)
+        eng.reset_stats()
         return eng
 
 
 def set_policy(engine, policy: str) -> None:
+    """Switch ``engine`` to ``policy``, loading the hardware profile if it needs one."""
     from adaserve.sched.registry import make_policy
 
     pol = make_policy(policy)
@@ -103,26 +104,8 @@ def set_policy(engine, policy: str) -> None:
     if pol.uses_draft and engine.hw is None:
         from adaserve.profile import load_or_profile
 
-        engine.hw = load_or_profile(engine, auto=engine.cfg.auto_profile)
-    engine.policy = pol
-
-
-def reset_engine(engine) -> None:
-    """Fresh counters, calibration, no draft noise, no KV pressure."""
-    from adaserve import paths
-    from adaserve.engine import EngineCounters
-    from adaserve.sched.calibration import Calibrator
-
-    if engine.has_work():
-        raise AdaServeError("cannot reset an engine that still has requests")
-    engine.counters = EngineCounters()
-    cal = Calibrator()
-    if engine.draft_dir is not None and Path(engine.draft_dir) == paths.DEFAULT_DRAFT:
-        cal.seed_from_stats(paths.DEFAULT_STATS)
-    engine.calibrator = cal
-    engine.draft_noise = 0.0
-    engine.allocator.reserved = 0
-    engine.last_trace = None
+        engine.set_hardware(load_or_profile(engine, auto=engine.cfg.auto_profile))
+    engine.set_policy(pol)
 
 
 def warmup(engine, n_tokens: int = 8) -> None:
@@ -134,15 +117,17 @@ def warmup(engine, n_tokens: int = 8) -> None:
     engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True))
     while engine.has_work():
         engine.step()
-    reset_engine(engine)
+    engine.reset_stats()
 
 
 # ---------------------------------------------------------------------- in-process
 def _apply_shift(engine, shift) -> None:
+    from dataclasses import replace
+
     if shift.kind == "draft-noise":
-        engine.draft_noise = float(shift.value)
+        engine.set_faults(replace(engine.faults, draft_noise=float(shift.value)))
     elif shift.kind == "kv-pressure":
-        engine.allocator.reserved = int(float(shift.value) * engine.allocator.num_blocks)
+        engine.set_faults(replace(engine.faults, kv_reserved=float(shift.value)))
 
 
 def run_in_process(
@@ -156,14 +141,13 @@ def run_in_process(
     max_wall_s: float | None = None,
     do_warmup: bool = True,
 ) -> tuple[list[RequestRecord], RunTimeline]:
-    """Run ``items`` through ``engine_factory(policy)`` in real time.
+    """Run ``items`` through ``engine_factory(policy)`` in real time (the engine's
+    clock).
 
     ``slos`` maps class -> SLO (default: the engine's classes times ``spec.slo_scale``).
     ``max_wall_s`` aborts what is left after that long (recorded as errors).
     Returns the per-request records (times relative to the start) and the timeline.
     """
-    import torch
-
     from adaserve.sampling import SamplingParams
 
     engine = engine_factory(policy)
@@ -177,13 +161,12 @@ def run_in_process(
         last = items[-1].arrival_s if items else 0.0
         max_wall_s = 3.0 * last + 600.0
 
-    esize = torch.tensor([], dtype=engine.dtype).element_size()
-    ft, fd = engine.flops_per_token_target, engine.flops_per_token_draft
-    tw = engine.target.cfg.num_parameters() * esize
-    dw = engine.draft.cfg.num_parameters() * esize if engine.draft is not None else 0
-    uses_draft = bool(engine.policy.uses_draft and engine.draft is not None)
-    tally = EnergyTally()
-
+    clock = engine.clock
+    costs = ModelCosts(
+        (engine.flops_per_token_target, engine.flops_per_token_draft),
+        engine.runner.weight_bytes,
+        engine.kv_bytes_per_slot,
+    )
     bar = None
     if progress:
         from tqdm import tqdm
@@ -192,9 +175,10 @@ def run_in_process(
 
     records: list[RequestRecord] = []
     live: dict[int, tuple[WorkItem, object, SLO]] = {}
-    timeline = RunTimeline()
     applied: list[dict] = []
-    t0 = time.perf_counter()
+    t0 = clock.now()
+    recorder = RunRecorder(costs, t0=t0)
+    timeline = recorder.timeline
 
     def rel(x: float | None) -> float | None:
         return None if x is None else x - t0
@@ -239,12 +223,10 @@ def run_in_process(
         if bar is not None:
             bar.update(1)
 
-    c = engine.counters
-    prev = (c.drafted_tokens, c.prompt_tokens, c.generation_tokens)
     i = 0
     try:
         while True:
-            now = time.perf_counter() - t0
+            now = clock.now() - t0
             while shifts and shifts[0].at_s <= now:
                 s = shifts.pop(0)
                 _apply_shift(engine, s)
@@ -271,27 +253,7 @@ def run_in_process(
                 engine.step()
                 tr = engine.last_trace
                 if tr is not None and tr is not before:  # an iteration actually ran
-                    timeline.samples.append(_sample(engine, tr, live, time.perf_counter() - t0))
-                    depth = max((d for d, _ in tr.plan.shapes.values()), default=0)
-                    d_tok = 0
-                    if uses_draft:
-                        d_tok = (
-                            (c.drafted_tokens - prev[0])
-                            + (c.prompt_tokens - prev[1])
-                            + (c.generation_tokens - prev[2])
-                        )
-                    tally.add_iteration(
-                        target_tokens=tr.tokens,
-                        draft_tokens=d_tok,
-                        draft_passes=(depth + 1) if uses_draft and depth else 0,
-                        kv_tokens_attended=sum(len(r.tokens) for r in engine.running),
-                        target_flops_per_token=ft,
-                        draft_flops_per_token=fd,
-                        target_weight_bytes=tw,
-                        draft_weight_bytes=dw,
-                        kv_bytes_per_token=engine.kv_bytes_per_slot,
-                    )
-                    prev = (c.drafted_tokens, c.prompt_tokens, c.generation_tokens)
+                    recorder.record(tr)
                 for rid in [rid for rid, (_, r, _) in live.items() if r.finished]:
                     it, r, slo = live.pop(rid)
                     collect(r, it, slo)
@@ -301,9 +263,9 @@ def run_in_process(
                 nxt.append(shifts[0].at_s)
             if not nxt:
                 break
-            time.sleep(max(0.0, min(nxt) - (time.perf_counter() - t0)))
+            time.sleep(max(0.0, min(nxt) - (clock.now() - t0)))
     finally:
-        end = time.perf_counter() - t0
+        end = clock.now() - t0
         for _rid, (it, r, slo) in list(live.items()):
             if r.finished:
                 collect(r, it, slo)
@@ -313,14 +275,13 @@ def run_in_process(
         live.clear()
         for it in items[i:]:
             fail(it, slos.get(it.cls), "not sent: run stopped", shed=False)
-        engine.draft_noise = 0.0
-        engine.allocator.reserved = 0
+        engine.set_faults(type(engine.faults)())
         if bar is not None:
             bar.close()
 
     finish = [r.finish_s for r in records if r.finish_s is not None]
     duration = max(finish) if finish else end
-    kv_peak = max((s["kv_usage"] for s in timeline.samples), default=0.0)
+    kv_peak = recorder.peak_kv
     pool_bytes = engine.allocator.num_blocks * engine.cfg.block_size * engine.kv_bytes_per_slot
     c = engine.counters
     timeline.info = {
@@ -338,9 +299,12 @@ def run_in_process(
         "peak_kv_usage": kv_peak,
         "peak_kv_bytes": kv_peak * pool_bytes,
         "kv_pool_bytes": pool_bytes,
-        "flops_per_token_target": ft,
-        "flops_per_token_draft": fd,
-        "energy_tally": {"flops": tally.flops, "bytes_moved": tally.bytes_moved},
+        "flops_per_token_target": costs.flops_per_token[0],
+        "flops_per_token_draft": costs.flops_per_token[1],
+        "energy_tally": {
+            "flops": recorder.energy.flops,
+            "bytes_moved": recorder.energy.bytes_moved,
+        },
         "shifts_applied": applied,
         "unloaded_tpot_ms": engine.unloaded_tpot_ms(),
         "slo_targets": {
@@ -349,34 +313,6 @@ def run_in_process(
     }
     records.sort(key=lambda r: r.idx)
     return records, timeline
-
-
-def _sample(engine, tr, live, t: float) -> dict:
-    nodes = tr.tree_nodes
-    by_cls: dict[str, list[int]] = {}
-    for rid, n in nodes.items():
-        entry = live.get(rid)
-        if entry is not None:
-            by_cls.setdefault(entry[0].cls, []).append(n)
-    budget = tr.plan.budget if tr.plan.budget < (1 << 29) else None
-    return {
-        "t": t,
-        "iter_ms": tr.duration_s * 1000.0,
-        "running": len(engine.running),
-        "waiting": len(engine.waiting),
-        "tokens": tr.tokens,
-        "tree_nodes": int(sum(nodes.values())),
-        "tree_mean": (sum(nodes.values()) / len(nodes)) if nodes else 0.0,
-        "tree_by_class": {k: sum(v) / len(v) for k, v in by_cls.items()},
-        "accepted": int(sum(tr.accepted.values())),
-        "kv_usage": float(engine.kv_usage()),
-        "budget": budget,
-        "fallback": tr.plan.fallback,
-        # the work of the pass, for pricing it afterwards (benchmarks/fidelity.py):
-        # context tokens of the batch and the (depth, width) of each drafted tree
-        "kv_tokens": sum(len(r.tokens) for r in engine.running),
-        "shapes": [list(tr.plan.shapes[rid]) for rid in nodes if rid in tr.plan.shapes],
-    }
 
 
 # ---------------------------------------------------------------------- HTTP

@@ -32,6 +32,7 @@ from typing import Any
 
 from adaserve.api import request_metrics
 from adaserve.config import EngineConfig
+from adaserve.core.config import QUEUE_FULL_RETRY_S
 from adaserve.errors import AdaServeError, AdmissionRejected
 from adaserve.request import Status
 from adaserve.sampling import SamplingParams
@@ -224,9 +225,9 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             if isinstance(self._source, EngineConfig):
-                from adaserve.engine import Engine
+                from adaserve.engine import build_engine
 
-                self.engine = Engine(self._source)
+                self.engine = build_engine(self._source)
             else:
                 self.engine = self._source
             e = self.engine
@@ -312,7 +313,7 @@ class EngineLoop:
                     raise AdmissionRejected(
                         f"the queue is full ({len(self.engine.waiting)} requests waiting)",
                         "queue_full",
-                        1.0,
+                        QUEUE_FULL_RETRY_S,
                     )
                 r = self.engine.add_request(h.prompt_ids, h.params, h.slo, arrival=h.arrival)
             except Exception as exc:  # handed to the awaiting handler

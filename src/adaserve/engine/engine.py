@@ -1,0 +1,378 @@
+"""The serving loop: admit -> plan -> speculate -> select -> verify -> commit.
+
+One ``step()`` is one target-model iteration over every admitted request: prefill
+chunks, plain decodes (root only) and speculative trees share one forward pass. The
+scheduling (admission, KV, preemption, degradation) is the torch-free ``Scheduler``
+the simulator runs too; the ``ModelRunner`` executes the pass; the
+``OutputProcessor`` commits its tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from adaserve import paths
+from adaserve.config import EngineConfig
+from adaserve.core.clock import Clock, WallClock
+from adaserve.core.counters import Counters
+from adaserve.core.scheduler import Batch, Scheduler
+from adaserve.core.trace import StepTrace
+from adaserve.core.tree import CandidateTree
+from adaserve.engine.model_runner import ModelRunner
+from adaserve.engine.output import OutputProcessor
+from adaserve.engine.selection_log import SelectionLog
+from adaserve.engine.verification import accept
+from adaserve.errors import AdaServeError, ModelLoadError
+from adaserve.request import Request
+from adaserve.sampling import SamplingParams
+from adaserve.sched.base import Policy
+from adaserve.sched.calibration import Calibrator
+from adaserve.sched.registry import make_policy
+from adaserve.slo import SLO
+from adaserve.spec_decode.draft import DraftOutput
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Conditions injected for experiments: Gaussian noise on the draft's logits
+    (``draft_noise``, a standard deviation) and a held-back share of the KV pool."""
+
+    draft_noise: float = 0.0
+    kv_reserved: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.draft_noise >= 0:
+            raise ValueError("draft_noise must be >= 0")
+        if not 0 <= self.kv_reserved <= 1:
+            raise ValueError("kv_reserved must be in [0, 1]")
+
+
+class Engine:
+    """Owns the model runner, the scheduler and every request's state.
+
+    Construction loads the models and runs nothing; ``build_engine`` also loads or
+    measures the hardware profile the budgeted policies need.
+    """
+
+    def __init__(self, cfg: EngineConfig | None = None, clock: Clock | None = None, **overrides):
+        cfg = cfg or EngineConfig(**overrides)
+        self.cfg = cfg
+        self.clock = clock or WallClock()
+        self.runner = ModelRunner(cfg)
+        run = self.runner
+        self.scheduler = Scheduler(
+            cfg,
+            make_policy(cfg.policy),
+            self.clock,
+            run.num_blocks,
+            max_model_len=run.max_model_len,
+            unloaded_tpot_ms=self.unloaded_tpot_ms,
+        )
+        self.output = OutputProcessor(
+            self.scheduler,
+            run.tokenizer,
+            run.eos_ids,
+            run.max_model_len,
+            (run.flops_per_token_target, run.flops_per_token_draft),
+        )
+        self.calibrator = self._new_calibrator()
+        self._faults = Faults()
+        self._ids = itertools.count()
+        self.last_trace: StepTrace | None = None
+        self.on_step: Callable[[Engine, StepTrace], None] | None = None
+        self._sel_log = SelectionLog(cfg.selection_log) if cfg.selection_log else None
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[Request]:
+        """Run one iteration; returns the requests that finished in it."""
+        sched = self.scheduler
+        sched.begin_step()
+        sched.admit()  # --- admit
+        if not sched.running:
+            return []
+        view = sched.view(self.calibrator.acceptance_by_rank())  # --- plan
+        plan = sched.plan(view)
+        batch = sched.reserve(plan, can_draft=self.runner.draft is not None)
+        drafts = self._speculate(batch)  # --- speculate
+        selected = {}  # --- select
+        if drafts:
+            selected = self.policy.select(view, plan, {rid: d.tree for rid, d in drafts.items()})
+        trees = self._verified_trees(batch, drafts, selected)
+        logits, prompt_rows = self.runner.verify_forward(batch, trees)  # --- verify
+        result = accept(batch, trees, drafts, logits, self.cfg.draft_sample)
+        self.runner.move_target_slots(result.moves_src, result.moves_dst)
+        now = self.clock.now()  # --- commit
+        for r, p, lsm in prompt_rows:
+            self.output.record_prompt_logprobs(r, p, lsm)
+        generated = self.counters.generation_tokens
+        finished, accepted = self.output.commit(batch, trees, result, self.calibrator, now)
+        generated = self.counters.generation_tokens - generated
+        trace = sched.end_step(batch, now)
+        self._fill_trace(trace, plan, batch, trees, accepted, drafts, generated)
+        self.policy.feedback(plan, trace.duration_s * 1000)
+        self.last_trace = trace
+        if self._sel_log is not None:
+            self._sel_log.write(self.policy, view, plan, trees, accepted)
+        if self.on_step is not None:
+            self.on_step(self, trace)
+        return finished
+
+    def run_until_done(self) -> None:
+        """Step until no request is waiting or running."""
+        while self.has_work():
+            self.step()
+
+    def _speculate(self, batch: Batch) -> dict[int, DraftOutput]:
+        """Draft a tree per speculating request; the calibrator sets each node's f."""
+        drafts = self.runner.draft_trees(batch.spec, self._faults.draft_noise)
+        for r, _ in batch.spec:
+            tree = drafts[r.rid].tree
+            self.calibrator.apply(tree)
+            r.stats.drafted_tokens += tree.num_candidates
+            self.counters.drafted_tokens += tree.num_candidates
+        return drafts
+
+    def _verified_trees(
+        self,
+        batch: Batch,
+        drafts: dict[int, DraftOutput],
+        selected: dict[int, np.ndarray],
+    ) -> dict[int, CandidateTree]:
+        """The subtree each decoding request verifies (root only when not speculating,
+        or when the pool cannot hold the selected nodes)."""
+        out: dict[int, CandidateTree] = {}
+        for r in batch.decode:
+            d = drafts.get(r.rid)
+            root = CandidateTree.root_only(r.tokens[-1])
+            if d is None:
+                out[r.rid] = root
+                continue
+            nodes = np.asarray(selected.get(r.rid, np.zeros(1, dtype=np.int64)))
+            ok = self.scheduler.reserve_tree(r, len(nodes))
+            out[r.rid] = d.tree.subtree(nodes) if ok else root
+        return out
+
+    def _fill_trace(self, tr: StepTrace, plan, batch: Batch, trees, accepted, drafts, generated):
+        """The executor's part of the trace: pass tokens, tree sizes, draft work (the
+        draft caches every prompt and output token and drafts its candidates)."""
+        tr.tree_nodes = {rid: len(t.tokens) - 1 for rid, t in trees.items()}
+        tr.accepted = accepted
+        prefill = sum(n for _, n in batch.prefill)
+        tr.tokens = prefill + sum(len(t.tokens) for t in trees.values())
+        if self.policy.uses_draft and self.runner.draft is not None:
+            drafted = sum(d.tree.num_candidates for d in drafts.values())
+            tr.draft_tokens = drafted + prefill + generated
+            depth = max((d for d, _ in plan.shapes.values()), default=0)
+            tr.draft_passes = depth + 1 if depth else 0
+        c = self.counters
+        c.model_time_s += self.runner.model_time_s
+        self.runner.model_time_s = 0.0
+        c.step_time_s += tr.duration_s
+
+    # ------------------------------------------------------------------ requests
+    def new_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        slo: SLO | None = None,
+        arrival: float | None = None,
+    ) -> Request:
+        """A validated request, not queued (``add_request`` queues it)."""
+        params = params or SamplingParams()
+        ids = self.runner.encode(prompt)
+        self.scheduler.check_prompt(len(ids))
+        slo = slo or self.scheduler.default_slo()
+        arrival = self.clock.now() if arrival is None else arrival
+        gen = self.runner.generator(params.seed)
+        return Request(next(self._ids), ids, params, slo, gen, arrival)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        slo: SLO | None = None,
+        arrival: float | None = None,
+    ) -> Request:
+        """Validate and queue a request (admission control may shed it with
+        ``AdmissionRejected``); returns its live ``Request``."""
+        r = self.new_request(prompt, params, slo, arrival)
+        self.scheduler.add(r)
+        return r
+
+    def abort(self, req: Request, reason: str = "abort") -> None:
+        """Cancel a request; its KV is freed at once."""
+        self.scheduler.abort(req, reason)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ policy, stats
+    def set_policy(self, policy: str | Policy) -> None:
+        """Schedule with ``policy`` (a name or a policy object) from the next step."""
+        self.scheduler.set_policy(make_policy(policy) if isinstance(policy, str) else policy)
+
+    def set_hardware(self, hw) -> None:
+        """The hardware model (profile) the budgeted policies and admission use."""
+        self.scheduler.set_hardware(hw)
+
+    def reset_stats(self) -> None:
+        """Fresh counters and calibration, no faults: a clean start between runs
+        (only when no request is left)."""
+        if self.has_work():
+            raise AdaServeError("cannot reset an engine that still has requests")
+        self.scheduler.counters = Counters()
+        self.calibrator = self._new_calibrator()
+        self.set_faults(Faults())
+        self.last_trace = None
+
+    @property
+    def faults(self) -> Faults:
+        return self._faults
+
+    def set_faults(self, faults: Faults) -> None:
+        """Inject ``faults`` from now on (``Faults()`` clears them)."""
+        self._faults = faults
+        self.scheduler.set_kv_reserved(faults.kv_reserved)
+
+    def _new_calibrator(self) -> Calibrator:
+        cal = Calibrator()
+        d = self.runner.draft_dir
+        if d is not None and Path(d) == paths.DEFAULT_DRAFT:
+            cal.seed_from_stats(paths.DEFAULT_STATS)
+        return cal
+
+    def close(self) -> None:
+        """Release files the engine holds (the selection log)."""
+        if self._sel_log is not None:
+            self._sel_log.close()
+            self._sel_log = None
+
+    # ------------------------------------------------------------------ read-only views
+    @property
+    def policy(self) -> Policy:
+        return self.scheduler.policy
+
+    @property
+    def hw(self):
+        return self.scheduler.hw
+
+    @property
+    def counters(self) -> Counters:
+        return self.scheduler.counters
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list:
+        return self.scheduler.running
+
+    @property
+    def allocator(self):
+        return self.scheduler.allocator
+
+    @property
+    def target(self):
+        return self.runner.target
+
+    @property
+    def draft(self):
+        return self.runner.draft
+
+    @property
+    def tokenizer(self):
+        return self.runner.tokenizer
+
+    @property
+    def model_dir(self) -> Path:
+        return self.runner.model_dir
+
+    @property
+    def draft_dir(self) -> Path | None:
+        return self.runner.draft_dir
+
+    @property
+    def device(self):
+        return self.runner.device
+
+    @property
+    def dtype(self):
+        return self.runner.dtype
+
+    @property
+    def kv_target(self):
+        return self.runner.kv_target
+
+    @property
+    def kv_draft(self):
+        return self.runner.kv_draft
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return self.runner.eos_ids
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
+    def kv_bytes_per_slot(self) -> int:
+        return self.runner.kv_bytes_per_slot
+
+    @property
+    def flops_per_token_target(self) -> float:
+        return self.runner.flops_per_token_target
+
+    @property
+    def flops_per_token_draft(self) -> float:
+        return self.runner.flops_per_token_draft
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt (a string needs a tokenizer)."""
+        return self.runner.encode(prompt)
+
+    def default_slo(self) -> SLO:
+        return self.scheduler.default_slo()
+
+    def class_slo(self, name: str) -> SLO:
+        return self.scheduler.class_slo(name)
+
+    def capacity_tok_s(self) -> float:
+        """Largest token rate the pair sustains at full batch (from the hardware model)."""
+        return self.scheduler.capacity_tok_s()
+
+    def unloaded_tpot_ms(self) -> float:
+        """Measured (profile) or estimated per-token latency at near-zero load."""
+        if self.hw is not None:
+            return self.hw.unloaded_tpot_ms()
+        return self.runner.estimate_tpot_ms()
+
+    def output_text(self, r: Request) -> str | None:
+        """The request's output text (None without a tokenizer)."""
+        return self.output.output_text(r)
+
+    def kv_usage(self) -> float:
+        """Fraction of the KV pool in use (0-1)."""
+        return self.allocator.usage
+
+
+def build_engine(cfg: EngineConfig | None = None, clock: Clock | None = None, **overrides):
+    """An engine ready to serve: constructed, then with its hardware profile loaded
+    (or measured on first start, when ``cfg.auto_profile``) if its policy drafts or a
+    profile was named. Profiling steps the engine; its statistics are reset after."""
+    from adaserve.profile import load_or_profile  # imports the engine's modules
+
+    eng = Engine(cfg, clock, **overrides)
+    if eng.policy.uses_draft or eng.cfg.profile:
+        try:
+            eng.set_hardware(load_or_profile(eng, auto=eng.cfg.auto_profile))
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+        eng.reset_stats()
+    return eng

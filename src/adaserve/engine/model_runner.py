@@ -1,0 +1,234 @@
+"""The model runner: the target and draft models, their KV tensors, and every forward
+the engine runs (draft expansion, the verification pass, logits and log-probabilities).
+
+It knows nothing of queues or policies: the scheduler hands it a ``Batch`` whose
+requests already hold the KV slots they need.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from adaserve import paths
+from adaserve.core.scheduler import Batch
+from adaserve.core.tree import CandidateTree, ancestor_mask
+from adaserve.errors import InvalidRequestError, ModelLoadError
+from adaserve.kv.cache import KVCache
+from adaserve.logits import make_generator
+from adaserve.models.attention import AttnMetadata, SeqSpec
+from adaserve.models.config import ModelConfig
+from adaserve.models.loader import load_model, resolve_dtype
+from adaserve.request import Request
+from adaserve.resources import default_kv_budget, gpu_kv_budget
+from adaserve.spec_decode.draft import DraftOutput, expand
+from adaserve.tokenizer import Tokenizer, check_draft_tokenizer, load_tokenizer
+
+
+class ModelRunner:
+    """Loads the pair named by an ``EngineConfig`` and runs its forwards."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        model_dir = Path(cfg.model) if cfg.model else paths.DEFAULT_TARGET
+        draft_dir = None
+        if not cfg.no_draft:
+            if cfg.draft:
+                draft_dir = Path(cfg.draft)
+            elif cfg.model is None and paths.DEFAULT_DRAFT.is_dir():
+                draft_dir = paths.DEFAULT_DRAFT
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ModelLoadError("device 'cuda' requested but CUDA is not available")
+        ckpt_dtype = None
+        if cfg.dtype == "auto" and self.device.type == "cuda":
+            ckpt_dtype = ModelConfig.from_dir(model_dir).extra.get("torch_dtype")
+        self.dtype = resolve_dtype(cfg.dtype, self.device, ckpt_dtype)
+        self.model_dir = model_dir
+        self.draft_dir = draft_dir
+        rnd = cfg.random_weights
+        self.target = load_model(model_dir, self.device, self.dtype, rnd)
+        self.draft = load_model(draft_dir, self.device, self.dtype, rnd) if draft_dir else None
+        self.tokenizer: Tokenizer | None = load_tokenizer(model_dir)
+        if self.draft is not None:
+            check_draft_tokenizer(self.tokenizer, load_tokenizer(draft_dir), draft_dir)
+        tcfg = self.target.cfg
+        self.eos_ids = set(tcfg.eos_token_ids)
+        if not self.eos_ids and self.tokenizer is not None and self.tokenizer.eos_id is not None:
+            self.eos_ids = {self.tokenizer.eos_id}
+        self.max_model_len = min(
+            cfg.max_model_len or tcfg.max_position_embeddings, tcfg.max_position_embeddings
+        )
+        self.vocab_size = tcfg.vocab_size
+        self.flops_per_token_target = 2.0 * tcfg.num_parameters()
+        self.flops_per_token_draft = 2.0 * self.draft.cfg.num_parameters() if self.draft else 0.0
+        esize = torch.tensor([], dtype=self.dtype).element_size()
+        self.weight_bytes = (
+            tcfg.num_parameters() * esize,
+            self.draft.cfg.num_parameters() * esize if self.draft is not None else 0,
+        )
+        per_slot = tcfg.kv_bytes_per_token(esize)
+        if self.draft is not None:
+            per_slot += self.draft.cfg.kv_bytes_per_token(esize)
+        self.kv_bytes_per_slot = per_slot
+        budget = cfg.kv_cache_bytes
+        if budget is None:
+            budget = self._gpu_kv_budget() if self.device.type == "cuda" else default_kv_budget()
+        self.num_blocks = int(max(4, budget // (per_slot * cfg.block_size)))
+        num_slots = self.num_blocks * cfg.block_size
+        self.kv_target = KVCache(tcfg, num_slots, self.device, self.dtype)
+        self.kv_draft = (
+            KVCache(self.draft.cfg, num_slots, self.device, self.dtype) if self.draft else None
+        )
+        self.model_time_s = 0.0  # seconds spent in forwards (read and reset by the engine)
+        self._tpot_estimate: float | None = None
+
+    def _gpu_kv_budget(self) -> int:
+        """KV bytes on this GPU once the models are loaded (``gpu_kv_budget``); the
+        activation reserve holds float32 logits for a full batch of trees (64 nodes a
+        request) and a prefill chunk, twice (softmax), plus 1 GiB."""
+        cfg, t = self.cfg, self.target.cfg
+        free, total = torch.cuda.mem_get_info(self.device)
+        rows = cfg.max_prefill_tokens + 64 * cfg.max_num_seqs
+        activations = (1 << 30) + 2 * rows * t.vocab_size * 4
+        try:
+            return gpu_kv_budget(total, free, cfg.gpu_memory_utilization, t.num_layers, activations)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+
+    # ------------------------------------------------------------------ inputs
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt (a string needs a tokenizer)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "this model has no tokenizer.json: pass prompts as token ids", "prompt"
+                )
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        V = self.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < V for t in ids):
+            raise InvalidRequestError(f"token ids must be integers in [0, {V})", "prompt")
+        return ids
+
+    def generator(self, seed: int | None) -> torch.Generator:
+        """A request's own random generator on the device."""
+        return make_generator(seed, self.device)
+
+    def estimate_tpot_ms(self) -> float:
+        """Per-token latency of an unloaded one-token decode (measured once, cached)."""
+        if self._tpot_estimate is None:
+            ids = torch.zeros(1, 8, dtype=torch.long, device=self.device)
+            with torch.inference_mode():
+                self.target.forward_dense(ids)
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    self.target.forward_dense(ids[:, :1])
+                self._tpot_estimate = (time.perf_counter() - t0) / 3 * 1000
+        return self._tpot_estimate
+
+    # ------------------------------------------------------------------ forwards
+    def draft_trees(
+        self, spec: list[tuple[Request, tuple[int, int]]], noise_std: float
+    ) -> dict[int, DraftOutput]:
+        """Beam-expand one candidate tree per (request, (depth, width)) with the draft."""
+        if not spec:
+            return {}
+        reqs = [r for r, _ in spec]
+        t0 = time.perf_counter()
+        outs = expand(
+            self.draft,
+            self.kv_draft,
+            reqs,
+            [s for _, s in spec],
+            sample=self.cfg.draft_sample,
+            noise_std=noise_std,
+            vocab_size=self.vocab_size,
+        )
+        self.model_time_s += time.perf_counter() - t0
+        return {r.rid: o for r, o in zip(reqs, outs)}
+
+    @torch.inference_mode()
+    def verify_forward(
+        self, batch: Batch, trees: dict[int, CandidateTree]
+    ) -> tuple[torch.Tensor | None, list[tuple[Request, int, torch.Tensor]]]:
+        """One target forward over the batch's prefill chunks and trees.
+
+        Returns (logits, prompt_rows): logits [rows, V] float32 of, for each prefill
+        that completes its prompt, its last token, then for each decoding request its
+        1+N tree nodes (root first); prompt_rows: (request, first position p,
+        log-probabilities [m, V]) of the prefill rows that score prompt tokens
+        p+1..p+m (``params.prompt_logprobs``)."""
+        t0 = time.perf_counter()
+        seqs, ids, rows = [], [], []
+        extra: list[tuple[Request, int, int, int]] = []  # (request, position, row, count)
+        pos = 0
+        for r, n in batch.prefill:
+            nc = r.num_cached
+            seqs.append(
+                SeqSpec(r.table.slots(0, nc), r.table.slots(nc, nc + n), list(range(nc, nc + n)))
+            )
+            ids.extend(r.tokens[nc : nc + n])
+            if nc + n == len(r.tokens):
+                rows.append(pos + n - 1)
+            if r.params.prompt_logprobs is not None:
+                # rows nc..: the distributions of prompt tokens nc+1.. (not the output's)
+                m = min(n, len(r.prompt_ids) - 1 - nc)
+                if m > 0:
+                    extra.append((r, nc, pos, m))
+            pos += n
+        for r in batch.decode:
+            t = trees[r.rid]
+            C = len(r.tokens)
+            k = len(t.tokens)
+            seqs.append(
+                SeqSpec(
+                    r.table.slots(0, C - 1),
+                    r.table.slots(C - 1, C - 1 + k),
+                    (C - 1 + t.depth).tolist(),
+                    new_mask=ancestor_mask(t.parents) if k > 1 else None,
+                )
+            )
+            ids.extend(t.tokens.tolist())
+            rows.extend(range(pos, pos + k))
+            pos += k
+        if not seqs:
+            return None, []
+        meta = AttnMetadata.build(seqs, self.device, self.target.cfg.sliding_window)
+        hidden = self.target(
+            torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_target.layers
+        )
+        n_rows = len(rows)
+        for _, _, row, m in extra:  # after every row the commit reads
+            rows.extend(range(row, row + m))
+        logits = self.target.logits(
+            hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        )
+        prompt_rows = []
+        if extra:
+            lsm = torch.log_softmax(logits[n_rows:], dim=-1)
+            at = 0
+            for r, p, _, m in extra:
+                prompt_rows.append((r, p, lsm[at : at + m]))
+                at += m
+        self.model_time_s += time.perf_counter() - t0
+        return logits[:n_rows], prompt_rows
+
+    def move_target_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy the target's KV of slots ``src`` to ``dst`` (tree compaction)."""
+        if src:
+            dev = self.device
+            self.kv_target.move_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+
+
+def logprob_entries(lsm: torch.Tensor, ids: list[int], k: int) -> list:
+    """lsm: [n, V] log-probabilities; ids: the n tokens taken -> per token
+    (its logprob, ((id, logprob) of the k most likely, best first))."""
+    chosen = lsm.gather(1, torch.tensor(ids, device=lsm.device)[:, None])[:, 0].tolist()
+    if not k:
+        return [(c, ()) for c in chosen]
+    top = lsm.topk(k, dim=-1)
+    alts = [tuple(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+    return list(zip(chosen, alts))

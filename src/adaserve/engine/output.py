@@ -1,0 +1,145 @@
+"""Output processing: commit a step's accepted tokens to each request (stop tokens,
+stop strings, length limits), prompt and output log-probabilities, and the
+speculation statistics of requests and of the engine."""
+
+from __future__ import annotations
+
+from adaserve.core.counters import Counters
+from adaserve.core.scheduler import Batch, Scheduler
+from adaserve.core.tree import CandidateTree
+from adaserve.engine.model_runner import logprob_entries
+from adaserve.engine.verification import StepResult
+from adaserve.request import Request
+from adaserve.sched.calibration import Calibrator
+from adaserve.tokenizer import Tokenizer
+
+
+class OutputProcessor:
+    """Appends tokens and finishes requests through the scheduler."""
+
+    def __init__(
+        self,
+        sched: Scheduler,
+        tokenizer: Tokenizer | None,
+        eos_ids: set[int],
+        max_model_len: int,
+        flops_per_token: tuple[float, float],
+    ):
+        self.sched = sched
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+        self.flops_per_token = flops_per_token
+
+    @property
+    def counters(self) -> Counters:
+        return self.sched.counters
+
+    def commit(
+        self,
+        batch: Batch,
+        trees: dict[int, CandidateTree],
+        result: StepResult,
+        calibrator: Calibrator,
+        now: float,
+    ) -> tuple[list[Request], dict[int, int]]:
+        """Apply ``result`` at time ``now``; returns (requests finished in this step,
+        accepted candidates per decoding request)."""
+        finished: list[Request] = []
+        accepted: dict[int, int] = {}
+        for r, n in batch.prefill:
+            r.num_cached += n
+            self.counters.prompt_tokens += n
+            acc = result.prefill.get(r.rid)
+            if acc is None:
+                continue
+            if r.first_token_at is None:
+                r.first_token_at = now
+            self._append(r, acc.tokens, acc.logprobs, now)
+            if r.finished:
+                finished.append(r)
+        for r in batch.decode:
+            acc = result.decode[r.rid]
+            r.num_cached = len(r.tokens) + len(acc.path)
+            self._record_spec(r, trees[r.rid], acc.path, calibrator)
+            accepted[r.rid] = len(acc.path)
+            self._append(r, acc.tokens, acc.logprobs, now)
+            if r.finished:
+                finished.append(r)
+        return finished, accepted
+
+    def record_prompt_logprobs(self, r: Request, p: int, lsm) -> None:
+        """Prompt logprobs from one prefill chunk: row j of lsm [m, V] (the chunk
+        starting at position p) scores prompt token p + j + 1."""
+        m = lsm.shape[0]
+        scored = logprob_entries(lsm, r.prompt_ids[p + 1 : p + 1 + m], r.params.prompt_logprobs)
+        if not r.prompt_logprobs:
+            r.prompt_logprobs = [None]  # the first token has no context to score it
+        del r.prompt_logprobs[p + 1 :]  # a chunk prefilled again after preemption
+        r.prompt_logprobs.extend(scored)
+
+    def _record_spec(
+        self, r: Request, t: CandidateTree, path: list[int], calibrator: Calibrator
+    ) -> None:
+        n = len(t.tokens) - 1
+        r.stats.steps += 1
+        if n == 0:
+            return
+        c = self.counters
+        r.stats.verified_tokens += n
+        r.stats.tree_nodes += n
+        r.stats.accepted_tokens += len(path)
+        c.spec_drafts += 1
+        c.spec_draft_tokens += n
+        c.spec_accepted_tokens += len(path)
+        for depth in range(1, len(path) + 1):
+            r.stats.accepted_by_depth[depth] = r.stats.accepted_by_depth.get(depth, 0) + 1
+            c.accepted_per_pos[depth - 1] = c.accepted_per_pos.get(depth - 1, 0) + 1
+        rejected = n - len(path)
+        r.stats.rejected_flops_target += rejected * self.flops_per_token[0]
+        r.stats.rejected_flops_draft += max(0, rejected) * self.flops_per_token[1]
+        calibrator.observe(t, path)
+
+    def _append(self, r: Request, new: list[int], logprobs: list | None, now: float) -> None:
+        """Append tokens one by one, stopping at EOS / stop ids / stop strings / limits;
+        the logprobs of tokens not appended are dropped."""
+        keep = r.num_output
+        if logprobs is not None:
+            r.logprobs[keep:] = logprobs
+        p = r.params
+        for tok in new:
+            r.tokens.append(tok)
+            r.token_times.append(now)
+            self.counters.generation_tokens += 1
+            reason = None
+            if tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos):
+                reason = "stop"
+            elif r.num_output >= p.max_tokens or len(r.tokens) >= self.max_model_len:
+                reason = "length"
+            elif p.stop and self.tokenizer is not None and self._hit_stop_string(r):
+                reason = "stop"
+            if reason:
+                self.sched.finish(r, reason, now)
+                break
+        if logprobs is not None:
+            del r.logprobs[r.num_output :]
+
+    def _hit_stop_string(self, r: Request) -> bool:
+        longest = max(len(s) for s in r.params.stop)
+        tail = self.tokenizer.decode(r.output_ids[-(longest + 8) :])
+        if not any(s in tail for s in r.params.stop):
+            return False
+        text = self.tokenizer.decode(r.output_ids)
+        cuts = [text.find(s) for s in r.params.stop if s in text]
+        r.stop_text_cut = min(cuts)
+        return True
+
+    def output_text(self, r: Request) -> str | None:
+        """The request's output text, cut before a stop string (None without a
+        tokenizer)."""
+        if self.tokenizer is None:
+            return None
+        text = self.tokenizer.decode(r.output_ids)
+        if r.stop_text_cut is not None:
+            text = text[: r.stop_text_cut]
+        return text
