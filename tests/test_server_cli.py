@@ -18,7 +18,7 @@ import pytest
 from server_fixtures import model_pair, server_test_env, wait_for
 
 from adaserve.server.cli import add_arguments, build_configs, run
-from adaserve.server.tenants import ConfigError
+from adaserve.server.config import ConfigError
 
 _env = pytest.fixture(scope="module", autouse=True)(server_test_env)
 

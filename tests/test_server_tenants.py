@@ -17,17 +17,11 @@ from server_fixtures import (
 )
 
 from adaserve.server import load_config, parse_config
-from adaserve.server.tenants import (
-    ApiError,
-    ConfigError,
-    QuotaBook,
-    Tenant,
-    TenantRegistry,
-    TokenBucket,
-    check_against_classes,
-    resolve_slo,
-    tomllib,
-)
+from adaserve.server.auth import TenantRegistry
+from adaserve.server.config import ConfigError, Tenant, check_against_classes, tomllib
+from adaserve.server.errors import ApiError
+from adaserve.server.quotas import QuotaBook, TokenBucket
+from adaserve.server.slo_resolution import resolve_slo
 from adaserve.slo import DEFAULT_CLASSES, SLO
 from adaserve.tokenizer import load_tokenizer
 

@@ -4,7 +4,7 @@
 ``adaserve serve`` / ``python -m adaserve.server`` run it (see docs/server.md).
 """
 
-from adaserve.server.tenants import ServerConfig, load_config, parse_config
+from adaserve.server.config import ServerConfig, load_config, parse_config
 
 __all__ = ["ServerConfig", "create_app", "load_config", "parse_config"]
 

@@ -19,7 +19,7 @@ import threading
 
 from adaserve.config import EngineConfig
 from adaserve.errors import AdaServeError, InvalidRequestError
-from adaserve.server.tenants import ConfigError, ServerConfig, check_against_classes, load_config
+from adaserve.server.config import ConfigError, ServerConfig, check_against_classes, load_config
 
 log = logging.getLogger("adaserve.server")
 

@@ -9,13 +9,15 @@ Extensions over the OpenAI API (all optional, sent by clients through ``extra_bo
 ``slo`` (explicit targets), ``slo_class``, ``priority`` (vLLM-style integer),
 ``top_k``, ``seed``, ``stop_token_ids``, ``ignore_eos``. Responses carry a per-request
 ``metrics`` object.
+
+Response models are what the handlers build and dump (``render.dumps``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from adaserve.sampling import MAX_TOKENS_LIMIT
 
@@ -124,7 +126,13 @@ class ChatCompletionRequest(_Sampling):
 
 
 # ---------------------------------------------------------------------- responses
-# Documentation models for /openapi.json; handlers build plain dicts of the same shape.
+# The handlers build every response body from these models (``model_dump``). Fields made
+# with ``_omitted_if_none()`` are left out of a body when None; other None fields are
+# written as null, as OpenAI does.
+
+
+def _omitted_if_none(**kw) -> Any:
+    return Field(None, exclude_if=lambda v: v is None, **kw)
 
 
 class ErrorBody(BaseModel):
@@ -132,6 +140,10 @@ class ErrorBody(BaseModel):
     type: str
     param: str | None = None
     code: str | None = None
+    reason: str | None = _omitted_if_none(
+        description="why a request was refused (429/503): the quota, the shed reason, "
+        "server_shutdown"
+    )
 
 
 class ErrorResponse(BaseModel):
@@ -142,6 +154,14 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
 
 
 class RequestMetrics(BaseModel):
@@ -157,24 +177,65 @@ class RequestMetrics(BaseModel):
     accepted_tokens: int = 0
     tree_nodes: int = 0
 
+    @classmethod
+    def of(cls, metrics: dict) -> RequestMetrics:
+        """The engine's metrics dict as they are (not validated: every key is kept)."""
+        return cls.model_construct(**metrics)
+
+    @model_serializer(mode="wrap")
+    def _given_only(self, handler):
+        # a body carries the keys the engine reported, not the declared defaults
+        d = handler(self)
+        declared = type(self).model_fields
+        return {k: v for k, v in d.items() if k in self.model_fields_set or k not in declared}
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    """An echoed prompt's first token has no logprob (None), as OpenAI's."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: Any = None
+    logprobs: CompletionLogprobs | None = None
     metrics: RequestMetrics | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Response(BaseModel):
+    """A whole (non-streamed) completion or chat completion, less its choices."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int
     model: str
-    choices: list[CompletionChoice]
     usage: Usage
     metrics: RequestMetrics | None = None
     service_tier: str | None = None
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class AssistantMessage(BaseModel):
@@ -186,19 +247,56 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: Any = None
+    logprobs: ChatLogprobs | None = None
     metrics: RequestMetrics | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+# SSE chunks (``stream=true``): one choice each; the last chunk of a choice carries its
+# metrics, and with ``stream_options.include_usage`` a final chunk has no choices and
+# the usage.
+
+
+class _Chunk(BaseModel):
+    id: str
+    object: str
     created: int
     model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    metrics: RequestMetrics | None = None
-    service_tier: str | None = None
+    metrics: RequestMetrics | None = _omitted_if_none()
+    usage: Usage | None = _omitted_if_none()
+
+
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionChunk(_Chunk):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionStreamChoice]
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = _omitted_if_none()
+    content: str | None = _omitted_if_none()
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Chunk):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatStreamChoice]
 
 
 class ModelCard(BaseModel):

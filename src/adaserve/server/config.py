@@ -1,0 +1,275 @@
+"""Server configuration (TOML): server settings, SLO classes, tenants and service tiers.
+
+An API key (``Authorization: Bearer ...``) names a tenant; the tenant lists the SLO
+classes it may use, its default class, its quotas (requests and tokens per minute,
+concurrent requests) and what happens when it asks for a class it may not use (403, or
+a downgrade along the classes' ``degrade_to`` chain). Every class has a price per 1k
+output tokens (``SLOClass.price_per_1k``). Keys are kept only as SHA-256 digests
+(``key_digest``); see ``adaserve.server.auth``. With no keys configured the server runs
+in open local mode (one anonymous tenant, every class, no quotas).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from adaserve.errors import AdaServeError, InvalidRequestError
+from adaserve.slo import SLOClass
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+SERVICE_TIERS = ("auto", "default", "flex", "priority")
+
+
+class ConfigError(AdaServeError):
+    """The server configuration file is invalid (message names the offending key)."""
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One customer: its key digests, allowed classes and quotas (None = unlimited)."""
+
+    name: str
+    key_digests: tuple[bytes, ...] = field(default=(), repr=False)
+    classes: tuple[str, ...] | None = None  # None = every class
+    default_class: str | None = None
+    on_forbidden_class: str = "reject"  # or "downgrade"
+    requests_per_minute: float | None = None
+    tokens_per_minute: float | None = None
+    max_concurrent: int | None = None
+    admin: bool = False
+    free_targets: bool = False  # explicit targets may be stricter than the class's
+
+    def may_use(self, cls: str) -> bool:
+        return self.classes is None or cls in self.classes
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything the HTTP layer needs (the engine has its own ``EngineConfig``).
+
+    model_name:          id served in /v1/models and responses (None = derived from the model)
+    strict_fields:       reject unknown top-level request fields (400)
+    max_body_bytes:      larger request bodies get 413
+    max_waiting:         requests queued in the engine beyond this are shed (429)
+    shutdown_grace_s:    on SIGINT/SIGTERM, in-flight requests get this long to finish
+    default_max_tokens:  chat default when max_tokens is omitted (None = rest of context)
+    max_choices:         prompts x n per HTTP request
+    step_delay_s:        sleep after every engine step (testing and demos only)
+    default_class:       class of requests that name none (None = the engine's default)
+    """
+
+    model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    strict_fields: bool = True
+    max_body_bytes: int = 8 << 20
+    max_waiting: int | None = None
+    shutdown_grace_s: float = 30.0
+    default_max_tokens: int | None = None
+    max_choices: int = 64
+    step_delay_s: float = 0.0
+    default_class: str | None = None
+    service_tiers: Mapping[str, str] = field(default_factory=dict)
+    tenants: tuple[Tenant, ...] = ()
+    classes: tuple[SLOClass, ...] | None = None  # None = the engine's classes
+    engine: Mapping[str, Any] = field(default_factory=dict)  # EngineConfig overrides
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes <= 0:
+            raise ConfigError("server.max_body_bytes must be positive")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ConfigError("server.max_waiting must be >= 0")
+        if self.shutdown_grace_s < 0:
+            raise ConfigError("server.shutdown_grace_s must be >= 0")
+        if self.max_choices < 1:
+            raise ConfigError("server.max_choices must be >= 1")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ConfigError("server.default_max_tokens must be >= 1")
+        if self.step_delay_s < 0:
+            raise ConfigError("server.step_delay_s must be >= 0")
+        for tier in self.service_tiers:
+            if tier not in SERVICE_TIERS:
+                raise ConfigError(f"service_tiers: unknown tier {tier!r}")
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ConfigError("tenant names must be unique")
+        digests = [d for t in self.tenants for d in t.key_digests]
+        if len(set(digests)) != len(digests):
+            raise ConfigError("an API key is configured twice")
+
+    @property
+    def open_mode(self) -> bool:
+        """No API keys configured: every request is the anonymous tenant."""
+        return not any(t.key_digests for t in self.tenants)
+
+
+_SERVER_KEYS = {f.name for f in dataclasses.fields(ServerConfig)} - {
+    "service_tiers",
+    "tenants",
+    "classes",
+    "engine",
+}
+_CLASS_KEYS = {f.name for f in dataclasses.fields(SLOClass)} - {"name"}
+_TENANT_KEYS = {
+    "keys",
+    "key_sha256",
+    "keys_env",
+    "classes",
+    "default_class",
+    "on_forbidden_class",
+    "requests_per_minute",
+    "tokens_per_minute",
+    "max_concurrent",
+    "admin",
+    "free_targets",
+}
+
+
+def key_digest(key: str) -> bytes:
+    """The SHA-256 digest an API key is kept (and compared) as."""
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def _check_keys(where: str, table: Mapping, allowed: set[str]) -> None:
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{where} must be a table")
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}")
+
+
+def _str_list(where: str, v: Any) -> list[str]:
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+        raise ConfigError(f"{where} must be a list of non-empty strings")
+    return v
+
+
+def _parse_tenant(name: str, t: Mapping) -> Tenant:
+    where = f"tenants.{name}"
+    _check_keys(where, t, _TENANT_KEYS)
+    digests = [key_digest(k) for k in _str_list(f"{where}.keys", t.get("keys", []))]
+    for h in _str_list(f"{where}.key_sha256", t.get("key_sha256", [])):
+        try:
+            b = bytes.fromhex(h)
+        except ValueError:
+            b = b""
+        if len(b) != 32:
+            raise ConfigError(f"{where}.key_sha256: {h[:8]}... is not a SHA-256 hex digest")
+        digests.append(b)
+    env = t.get("keys_env")
+    if env is not None:
+        if not isinstance(env, str):
+            raise ConfigError(f"{where}.keys_env must name an environment variable")
+        val = os.environ.get(env)
+        if not val:
+            raise ConfigError(f"{where}.keys_env: environment variable {env} is not set")
+        digests.extend(key_digest(k.strip()) for k in val.split(",") if k.strip())
+    classes = t.get("classes")
+    if classes is not None:
+        classes = tuple(_str_list(f"{where}.classes", classes))
+    forbid = t.get("on_forbidden_class", "reject")
+    if forbid not in ("reject", "downgrade"):
+        raise ConfigError(f"{where}.on_forbidden_class must be 'reject' or 'downgrade'")
+    limits = {}
+    for k in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
+        v = t.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            raise ConfigError(f"{where}.{k} must be a positive number")
+        limits[k] = v
+    if limits["max_concurrent"] is not None:
+        limits["max_concurrent"] = int(limits["max_concurrent"])
+    default = t.get("default_class")
+    if default is not None and not isinstance(default, str):
+        raise ConfigError(f"{where}.default_class must be a string")
+    flags = {}
+    for k in ("admin", "free_targets"):
+        flags[k] = t.get(k, False)
+        if not isinstance(flags[k], bool):
+            raise ConfigError(f"{where}.{k} must be true or false")
+    return Tenant(
+        name=name,
+        key_digests=tuple(digests),
+        classes=classes,
+        default_class=default,
+        on_forbidden_class=forbid,
+        **flags,
+        **limits,
+    )
+
+
+def parse_config(data: Mapping) -> ServerConfig:
+    """A ``ServerConfig`` from a parsed TOML document (see docs/server.md)."""
+    _check_keys("config", data, {"server", "engine", "classes", "tenants", "service_tiers"})
+    server = dict(data.get("server", {}))
+    _check_keys("server", server, _SERVER_KEYS)
+    tiers = data.get("service_tiers", {})
+    _check_keys("service_tiers", tiers, set(SERVICE_TIERS))
+    classes = None
+    if "classes" in data:
+        _check_keys("classes", data["classes"], set(data["classes"]))
+        classes = []
+        for name, c in data["classes"].items():
+            _check_keys(f"classes.{name}", c, _CLASS_KEYS)
+            try:
+                classes.append(SLOClass(name=name, **c))
+            except (InvalidRequestError, TypeError) as e:
+                raise ConfigError(f"classes.{name}: {e}") from None
+        classes = tuple(classes)
+        if not classes:
+            raise ConfigError("classes: at least one class is needed")
+    tenants = tuple(_parse_tenant(n, t) for n, t in data.get("tenants", {}).items())
+    engine = data.get("engine", {})
+    _check_keys("engine", engine, set(engine))
+    try:
+        return ServerConfig(
+            service_tiers=dict(tiers),
+            tenants=tenants,
+            classes=classes,
+            engine=dict(engine),
+            **server,
+        )
+    except TypeError as e:
+        raise ConfigError(f"server: {e}") from None
+
+
+def load_config(path: str | Path) -> ServerConfig:
+    """Read and validate a TOML server configuration file."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read {p}: {e.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: {e}") from None
+    return parse_config(data)
+
+
+def check_against_classes(cfg: ServerConfig, classes: tuple[SLOClass, ...]) -> None:
+    """Every class name the config mentions must exist among the engine's classes."""
+    names = {c.name for c in classes}
+
+    def need(where: str, name: str | None) -> None:
+        if name is not None and name not in names:
+            raise ConfigError(f"{where}: unknown SLO class {name!r} (known: {sorted(names)})")
+
+    need("server.default_class", cfg.default_class)
+    for tier, cls in cfg.service_tiers.items():
+        need(f"service_tiers.{tier}", cls)
+    for t in cfg.tenants:
+        need(f"tenants.{t.name}.default_class", t.default_class)
+        for c in t.classes or ():
+            need(f"tenants.{t.name}.classes", c)
+        if t.default_class and not t.may_use(t.default_class):
+            raise ConfigError(f"tenants.{t.name}: default_class is not among its classes")
+    for c in classes:
+        need(f"classes.{c.name}.degrade_to", c.degrade_to)

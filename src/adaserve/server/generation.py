@@ -1,0 +1,174 @@
+"""One generation request end to end, whatever the endpoint: SLO resolution, token
+budgets and sampling parameters, tenant quotas, submission to the engine loop, then a
+whole JSON response (``collect``) or an SSE stream (``streaming.stream``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from adaserve.server.config import Tenant
+from adaserve.server.engine_errors import final_error, finish_reason, submit_error
+from adaserve.server.engine_loop import Final, Handle
+from adaserve.server.errors import ApiError
+from adaserve.server.jobs import Endpoint, Job, Meta, next_or_disconnect, wait_disconnect
+from adaserve.server.protocol import RequestMetrics, Usage
+from adaserve.server.render import JSON
+from adaserve.server.slo_resolution import SLOChoice, resolve_slo
+from adaserve.server.state import RequestCtx, ServerState
+from adaserve.server.streaming import SSE, stream
+from adaserve.server.validation import check_choices, max_tokens_per_prompt, sampling_params
+
+
+def _resolve(state: ServerState, body, headers, tenant: Tenant) -> SLOChoice:
+    info = state.loop.info
+    return resolve_slo(
+        classes=info.classes,
+        class_slos=state.loop.class_slos,
+        tenant=tenant,
+        default_class=state.cfg.default_class or info.default_class,
+        service_tiers=state.cfg.service_tiers,
+        slo=body.slo.model_dump() if body.slo is not None else None,
+        slo_class=body.slo_class,
+        priority=body.priority,
+        service_tier=body.service_tier,
+        headers=headers,
+    )
+
+
+async def generate(
+    state: ServerState,
+    request: Request,
+    body,
+    endpoint: Endpoint,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    default_max: int | None,
+    echo: list[str] | None,
+    prompt_param: str,
+    score_only: bool = False,
+):
+    """Generate ``body.n`` choices for every prompt (``max_tokens`` None: the rest of
+    the context, capped at ``default_max``); ``echo``: the prompts' texts to prepend."""
+    tenant: Tenant = request.state.tenant
+    n = body.n
+    check_choices(state, len(prompts), n)
+    choice = _resolve(state, body, request.headers, tenant)
+    per_prompt_max = max_tokens_per_prompt(state, prompts, max_tokens, default_max, prompt_param)
+    params = [
+        sampling_params(body, per_prompt_max[i], None if body.seed is None else body.seed + j)
+        for i in range(len(prompts))
+        for j in range(n)
+    ]
+    prompt_tokens = sum(len(p) for p in prompts)
+    try:
+        state.quotas.admit(tenant, prompt_tokens)
+    except ApiError as e:
+        state.rate_limited(tenant.name, e.reason or "quota")
+        raise
+    job = Job(state, tenant)
+    streaming = False
+    try:
+        for i, ids in enumerate(prompts):
+            for j in range(n):
+                ctx = RequestCtx(
+                    tenant.name,
+                    choice.cls.name,
+                    choice.cls.price_per_1k,
+                    choice.degraded_from,
+                    choice.source,
+                    count_prompt=(j == 0),
+                )
+                job.handles.append(
+                    Handle(
+                        ids,
+                        params[i * n + j],
+                        choice.slo,
+                        sink=job.sink,
+                        index=i * n + j,
+                        want_tokens=body.stream,
+                        ctx=ctx,
+                    )
+                )
+        results = await asyncio.gather(
+            *(state.loop.submit(h) for h in job.handles), return_exceptions=True
+        )
+        for r in results:
+            if isinstance(r, BaseException):
+                raise submit_error(state, r, choice.cls.name, prompt_param)
+        meta = Meta(
+            id=endpoint.id_prefix + uuid.uuid4().hex,
+            created=int(time.time()),
+            model=state.model_name,
+            endpoint=endpoint,
+            prompt_tokens=prompt_tokens,
+            service_tier=body.service_tier or "default",
+            echo=echo,
+            stop_holdback=max((len(s) for s in params[0].stop or ()), default=1) - 1,
+            score_only=score_only,
+        )
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            resp = await stream(state, request, job, meta, include_usage)
+            streaming = isinstance(resp, SSE)
+            return resp
+        return await collect(state, request, job, meta)
+    finally:
+        if not streaming:
+            job.close()
+
+
+async def collect(state: ServerState, request: Request, job: Job, meta: Meta):
+    """The whole response once every choice has finished (499 if the client left)."""
+    finals: dict[int, Final] = {}
+    disc = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        while len(finals) < len(job.handles):
+            ev = await next_or_disconnect(job.sink, disc)
+            if ev is None:
+                return Response(status_code=499)
+            idx, final = ev[0], ev[2]
+            if final is not None:
+                finals[idx] = final
+    finally:
+        disc.cancel()
+    cls = job.handles[0].ctx.cls
+    k = len(job.handles)
+    for i in range(k):
+        err = final_error(state, finals[i], cls)
+        if err is not None:
+            raise err
+    ep = meta.endpoint
+    tok = state.loop.info.tokenizer
+    choices = []
+    for i in range(k):
+        f = finals[i]
+        text = f.text or ""
+        fr = finish_reason(f)
+        out_ids, out_lps = f.output_ids, f.logprobs
+        if meta.score_only:  # max_tokens=0: the one token generated is dropped
+            text, fr, out_ids = "", "length", []
+            out_lps = None if out_lps is None else ()
+        lp = ep.logprobs(tok, out_ids, out_lps)
+        if lp is not None and meta.echo is not None and f.prompt_logprobs is not None:
+            ids = job.handles[i].prompt_ids
+            lp = ep.logprobs(tok, [*ids, *out_ids], (*f.prompt_logprobs, *out_lps))
+        if meta.echo is not None:
+            text = meta.echo_of(i, k) + text
+        choices.append(ep.choice(i, text, lp, fr, RequestMetrics.of(f.metrics)))
+    completion_tokens = 0 if meta.score_only else sum(f.completion_tokens for f in finals.values())
+    return JSON(
+        ep.response(
+            id=meta.id,
+            created=meta.created,
+            model=meta.model,
+            choices=choices,
+            usage=Usage.of(meta.prompt_tokens, completion_tokens),
+            metrics=RequestMetrics.of(finals[0].metrics),
+            service_tier=meta.service_tier,
+        )
+    )

@@ -1,0 +1,99 @@
+"""One HTTP request's engine requests (a ``Job``), what its response needs to know
+(``Meta``, ``Endpoint``), and reading the job's events while watching the client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from adaserve.server.config import Tenant
+from adaserve.server.engine_loop import DISCONNECTED, Handle
+from adaserve.server.state import ServerState
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What differs between completions and chat completions in a response.
+
+    logprobs(tok, ids, entries):              the logprobs object (None: not requested)
+    choice(index, text, logprobs, finish_reason, metrics): a choice of a whole response
+    stream_choice(index, text, finish_reason, logprobs):   a streamed choice (text None:
+                                                           no new text)
+    opening(index, echo):                     the streamed choice sent before any token,
+                                              or None
+    """
+
+    id_prefix: str
+    response: type[BaseModel]
+    chunk: type[BaseModel]
+    logprobs: Callable[..., Any]
+    choice: Callable[..., BaseModel]
+    stream_choice: Callable[..., BaseModel]
+    opening: Callable[[int, str | None], BaseModel | None]
+
+
+@dataclass(frozen=True)
+class Meta:
+    id: str
+    created: int
+    model: str
+    endpoint: Endpoint
+    prompt_tokens: int
+    service_tier: str
+    echo: list[str] | None
+    stop_holdback: int
+    score_only: bool = False  # max_tokens=0 with echo: the generated token is dropped
+
+    def echo_of(self, index: int, choices: int) -> str | None:
+        """The echoed prompt of a choice (choices are prompt-major, n per prompt)."""
+        if self.echo is None:
+            return None
+        return self.echo[index // (choices // len(self.echo))]
+
+
+class Job:
+    """The engine requests of one HTTP request, and their clean-up."""
+
+    def __init__(self, state: ServerState, tenant: Tenant):
+        self.state = state
+        self.tenant = tenant
+        self.sink: asyncio.Queue = asyncio.Queue()
+        self.handles: list[Handle] = []
+        self._closed = False
+
+    def close(self, reason: str = DISCONNECTED) -> None:
+        """Abort unfinished requests and release the tenant's slot (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self.handles:
+            self.state.loop.abort(h, reason)
+        self.state.quotas.release(self.tenant)
+
+
+async def wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def next_or_disconnect(sink: asyncio.Queue, disc: asyncio.Future):
+    """The next sink event, or None when the client disconnected first."""
+    if not sink.empty():
+        return sink.get_nowait()
+    get = asyncio.ensure_future(sink.get())
+    try:
+        done, _ = await asyncio.wait({get, disc}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        get.cancel()
+        raise
+    if get in done:
+        return get.result()
+    get.cancel()
+    return None

@@ -1,0 +1,136 @@
+"""What the routes share: the engine loop, tenants, quotas, usage, metrics and the SLO
+report; start-up, drain and the accounting of every finished request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+
+from adaserve.server.auth import TenantRegistry
+from adaserve.server.config import ServerConfig, check_against_classes
+from adaserve.server.engine_loop import EngineLoop, Final, Handle
+from adaserve.server.metrics import ServerMetrics
+from adaserve.server.quotas import QuotaBook
+from adaserve.server.report import Record, ReportStore
+from adaserve.server.usage import UsageBook
+
+log = logging.getLogger("adaserve.server")
+
+
+@dataclass(frozen=True)
+class RequestCtx:
+    """Per-request accounting data carried by a ``Handle``."""
+
+    tenant: str
+    cls: str
+    price_per_1k: float
+    degraded_from: str | None
+    source: str
+    count_prompt: bool
+
+
+class ServerState:
+    """Everything the routes share: engine loop, tenants, quotas, metrics, report."""
+
+    def __init__(self, loop: EngineLoop, cfg: ServerConfig, model_name: str, classes):
+        self.loop = loop
+        self.cfg = cfg
+        self.model_name = model_name
+        self.served_names = {model_name}
+        self.tenants = TenantRegistry(cfg.tenants)
+        self.quotas = QuotaBook(cfg.tenants)
+        self.usage = UsageBook()
+        names = [c.name for c in classes]
+        self.report = ReportStore(names)
+        self.metrics = ServerMetrics(
+            model_name, names, lambda: self.loop.snapshot, self.report.attainment
+        )
+        self.draining = False
+        self._drain_started = False
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ lifecycle
+    @asynccontextmanager
+    async def lifespan(self, app: FastAPI):
+        await asyncio.to_thread(self.loop.start)
+        info = self.loop.info
+        check_against_classes(self.cfg, info.classes)
+        self.served_names.add(info.model_dir)
+        if self.tenants.open_mode:
+            log.warning(
+                "no API keys configured: open local mode, every request is accepted "
+                "as tenant 'anonymous' with every SLO class and no quotas"
+            )
+        else:
+            log.info(
+                "%d tenant(s) with API keys configured; requests need a Bearer key",
+                len(self.tenants.tenants),
+            )
+        log.info(
+            "serving %s (policy %s, context %d)", self.model_name, info.policy, info.max_model_len
+        )
+        try:
+            yield
+        finally:
+            self.draining = True
+            await asyncio.to_thread(self.loop.stop)
+
+    def begin_drain(self, grace_s: float | None = None) -> None:
+        """Stop taking requests; in-flight ones get ``grace_s`` to finish, then are
+        cancelled with a ``server_shutdown`` error."""
+        if self._drain_started:
+            return
+        self._drain_started = True
+        self.draining = True
+        grace = self.cfg.shutdown_grace_s if grace_s is None else grace_s
+        log.info("shutting down: refusing new requests, %.1f s for those in flight", grace)
+        self.loop.drain(grace)
+
+    # ------------------------------------------------------------------ accounting
+    def shed(self, cls: str, reason: str) -> None:
+        """Count a request shed (admission control, the scheduler, shutdown)."""
+        self.metrics.observe_shed(cls, reason)
+        self.report.shed(cls, reason)
+
+    def rate_limited(self, tenant: str, reason: str) -> None:
+        """Count a request refused by the tenant's quotas."""
+        self.metrics.observe_rate_limited(tenant, reason)
+        self.report.rate_limited(tenant, reason)
+
+    def on_finish(self, h: Handle, final: Final) -> None:
+        """Account a finished request (engine thread)."""
+        ctx: RequestCtx = h.ctx
+        pt = final.prompt_tokens if ctx.count_prompt else 0
+        charge = self.usage.record(
+            ctx.tenant, ctx.cls, pt, final.completion_tokens, ctx.price_per_1k
+        )
+        self.quotas.charge_output(ctx.tenant, final.completion_tokens)
+        m = final.metrics
+        m["charge"] = charge
+        m["slo_source"] = ctx.source
+        if ctx.degraded_from:
+            m["degraded_from"] = ctx.degraded_from
+        self.metrics.observe_finish(ctx.cls, ctx.tenant, final, charge)
+        self.report.record(
+            Record(
+                cls=ctx.cls,
+                tenant=ctx.tenant,
+                reason=final.reason,
+                ttft_ms=m.get("ttft_ms"),
+                tpot_ms=m.get("tpot_ms"),
+                e2e_ms=m.get("e2e_ms"),
+                queue_ms=m.get("queue_ms"),
+                attained=bool(m.get("slo_attained")),
+                output_tokens=final.completion_tokens,
+                tree_nodes=int(m.get("tree_nodes") or 0),
+                accepted_tokens=int(m.get("accepted_tokens") or 0),
+                arrival=final.arrival,
+                finished_at=final.finished_at,
+                degraded_from=ctx.degraded_from,
+            )
+        )

@@ -1,0 +1,147 @@
+"""Request checks beyond the pydantic models, and what a valid request turns into:
+unknown fields, model and unsupported options; prompt tokens and the context window;
+sampling parameters."""
+
+from __future__ import annotations
+
+import asyncio
+
+from adaserve.errors import InvalidRequestError
+from adaserve.sampling import SamplingParams
+from adaserve.server.errors import ApiError, context_error, unsupported
+from adaserve.server.state import ServerState
+
+# longer texts are tokenised (or templated) in a worker thread, off the event loop
+ENCODE_IN_THREAD_CHARS = 32_768
+MAX_STOP_SEQUENCES = 16
+
+
+def check_body(state: ServerState, body) -> None:
+    """Unknown fields (when strict), model, and options we do not implement."""
+    extra = sorted((body.model_extra or {}).keys())
+    if extra and state.cfg.strict_fields:
+        raise ApiError(
+            400,
+            f"Unrecognized request argument supplied: {', '.join(extra)}",
+            param=extra[0],
+            code="unknown_parameter",
+        )
+    if body.model is not None and body.model not in state.served_names:
+        raise ApiError(
+            404,
+            f"The model {body.model!r} does not exist; this server serves {state.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise unsupported(name, "penalties are not supported")
+    if body.logit_bias:
+        raise unsupported("logit_bias", "logit_bias is not supported")
+    if body.repetition_penalty not in (None, 1.0):
+        raise unsupported("repetition_penalty", "repetition_penalty other than 1 is not supported")
+
+
+def check_choices(state: ServerState, prompts: int, n: int) -> None:
+    if prompts * n > state.cfg.max_choices:
+        raise ApiError(
+            400, f"{prompts} prompts x n={n} exceeds {state.cfg.max_choices} choices", param="n"
+        )
+
+
+# ---------------------------------------------------------------------- prompts
+
+
+async def encode(state: ServerState, text: str, param: str) -> list[int]:
+    """Token ids of a text prompt (400 without a tokenizer or for invalid UTF-8)."""
+    tok = state.loop.info.tokenizer
+    if tok is None:
+        raise ApiError(400, "this model has no tokenizer: send prompts as token ids", param=param)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{param} is not valid UTF-8 text", param=param) from None
+    if len(text) > ENCODE_IN_THREAD_CHARS:
+        return await asyncio.to_thread(tok.encode, text)
+    return tok.encode(text)
+
+
+def check_ids(state: ServerState, ids: list[int], param: str) -> list[int]:
+    if not ids:
+        raise ApiError(400, f"{param} is empty", param=param)
+    V = state.loop.info.vocab_size
+    if not all(0 <= t < V for t in ids):
+        raise ApiError(400, f"token ids must be integers in [0, {V})", param=param)
+    return ids
+
+
+def max_tokens_per_prompt(
+    state: ServerState,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    default_max: int | None,
+    prompt_param: str,
+) -> list[int]:
+    """Each prompt's token budget; 400 when a prompt or prompt + max_tokens does not fit
+    the context (no max_tokens: the rest of the context, capped at ``default_max``)."""
+    L = state.loop.info.max_model_len
+    out = []
+    for ids in prompts:
+        if len(ids) + 1 > L:
+            raise context_error(
+                f"This model's maximum context length is {L} tokens; the prompt has "
+                f"{len(ids)} tokens",
+                prompt_param,
+            )
+        room = L - len(ids)
+        if max_tokens is not None:
+            if max_tokens > room:
+                raise context_error(
+                    f"This model's maximum context length is {L} tokens. However, you "
+                    f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, "
+                    f"{max_tokens} in the completion)",
+                    "max_tokens",
+                )
+            out.append(max_tokens)
+        else:
+            out.append(min(room, default_max) if default_max else room)
+    return out
+
+
+# ---------------------------------------------------------------------- sampling
+
+
+def requested_logprobs(body) -> int | None:
+    """SamplingParams.logprobs of a request: completions' ``logprobs: N``, chat's
+    ``logprobs: true`` with ``top_logprobs: N`` (0 when absent); None when not asked."""
+    lp = getattr(body, "logprobs", None)
+    if isinstance(lp, bool):
+        return (body.top_logprobs or 0) if lp else None
+    return lp
+
+
+def sampling_params(body, max_tokens: int, seed: int | None) -> SamplingParams:
+    stop = body.stop
+    if isinstance(stop, list) and not stop:
+        stop = None
+    if isinstance(stop, list) and len(stop) > MAX_STOP_SEQUENCES:
+        raise ApiError(400, f"at most {MAX_STOP_SEQUENCES} stop sequences", param="stop")
+    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+    try:
+        return SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=top_k,
+            min_p=body.min_p or 0.0,
+            max_tokens=max_tokens,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            logprobs=requested_logprobs(body),
+            prompt_logprobs=body.logprobs if getattr(body, "echo", False) else None,
+        )
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), param=e.param) from None
