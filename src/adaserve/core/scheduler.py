@@ -273,7 +273,7 @@ class Scheduler:
         if plan.fallback:
             self.counters.count_fallback(plan.fallback)
         self._apply_degrade(plan)
-        self._trace = StepTrace(plan=plan, t_start=self.now)
+        self._trace = StepTrace(plan=plan, t_start=self.now, acc_by_rank=view.acc_by_rank)
         return plan
 
     def _apply_degrade(self, plan: Plan) -> None:

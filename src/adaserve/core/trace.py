@@ -14,6 +14,7 @@ class StepTrace:
     """One iteration's decisions and outcome.
 
     t_start / t_end: clock seconds at the step's start (admission, views) and at commit
+    acc_by_rank: the calibrated acceptance by sibling rank the policy was shown
     admitted:    rids admitted at the start of this step, in order
     preempted:   rids preempted while reserving KV, in order
     prefill:     rid -> prefill tokens run in this pass
@@ -30,6 +31,7 @@ class StepTrace:
     plan: Plan
     t_start: float = 0.0
     t_end: float = 0.0
+    acc_by_rank: tuple[float, ...] = ()
     admitted: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
     prefill: dict[int, int] = field(default_factory=dict)

@@ -1,0 +1,148 @@
+"""Replay a recorded engine run through the simulator's scheduler.
+
+The engine and the simulator are twins by construction (one ``Scheduler``); a replay
+checks it on a real run. The recorded run gives the arrivals (``RecordedRequest``) and,
+per step, what only the models could decide: the start and commit times, the
+calibrated acceptance shown to the policy, the verified tree sizes and the accepted
+candidates (``StepTrace``). The simulator runs its own scheduler and a fresh policy on
+those outcomes; its traces must make the same admission, prefill-chunk, preemption
+and plan decisions at every step (``decisions``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from adaserve.bench.workload import WorkItem
+from adaserve.core.config import SchedulerConfig
+from adaserve.core.scheduler import Batch
+from adaserve.core.trace import StepTrace
+from adaserve.sched.base import BatchView, Plan, Policy
+from adaserve.sched.hardware import HardwareModel
+from adaserve.sim.acceptance import AcceptanceModel, AcceptanceParams
+from adaserve.sim.loop import PassOutcome, SimConfig, SimRequest, Simulator, _Run
+from adaserve.slo import SLO
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    """One request as the engine received it (``arrival`` on the engine's clock)."""
+
+    rid: int
+    arrival: float
+    prompt_len: int
+    max_tokens: int
+    slo: SLO
+
+
+def decisions(tr: StepTrace) -> dict:
+    """The scheduling decisions of one step, for comparing two runs."""
+    p = tr.plan
+    return {
+        "admitted": list(tr.admitted),
+        "preempted": list(tr.preempted),
+        "prefill": dict(tr.prefill),
+        "decode": list(tr.decode),
+        "spec": dict(tr.spec),
+        "plan": {
+            "shapes": dict(p.shapes),
+            "prefill": dict(p.prefill),
+            "budget": p.budget,
+            "node_cap": dict(p.node_cap),
+            "fallback": p.fallback,
+            "degrade": dict(p.degrade),
+        },
+    }
+
+
+def replay(
+    cfg: SchedulerConfig,
+    policy: Policy,
+    hw: HardwareModel | None,
+    num_blocks: int,
+    max_model_len: int,
+    unloaded_tpot_ms: float,
+    requests: list[RecordedRequest],
+    steps: list[StepTrace],
+    has_draft: bool = True,
+) -> list[StepTrace]:
+    """The simulator's traces of ``steps`` replayed under ``policy`` (fresh, the same
+    kind as the recorded run's) with the recorded arrivals, times and outcomes."""
+    base = {f.name: getattr(cfg, f.name) for f in fields(SchedulerConfig)}
+    scfg = SimConfig(
+        **{**base, "max_model_len": max_model_len},
+        kv_slots=num_blocks * cfg.block_size,
+        has_draft=has_draft,
+    )
+    sim = Simulator(hw, AcceptanceModel(AcceptanceParams()), scfg, None, unloaded_tpot_ms)
+    run = _ReplayRun(sim, policy, requests, steps)
+    run.go()
+    return run.traces
+
+
+class _ReplayRun(_Run):
+    """A simulation whose passes take their time and acceptance from a recording."""
+
+    def __init__(self, sim, policy, requests, steps):
+        items = [
+            WorkItem(r.rid, r.arrival, r.slo.cls, None, None, r.prompt_len, r.max_tokens)
+            for r in requests
+        ]
+        super().__init__(sim, policy, items, {}, None, None, False)
+        self._slo = {r.rid: r.slo for r in requests}
+        self._steps = list(steps)
+        self._k = 0
+        self.traces: list[StepTrace] = []
+
+    def _arrive(self, it: WorkItem) -> None:
+        self.sched.check_prompt(it.prompt_len)
+        self.sched.add(SimRequest(it, self._slo[it.idx]))
+
+    def go(self):
+        items, i = self.items, 0
+        for rec in self._steps:
+            self.now = rec.t_start
+            while i < len(items) and items[i].arrival_s <= self.now:
+                self._arrive(items[i])
+                i += 1
+            self._rec = rec
+            self._step()
+        return self.records, self.timeline
+
+    def _step(self) -> None:
+        rec, sched = self._rec, self.sched
+        self.clock.set(rec.t_start)
+        sched.begin_step()
+        sched.admit()
+        if not sched.running:
+            return
+        view = sched.view(rec.acc_by_rank)
+        plan = sched.plan(view)
+        batch = sched.reserve(plan, self.cfg.has_draft)
+        out = self._execute(view, plan, batch, 0.0)
+        self.clock.set(out.end)
+        tr = self._commit(batch, out)
+        self.policy.feedback(plan, out.ms)
+        self.traces.append(tr)
+
+    def _execute(self, view: BatchView, plan: Plan, batch: Batch, sel_s: float) -> PassOutcome:
+        """The recorded pass: its tree sizes (KV reserved as the engine did), its
+        accepted candidates, its end."""
+        rec = self._rec
+        sizes, accepted = {}, {}
+        for r in batch.decode:
+            k = rec.tree_nodes.get(r.rid, 0) + 1
+            if k > 1 and not self.sched.reserve_tree(r, k):
+                k = 1
+            sizes[r.rid] = k
+            if r.rid in rec.accepted:
+                accepted[r.rid] = rec.accepted[r.rid]
+        return PassOutcome(
+            end=rec.t_end,
+            ms=rec.duration_s * 1000.0,
+            sizes=sizes,
+            accepted=accepted,
+            tokens=rec.tokens,
+            draft_tokens=rec.draft_tokens,
+            draft_passes=rec.draft_passes,
+        )
