@@ -20,13 +20,16 @@ from adaserve.sched.adaptive import (
     _EXTRAS,
     DEPTHS,
     AdaptiveConfig,
-    AdaptivePolicy,
+    AdaServePolicy,
+    BudgetedPolicy,
+    DynTreePolicy,
     _Arrays,
-    gain_curve,
+    make_adaptive,
 )
-from adaserve.sched.base import BatchView, ReqView
+from adaserve.sched.base import NO_BUDGET, BatchView, Plan, ReqView
 from adaserve.sched.calibration import Calibrator
 from adaserve.sched.hardware import HardwareModel
+from adaserve.sched.typical_tree import gain_curve
 
 HW = HardwareModel.from_dict(
     {
@@ -80,7 +83,7 @@ def req(rid, tpot, behind_ms=0.0, n_out=10, rank=0) -> ReqView:
 )
 def test_selection_respects_budgets_and_connectivity(seed, n, free, max_budget):
     rng = np.random.default_rng(seed)
-    pol = AdaptivePolicy("adaserve")
+    pol = AdaServePolicy()
     pol.cfg = type(pol.cfg)(max_budget=max(max_budget, n + 1))
     reqs = [
         req(i, float(rng.choice([5.0, 12.0, 60.0, 1e5])), float(rng.uniform(-50, 80)))
@@ -108,7 +111,7 @@ def test_feasible_requirements_are_met(seed, n):
     """With ample budget, each request's expected accepted tokens reach A(r) - 1
     (the bonus token is certain) unless its tree cannot provide that much."""
     rng = np.random.default_rng(seed)
-    pol = AdaptivePolicy("adaserve")
+    pol = AdaServePolicy()
     reqs = [req(i, 12.0, float(rng.uniform(0, 40))) for i in range(n)]
     view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=10**6, hw=HW)
     plan = pol.plan(view)
@@ -116,7 +119,7 @@ def test_feasible_requirements_are_met(seed, n):
     plan.shapes = {r.rid: (4, 2) for r in reqs}
     trees = {r.rid: random_tree(rng, int(rng.integers(5, 60))) for r in reqs}
     sel = pol.select(view, plan, trees)
-    t_iter = plan.info["t_iter"]
+    t_iter = plan.t_iter_ms
     for r in reqs:
         need = pol.requirement(r, t_iter) - 1.0
         f = trees[r.rid].f
@@ -126,13 +129,13 @@ def test_feasible_requirements_are_met(seed, n):
 
 
 def test_infeasible_plan_takes_the_overload_path():
-    pol = AdaptivePolicy("adaserve")
+    pol = AdaServePolicy()
     pol.cfg = type(pol.cfg)(degrade_after=3)
     # hopelessly behind strict requests (need far more than any tree gives)
     reqs = [req(i, 1.0, behind_ms=500.0) for i in range(4)] + [req(9, 1e5)]
     view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=10**6, hw=HW)
     plans = [pol.plan(view) for _ in range(3)]
-    assert set(plans[0].info["infeasible"]) == {0, 1, 2, 3}
+    assert set(plans[0].state.infeasible) == {0, 1, 2, 3}
     assert not plans[0].degrade
     assert set(plans[2].degrade) == {0, 1, 2, 3}
 
@@ -178,7 +181,7 @@ def test_selection_uses_calibrated_acceptance():
         cal.observe(tree.subtree(np.array([0, 2])), [1])  # B tried, accepted
     cal.apply(tree)
     assert tree.f[2] > 0.9 and tree.f[1] < 0.1
-    pol = AdaptivePolicy("dyn-tree")
+    pol = DynTreePolicy()
     view = BatchView(now_ms=0, requests=[req(0, None)], free_kv_slots=1000, hw=HW)
     plan = pol.plan(view)
     plan.budget = 2  # root + one candidate
@@ -230,11 +233,11 @@ def test_plan_gives_behind_strict_requests_deeper_trees_than_relaxed_ones():
     view = BatchView(
         now_ms=0.0, requests=reqs, free_kv_slots=10**6, hw=hw, acc_by_rank=(0.8, 0.1, 0.05, 0.02)
     )
-    plan = AdaptivePolicy("adaserve").plan(view)
-    assert plan.info["score"] == 8 * 3 + 8 * 1  # every requirement met (weights 3 and 1)
+    plan = AdaServePolicy().plan(view)
+    assert plan.state.choice.score == 8 * 3 + 8 * 1  # every requirement met (weights 3 and 1)
     depth = {rid: shape[0] for rid, shape in plan.shapes.items()}
     assert min(depth[i] for i in range(0, 16, 2)) > max(depth.get(i, 0) for i in range(1, 16, 2))
-    alloc = plan.info["alloc"]
+    alloc = plan.state.choice.alloc
     assert alloc[::2].min() > alloc[1::2].max()
 
 
@@ -358,7 +361,7 @@ def _static_ms(tokens, steps, reqs):
 def test_online_correction_learns_marginal_cost_of_tokens():
     """Iterations that cost 0.1 ms more per verified token than the profile says:
     the fitted correction recovers the slope, so bigger plans are priced higher."""
-    from adaserve.sched.adaptive import OnlineCorrection
+    from adaserve.sched.correction import OnlineCorrection
 
     corr = OnlineCorrection()
     rng = np.random.default_rng(0)
@@ -379,7 +382,7 @@ def test_online_correction_learns_a_slowdown_as_a_ratio():
     """The machine runs 1.4x slower than profiled and the policy only tried depths 2-3
     at 2-4 requests: a depth-8 plan is predicted 1.4x its profile, not priced out by a
     slope fitted on depth x requests (a chain's tokens are n x (1 + depth))."""
-    from adaserve.sched.adaptive import OnlineCorrection
+    from adaserve.sched.correction import OnlineCorrection
 
     corr = OnlineCorrection()
     rng = np.random.default_rng(1)
@@ -397,7 +400,7 @@ def test_online_correction_puts_a_constant_gap_on_few_plans_modestly():
     """Every iteration 5 ms slower than profiled, at the few pass sizes a policy tries:
     the gap is not extrapolated as a steep per-token cost that would price big trees
     out (at most proportionally to the profile)."""
-    from adaserve.sched.adaptive import OnlineCorrection
+    from adaserve.sched.correction import OnlineCorrection
 
     corr = OnlineCorrection()
     for i in range(200):
@@ -412,7 +415,7 @@ def test_online_correction_puts_a_constant_gap_on_few_plans_modestly():
 
 def _reference_depth(pol, view, reqs, d, w, P, kv, acc) -> dict:
     """The planner's prediction for one depth, written plainly per request: the
-    reference for the vectorised program (AdaptivePolicy._evaluate_depths)."""
+    reference for the vectorised program (BudgetedPolicy._evaluate_depths)."""
     c, hw = pol.cfg, view.hw
     n, strict = len(reqs), pol.name == "adaserve"
     g = gain_curve(d, w, acc)
@@ -498,7 +501,7 @@ def test_vectorised_depth_evaluation_equals_the_per_request_reference(
         behind = float(rng.uniform(-30, 60))
         r = req(i, tpot, behind_ms=behind, n_out=int(rng.integers(1, 60)), rank=i % 3)
         reqs.append(dataclasses.replace(r, max_tokens=int(rng.integers(1, 40))))
-    pol = AdaptivePolicy(name)
+    pol = make_adaptive(name)
     pol.cfg = dataclasses.replace(pol.cfg, max_budget=max_budget)
     pol.correction.theta = rng.normal(0, [1.0, 0.1, 0.01, 0.3, 0.02])
     view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=free, hw=HW)
@@ -538,15 +541,15 @@ def test_adaserve_takes_the_cheapest_shape_within_the_rate_tolerance(monkeypatch
             "need": np.ones((D, n)),
         }
 
-    monkeypatch.setattr(AdaptivePolicy, "_evaluate_depths", fake)
+    monkeypatch.setattr(BudgetedPolicy, "_evaluate_depths", fake)
     reqs = [req(0, 15.0), req(1, 40.0)]
     view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=10_000, hw=HW)
     arr = _Arrays.of(reqs)
 
     def shape(name, tol):
-        pol = AdaptivePolicy(name, AdaptiveConfig(rate_tolerance=tol))
+        pol = make_adaptive(name, rate_tolerance=tol)
         best = pol._best_shape(view, arr, ds, (1, 2), 0, 0.0, (0.6, 0.3))
-        return best["depth"], best["width"], best["rate"]
+        return best.depth, best.width, best.rate
 
     # the 1.90 shape meets fewer requirements; best of the rest: 1.64 (depth 3, width 1)
     assert shape("adaserve", 0.0) == (3, 1, 1.64)
@@ -573,15 +576,15 @@ def test_a_prefill_chunk_does_not_deepen_the_trees():
     )
     reqs = [req(i, 1e5) for i in range(4)]
     view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=10**6, hw=hw)
-    pol = AdaptivePolicy("adaserve")
+    pol = AdaServePolicy()
     acc = (0.75, 0.1, 0.05, 0.02)
     shapes = {
         P: pol._best_shape(view, _Arrays.of(reqs), DEPTHS, (1,), P, 800.0, acc)
         for P in (0, 64, 256)
     }
-    assert 1 <= shapes[0]["depth"] < max(DEPTHS)
-    assert max(b["depth"] for b in shapes.values()) == shapes[0]["depth"]
-    assert shapes[256]["t_iter"] > shapes[0]["t_iter"] + 30  # the chunk's time is paid
+    assert 1 <= shapes[0].depth < max(DEPTHS)
+    assert max(b.depth for b in shapes.values()) == shapes[0].depth
+    assert shapes[256].t_iter > shapes[0].t_iter + 30  # the chunk's time is paid
 
 
 def test_policy_names_take_config_overrides_and_reject_bad_ones():
@@ -614,7 +617,7 @@ def test_selection_takes_every_node_when_all_fit_and_one_fewer_at_the_edge(name)
     trees = {r.rid: random_tree(rng, int(rng.integers(2, 12))) for r in reqs}
     total = sum(t.num_candidates for t in trees.values())
     view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=10**6, hw=HW)
-    pol = AdaptivePolicy(name)
+    pol = make_adaptive(name)
     plan = pol.plan(view)
     for budget, want in (
         (10**6, total),
@@ -655,3 +658,46 @@ def test_compiled_loops_fall_back_to_per_process_compilation(monkeypatch):
     fast = jit.compiled(add)
     assert fast(np.arange(3), 1).tolist() == [1, 2, 3]
     assert isinstance(fast, numba.core.registry.CPUDispatcher)
+
+
+def test_plan_budget_and_policy_explain():
+    """``NO_BUDGET`` reads as no budget; the deprecated ``info`` carries only the
+    predicted iteration time; ``explain`` gives the selection log's requirement (None
+    for the baselines and for plans that predict no time)."""
+    from adaserve.sched.registry import make_policy
+
+    assert Plan().budget == NO_BUDGET and Plan().bounded_budget is None
+    assert Plan(budget=12).bounded_budget == 12
+    r = req(0, 12.0, behind_ms=20.0)
+    view = BatchView(now_ms=0.0, requests=[r], free_kv_slots=10**6, hw=HW)
+    for name, cls in (("adaserve", "AdaServePolicy"), ("dyn-tree", "DynTreePolicy")):
+        pol = make_policy(name)
+        assert type(pol).__name__ == cls and pol.name == name
+        plan = pol.plan(view)
+        assert plan.t_iter_ms > 0 and plan.info == {"t_iter": plan.t_iter_ms}
+        want = round(pol.requirement(r, plan.t_iter_ms), 3)
+        assert pol.explain(r, plan) == {"requirement": want} and want > 1.0
+        assert pol.explain(r, Plan()) == {"requirement": None}
+    assert type(make_policy("smartspec")).__name__ == "SmartSpecPolicy"
+    for name in ("ar", "spec-chain:4", "spec-tree"):
+        pol = make_policy(name)
+        assert pol.explain(r, pol.plan(view)) == {"requirement": None}
+        assert pol.plan(view).info == {"t_iter": None}
+
+
+def test_budgeted_policy_keeps_its_planner_state_on_the_plan():
+    """``feedback`` fits the correction from the plan's own state only: a plan without
+    one (another policy's, or a fallback) teaches nothing."""
+    pol = AdaServePolicy()
+    view = BatchView(
+        now_ms=0.0, requests=[req(i, 12.0) for i in range(3)], free_kv_slots=10**6, hw=HW
+    )
+    pol.feedback(Plan(t_iter_ms=5.0), 50.0)
+    assert not pol.correction.theta.any()
+    plan = pol.plan(view)
+    pol.feedback(plan, plan.state.choice.t_static + 5.0)
+    assert pol.correction.theta.any()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pol.cfg.max_depth = 3
+    with pytest.raises(ValueError, match="degrade_after"):
+        AdaptiveConfig(degrade_after=0)

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from adaserve.core.tree import CandidateTree
-from adaserve.sched.adaptive import AdaptivePolicy
+from adaserve.sched.adaptive import AdaServePolicy
 from adaserve.sched.base import BatchView, ReqView
 from adaserve.sched.calibration import Calibrator
 from adaserve.sched.hardware import HardwareModel
@@ -75,7 +75,7 @@ def run(args) -> int:
         )
     view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=10**7, hw=REFERENCE_HW)
     trees = {i: beam_tree(rng, m) for i in range(n)}
-    pol = AdaptivePolicy("adaserve")
+    pol = AdaServePolicy()
     times, sizes = [], []
     plan_times = []
     for it in range(args.iterations + 5):

@@ -1,6 +1,8 @@
 """Budgeted tree policies: ``adaserve`` (SLO-customized), ``dyn-tree`` and ``smartspec``.
 
-All three pick the iteration's verification budget B from the hardware model.
+All three pick the iteration's verification budget B from the hardware model:
+``BudgetedPolicy`` holds the shared planner and selection, and ``AdaServePolicy``,
+``DynTreePolicy`` and ``SmartSpecPolicy`` override its hooks.
 
 * ``adaserve``: SLO phase (most-behind first, each request takes its highest-f
   candidates until its expected accepted tokens reach its requirement A(r), capped),
@@ -25,6 +27,7 @@ output tokens: A(r) = H * t_iter / (aim_r * (o_r + H - 1) - l_r), clipped to
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -32,7 +35,9 @@ import numpy as np
 
 from adaserve.core.tree import CandidateTree
 from adaserve.sched import plan_kernel
-from adaserve.sched.base import BatchView, Plan, Policy, ReqView, chunk_prefills
+from adaserve.sched.base import BatchView, Plan, PlannerState, Policy, ReqView, chunk_prefills
+from adaserve.sched.correction import OnlineCorrection
+from adaserve.sched.typical_tree import curve_rows, depth_curve, gain_curve
 
 DEPTHS = (0, 1, 2, 3, 4, 5, 6, 8)
 
@@ -75,51 +80,98 @@ class AdaptiveConfig:
             raise ValueError("rate_tolerance must be in [0, 1)")
         if self.node_cap < 1 or self.prefill_chunk < 1 or self.max_budget < 1:
             raise ValueError("node_cap, prefill_chunk and max_budget must be positive")
+        if self.degrade_after < 1:
+            raise ValueError("degrade_after must be >= 1")
 
 
-@lru_cache(maxsize=256)
-def gain_curve(depth: int, width: int, acc: tuple[float, ...]) -> np.ndarray:
-    """Expected accepted tokens of the best k candidates of a typical tree, k = 0..N.
+@dataclass
+class _Arrays:
+    """Per-request quantities as arrays (vectorised planning)."""
 
-    A synthetic beam tree of the given shape where a child of sibling rank j is
-    accepted (given its parent) with probability ``acc[j]``; f of a node is the
-    product along its path. Returns the cumulative sums of f sorted descending.
+    rid: np.ndarray
+    decode_ms: np.ndarray
+    n_out: np.ndarray
+    tpot: np.ndarray
+    has_tpot: np.ndarray
+    weight: np.ndarray
+    left: np.ndarray  # output tokens still allowed (max_tokens left)
+    coef: tuple | None = None  # BudgetedPolicy._coef's constants, once computed
+
+    @classmethod
+    def of(cls, reqs: list[ReqView]) -> _Arrays:
+        """The columns of ``reqs``."""
+        # one conversion of a row per request (the planner's hot path), then columns;
+        # strict classes weigh more: 3, 2, 1
+        cols = np.array(
+            [
+                (r.rid, r.decode_ms, r.n_out, r.tpot_ms or np.nan, 3 - min(r.rank, 2))
+                + (min(r.max_tokens, 1 << 20),)
+                for r in reqs
+            ],
+            dtype=float,
+        ).T.copy()
+        rid, decode_ms, n_out, tpot, weight, left = cols
+        return cls(
+            rid=rid.astype(np.int64),
+            decode_ms=decode_ms,
+            n_out=n_out,
+            tpot=tpot,
+            has_tpot=~np.isnan(tpot),
+            weight=weight,
+            left=left,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class ShapeChoice:
+    """The tree shape a plan takes and its predicted outcome.
+
+    alloc:    candidates per decoding request [n]
+    t_iter:   predicted iteration ms; ``t_static`` its profile part
+    rate:     predicted decode tokens per ms beyond the prefill chunk's time
+    score:    weighted count of requirements met (``adaserve``; 0 otherwise)
+    need:     the requirements A(r) at t_iter [n] (``adaserve``; None otherwise)
     """
-    return _typical_tree(depth, width, acc)[0]
+
+    depth: int
+    width: int
+    budget: int
+    alloc: np.ndarray
+    t_iter: float
+    rate: float
+    score: float
+    t_static: float
+    need: np.ndarray | None = None
+
+    @property
+    def features(self) -> list[float]:
+        """The plan's feature row for ``OnlineCorrection`` (its measured time fits it)."""
+        d, n = self.depth, len(self.alloc)
+        return [1.0, self.t_static, float(self.budget), float(d), float(d * n)]
 
 
-@lru_cache(maxsize=256)
-def depth_curve(depth: int, width: int, acc: tuple[float, ...]) -> np.ndarray:
-    """Tree depth the best k candidates of the typical tree reach, k = 0..N (the
-    draft must expand that deep to offer them; best-f order follows the top chain
-    first, so this is far less than a breadth-first fill would need)."""
-    return _typical_tree(depth, width, acc)[1]
+@dataclass(frozen=True, eq=False)
+class BudgetedState(PlannerState):
+    """What a budgeted policy's plan keeps for its ``select`` and ``feedback``: the
+    decoding requests' columns, the shape choice, and the requests whose requirement
+    no tree can meet (``adaserve``)."""
+
+    arrays: _Arrays
+    choice: ShapeChoice
+    infeasible: tuple[int, ...] = ()
 
 
-def _typical_tree(depth: int, width: int, acc: tuple[float, ...]):
-    if depth <= 0:
-        return np.zeros(1), np.zeros(1, dtype=np.int64)
-    a = np.asarray(acc[:width]) if width <= len(acc) else np.pad(acc, (0, width - len(acc)))
-    nodes: list[tuple[float, int]] = []  # (f, depth)
-    frontier = [1.0]
-    for t in range(1, depth + 1):
-        kids = sorted((f * a[j] for f in frontier for j in range(width)), reverse=True)
-        nodes.extend((f, t) for f in kids)
-        frontier = kids[:width]
-    nodes.sort(key=lambda x: (-x[0], x[1]))
-    f = np.array([x[0] for x in nodes])
-    d = np.maximum.accumulate(np.array([x[1] for x in nodes], dtype=np.int64))
-    return np.concatenate(([0.0], np.cumsum(f))), np.concatenate(([0], d))
+class BudgetedPolicy(Policy):
+    """The budgeted planner and selection shared by ``adaserve``, ``dyn-tree`` and
+    ``smartspec``. Subclasses override the hooks: ``_prefill_key``, ``_widths``,
+    ``_pick``, ``_overload``, ``_slo_phase`` (and ``admission_key``), and set
+    ``slo_phase`` / ``one_chain`` for the compiled depth evaluation."""
 
+    slo_phase: bool = False  # plan the SLO phase (requirements) before the goodput phase
+    one_chain: bool = False  # one chain length for the whole batch
 
-class AdaptivePolicy(Policy):
-    def __init__(self, name: str, cfg: AdaptiveConfig | None = None, engine=None):
-        if name not in ("adaserve", "dyn-tree", "smartspec"):
-            raise ValueError(name)
-        self.name = name
+    def __init__(self, cfg: AdaptiveConfig | None = None):
         self.cfg = cfg or AdaptiveConfig()
-        self.engine = engine
-        self._infeasible_streak: dict[int, int] = {}
         self.acc_by_rank: tuple[float, ...] = (0.6, 0.15, 0.07, 0.04)
         self._acc_seen: tuple = ()
         self.correction = OnlineCorrection()  # measured - profiled iteration time
@@ -138,8 +190,6 @@ class AdaptivePolicy(Policy):
         only while second-ranked children are accepted often enough to pay for a node
         (each sibling costs a draft token, a verified token and host work per step,
         which the profile prices lower than the engine pays on a CPU)."""
-        if self.name == "smartspec":
-            return (1,)
         acc = self.acc_by_rank
         if len(acc) < 2 or acc[1] < self.cfg.min_sibling_acceptance:
             return (1,)
@@ -148,13 +198,21 @@ class AdaptivePolicy(Policy):
 
     def _width(self, n: int) -> int:
         """Beam width from load: wide trees only when few requests share the pass."""
-        if self.name == "smartspec":
-            return 1
         return int(np.clip(8 // max(n, 1), 1, self.cfg.max_width))
+
+    def _prefill_key(self) -> Callable[[ReqView], tuple] | None:
+        """The order prefilling requests share the chunk in (None: the view's)."""
+        return None
 
     def requirement(self, r: ReqView, t_iter: float) -> float:
         """A(r): accepted tokens this iteration that keep r's mean TPOT within target."""
         return float(self._requirements(_Arrays.of([r]), t_iter)[0])
+
+    def explain(self, req: ReqView, plan: Plan) -> dict:
+        """The selection log's record of ``req``: ``{"requirement": A(r) at the plan's
+        predicted iteration time, to 3 places (None when it predicts none)}``."""
+        t = plan.t_iter_ms
+        return {"requirement": round(self.requirement(req, t), 3) if t else None}
 
     def _coef(self, a: _Arrays) -> tuple[np.ndarray, np.ndarray]:
         """Per-request constants, computed once per batch: A(r) = clip(t_iter * slope
@@ -191,32 +249,20 @@ class AdaptivePolicy(Policy):
         need = np.asarray(t_iter, dtype=float)[:, None] * slope + base
         return np.minimum(np.maximum(need, 1.0), self.cfg.max_depth + 1)
 
-    def admission_key(self, waiting: ReqView) -> tuple:
-        if self.name != "adaserve":
-            return super().admission_key(waiting)
-        # past its max queue wait -> first; then earliest TTFT deadline
-        overdue = (
-            0
-            if waiting.max_queue_ms is not None and waiting.waited_ms >= waiting.max_queue_ms
-            else 1
-        )
-        deadline = (waiting.ttft_ms or 1e9) - waiting.waited_ms
-        return (overdue, deadline)
-
     def feedback(self, plan: Plan, measured_ms: float) -> None:
-        """Fit the gap between measured and profiled iteration times (see OnlineCorrection)."""
-        x, static = plan.info.get("features"), plan.info.get("t_static")
-        if x is not None and static is not None and measured_ms > 0:
+        """Nothing; fits the gap between measured and profiled iteration times (see
+        OnlineCorrection) from a plan of this policy's."""
+        state = plan.state
+        if isinstance(state, BudgetedState) and measured_ms > 0:
+            x, static = state.choice.features, state.choice.t_static
             self.correction.update(np.asarray(x, dtype=float), measured_ms - static)
 
     # ------------------------------------------------------------------ plan
     def plan(self, view: BatchView) -> Plan:
+        """The iteration's plan: prefill chunks, per-request tree shapes under the
+        budget B of the best-scoring shape, and its predicted iteration time."""
         c = self.cfg
-        if self.name == "adaserve":
-            key = lambda r: ((r.ttft_ms or 1e9) - r.waited_ms, r.rid)  # noqa: E731
-        else:
-            key = None
-        prefill = chunk_prefills(view, c.prefill_chunk, key)
+        prefill = chunk_prefills(view, c.prefill_chunk, self._prefill_key())
         dec = view.decoding
         hw = view.hw
         if hw is None:
@@ -231,73 +277,55 @@ class AdaptivePolicy(Policy):
         depths = tuple(d for d in DEPTHS if d <= c.max_depth)
         widths = self._widths(n)
         best = self._best_shape(view, arr, depths, widths, P, kv, acc)
-        d, w = best["depth"], best["width"]
-        best["infeasible"] = []
-        if self.name == "adaserve":
-            # beyond reach: not even the biggest tree any request may get would meet the
-            # requirement at this plan's pace (a plan that merely chose a smaller tree,
-            # or a prediction a little pessimistic, is no reason to degrade anyone)
-            g = gain_curve(c.max_depth, max(widths), acc)
-            reach = g[min(c.node_cap, len(g) - 1)]
-            bad = arr.has_tpot & (best.pop("need") - 1.0 > reach + 1e-9)
-            best["infeasible"] = arr.rid[bad].tolist()
-        plan = Plan(prefill=prefill, budget=best["budget"], info=best)
+        d, w = best.depth, best.width
+        plan = Plan(prefill=prefill, budget=best.budget, t_iter_ms=best.t_iter)
         if d > 0:
             # per-request shapes: a request drafts only as deep as its best k candidates
             # reach in the typical tree
             dc = depth_curve(d, w, acc)
-            ks = best["alloc"]
+            ks = best.alloc
             reach_d = np.maximum(1, dc[np.minimum(ks, len(dc) - 1)])
             for rid, k, dr in zip(arr.rid.tolist(), ks.tolist(), reach_d.tolist()):
                 if k > 0:
                     plan.shapes[rid] = (dr, w)
                     plan.node_cap[rid] = c.node_cap
-        if self.name == "adaserve":
-            self._overload(dec, best, plan)
-        plan.info["arrays"] = arr
+        infeasible = self._overload(dec, arr, best, widths, acc, plan)
+        plan.state = BudgetedState(arrays=arr, choice=best, infeasible=infeasible)
         return plan
 
-    def _best_shape(self, view, arr: _Arrays, ds: tuple[int, ...], widths, P, kv, acc) -> dict:
-        """The tree shape (depth in ``ds``, width in ``widths``) whose predicted outcome
-        scores best, as the plan's ``info``: depth, width, budget, alloc [n], t_iter,
-        rate, score, the profile's part of t_iter (``t_static``), the correction's
-        ``features`` and (``adaserve``) the requirements at t_iter (``need`` [n]).
+    def _overload(
+        self, dec: list[ReqView], arr: _Arrays, best: ShapeChoice, widths, acc, plan: Plan
+    ) -> tuple[int, ...]:
+        """The requests whose requirement no tree can meet (a tuple of rids), after
+        marking those to degrade in ``plan.degrade``. Default: none."""
+        return ()
 
-        ``adaserve`` takes the shapes that meet the most requirements (weighted), and
-        of those whose predicted rate is within ``rate_tolerance`` of the best of them,
-        the cheapest: the shallowest, then the narrowest. The other policies take the
-        highest rate (the first shape on ties)."""
+    def _best_shape(
+        self, view, arr: _Arrays, ds: tuple[int, ...], widths, P, kv, acc
+    ) -> ShapeChoice:
+        """The tree shape (depth in ``ds``, width in ``widths``) whose predicted outcome
+        scores best (``_pick``), with that outcome; ``need`` only when ``slo_phase``."""
         evs = [self._evaluate_depths(view, arr, ds, w, P, kv, acc) for w in widths]
-        strict = self.name == "adaserve"
-        cand = [  # (met_w, rate, depth index, width index)
-            (float(ev["met_w"][i]) if strict else 0.0, float(ev["rate"][i]), i, j)
-            for j, ev in enumerate(evs)
-            for i in range(len(ds))
-        ]
-        if strict:
-            top = max(c[0] for c in cand)
-            floor = (1.0 - self.cfg.rate_tolerance) * max(c[1] for c in cand if c[0] == top)
-            m, r, i, j = min((c for c in cand if c[0] == top and c[1] >= floor), key=_cheapest)
-        else:
-            m, r, i, j = max(cand, key=lambda c: (c[1], -c[3], -c[2]))
-        ev, w = evs[j], widths[j]
-        d, n = ds[i], len(arr.rid)
-        budget = int(ev["budget"][i])
-        static = float(ev["static"][i])
-        best = {
-            "depth": d,
-            "width": w,
-            "budget": budget,
-            "alloc": ev["alloc"][i],
-            "t_iter": float(ev["t_iter"][i]),
-            "rate": r,
-            "score": m,
-            "t_static": static,
-            "features": [1.0, static, float(budget), float(d), float(d * n)],
-        }
-        if "need" in ev:
-            best["need"] = ev["need"][i]
-        return best
+        m, r, i, j = self._pick(evs, len(ds))
+        ev = evs[j]
+        return ShapeChoice(
+            depth=ds[i],
+            width=widths[j],
+            budget=int(ev["budget"][i]),
+            alloc=ev["alloc"][i],
+            t_iter=float(ev["t_iter"][i]),
+            rate=r,
+            score=m,
+            t_static=float(ev["static"][i]),
+            need=ev["need"][i] if "need" in ev else None,
+        )
+
+    def _pick(self, evs: list[dict], D: int) -> tuple:
+        """The (score, rate, depth index, width index) of the shape to take, from the
+        evaluations of each width over D depths: the highest rate (the first shape on
+        ties), score 0."""
+        cand = [(0.0, float(ev["rate"][i]), i, j) for j, ev in enumerate(evs) for i in range(D)]
+        return max(cand, key=lambda c: (c[1], -c[3], -c[2]))
 
     def _evaluate_depths(self, view, arr: _Arrays, ds, w, P, kv, acc) -> dict:
         """Predicted outcome of drafting each depth of ``ds`` (0 = no speculation) at
@@ -307,14 +335,14 @@ class AdaptivePolicy(Policy):
         Returns arrays over the depths: ``alloc`` [D, n] (candidates per request),
         ``budget`` [D] (verified tokens), ``t_iter`` [D] (predicted ms), ``static`` [D]
         (the profile's part of it), ``rate`` [D] (predicted decode tokens per ms of the
-        iteration's time beyond its prefill chunk's) and, for ``adaserve``, the
+        iteration's time beyond its prefill chunk's) and, with ``slo_phase``, the
         weighted count of requirements met ``met_w`` [D] and the requirements ``need``
         [D, n] at t_iter."""
         c, hw = self.cfg, view.hw
         n, D = len(arr.rid), len(ds)
-        strict = self.name == "adaserve"
+        strict = self.slo_phase
         di = np.asarray(ds, dtype=np.int64)
-        G, Gs, kmax, kfill = _curves(tuple(ds), w, acc, c.node_cap)
+        G, Gs, kmax, kfill = curve_rows(tuple(ds), w, acc, c.node_cap)
         tok0 = n + P
         # HardwareModel.drafting_ms + overhead for every depth; the correction's
         # per-depth part (OnlineCorrection.residual) likewise
@@ -341,30 +369,18 @@ class AdaptivePolicy(Policy):
             slope, base_r, arr.has_tpot, arr.weight, G, Gs, kmax, kfill, di, V,
             base[:, 0], fixed[:, 0], float(th[1]), float(th[2]), int(tok0), int(w),
             int(view.free_kv_slots), int(c.max_budget), float(c.max_depth + 1), strict,
-            self.name == "smartspec", _EXTRAS, float(t_pre),
+            self.one_chain, _EXTRAS, float(t_pre),
         )  # fmt: skip
         out = {"alloc": alloc, "budget": budget, "t_iter": t_iter, "static": static, "rate": rate}
         if strict:
             out["met_w"], out["need"] = met_w, need
         return out
 
-    def _overload(self, dec: list[ReqView], best: dict, plan: Plan) -> None:
-        bad = set(best["infeasible"])
-        for r in dec:
-            s = self._infeasible_streak.get(r.rid, 0) + 1 if r.rid in bad else 0
-            self._infeasible_streak[r.rid] = s
-            if s >= self.cfg.degrade_after:
-                plan.degrade[r.rid] = "looser"
-                self._infeasible_streak[r.rid] = 0
-        if len(self._infeasible_streak) > 4 * len(dec) + 64:
-            live = {r.rid for r in dec}
-            self._infeasible_streak = {
-                k: v for k, v in self._infeasible_streak.items() if k in live
-            }
-
     # ------------------------------------------------------------------ select
     def select(self, view: BatchView, plan: Plan, trees: dict[int, CandidateTree]):
-        """SLO phase then goodput phase over the real candidate trees (vectorised)."""
+        """rid -> the nodes of its tree to verify (sorted, containing 0): the SLO phase
+        (``_slo_phase``), then the goodput phase, over the real candidate trees
+        (vectorised)."""
         rids = list(trees)
         if not rids:
             return {}
@@ -389,21 +405,8 @@ class AdaptivePolicy(Policy):
         order = np.argsort(-F, axis=1, kind="stable")  # ties: lower index (parent) first
         F = F[np.arange(R)[:, None], order]
         caps = np.minimum(sizes, cap_l)
-        k = np.zeros(R, dtype=np.int64)
-        if self.name == "adaserve":
-            arr = plan.info.get("arrays")
-            if arr is None or arr.rid.tolist() != rids:
-                by_id = {r.rid: r for r in view.requests}
-                arr = _Arrays.of([by_id[r] for r in rids])
-            need = self._requirements(arr, plan.info.get("t_iter", 0.0)) - 1.0
-            cums = np.cumsum(np.maximum(F, 0.0), axis=1)
-            k_slo = np.minimum((cums < need[:, None] - 1e-9).sum(1) + 1, caps)
-            k_slo[need <= 1e-9] = 0
-            # most behind first: largest requirement takes its share of the budget first
-            ordr = np.argsort(-need, kind="stable")
-            want = k_slo[ordr]
-            k[ordr] = np.minimum(np.maximum(left - (np.cumsum(want) - want), 0), want)
-            left -= int(k.sum())
+        k = self._slo_phase(view, plan, rids, F, caps, left)
+        left -= int(k.sum())
         if left > 0:
             cols = np.arange(M)[None, :]
             avail = (cols >= k[:, None]) & (cols < caps[:, None])
@@ -419,91 +422,123 @@ class AdaptivePolicy(Policy):
         chosen.sort(axis=1)
         return {rid: chosen[i, : ki + 1] for i, (rid, ki) in enumerate(zip(rids, k.tolist()))}
 
+    def _slo_phase(self, view, plan: Plan, rids: list[int], F, caps, left: int) -> np.ndarray:
+        """Candidates per tree [R] the SLO phase takes before the goodput phase, of at
+        most ``left`` in all (F: each tree's f sorted descending [R, M]; caps [R]).
+        Default: none."""
+        return np.zeros(len(rids), dtype=np.int64)
 
-class OnlineCorrection:
-    """Measured minus profiled iteration time, fitted online as a linear function of
-    [1, profiled ms, verified tokens, draft steps, draft steps x speculating requests]
-    by ridge regression with exponential forgetting.
 
-    The profiled-ms feature is the machine's speed factor: a CPU that runs 1.4x slower
-    than when it was profiled (shared cores, frequency drift) leaves a residual of
-    0.4 x the profile, for every plan alike. It is penalised least, so a uniform
-    slowdown is learned as a ratio and keeps the profile's relative prices of tokens
-    and draft steps. The other slopes only pick up what scaling does not explain (a
-    per-token or per-draft-step cost the profile misses). Without the speed feature a
-    slowdown lands on whichever slope is least penalised; since a chain's verified
-    tokens are n x (1 + depth), that was depth x requests, and every deeper tree was
-    overpriced. The constant is penalised more than the speed factor and less than
-    the slopes."""
+class AdaServePolicy(BudgetedPolicy):
+    """``adaserve``: the SLO phase, then the goodput phase; the shape that meets the
+    most requirements; TTFT-deadline admission and prefill order; overloaded requests
+    degraded to a looser class."""
 
-    PENALTY = (50.0, 1.0, 20000.0, 500.0, 500.0)
+    name = "adaserve"
+    slo_phase = True
 
-    def __init__(self, decay: float = 0.98):
-        self.decay = decay
-        self.ridge = np.diag(np.array(self.PENALTY))
-        self.A = self.ridge.copy()
-        self.b = np.zeros(len(self.PENALTY))
-        self.theta = np.zeros(len(self.PENALTY))
+    def __init__(self, cfg: AdaptiveConfig | None = None):
+        super().__init__(cfg)
+        self._infeasible_streak: dict[int, int] = {}
 
-    @staticmethod
-    def features(static_ms, tokens, steps, spec_requests) -> np.ndarray:
-        """[..., 5] rows for broadcastable inputs."""
-        st, t, d, n = np.broadcast_arrays(
-            *(np.asarray(x, dtype=float) for x in (static_ms, tokens, steps, spec_requests))
+    def _prefill_key(self) -> Callable[[ReqView], tuple]:
+        """Earliest TTFT deadline first."""
+        return _ttft_deadline
+
+    def admission_key(self, waiting: ReqView) -> tuple:
+        """The admission sort key: past its max queue wait first, then the earliest
+        TTFT deadline."""
+        # past its max queue wait -> first; then earliest TTFT deadline
+        overdue = (
+            0
+            if waiting.max_queue_ms is not None and waiting.waited_ms >= waiting.max_queue_ms
+            else 1
         )
-        return np.stack([np.ones_like(st), st, t, d, d * n], axis=-1)
+        deadline = (waiting.ttft_ms or 1e9) - waiting.waited_ms
+        return (overdue, deadline)
 
-    def residual(self, static_ms, tokens, steps, spec_requests):
-        """Predicted measured-minus-profiled ms (broadcast over the inputs): the value of
-        ``predict(features(...))`` without building the feature rows. The planner's array
-        program inlines this (``_evaluate_depths.t_iter``)."""
-        th = self.theta
-        return th[0] + th[1] * static_ms + th[2] * tokens + (th[3] + th[4] * spec_requests) * steps
+    def _pick(self, evs: list[dict], D: int) -> tuple:
+        """The (score, rate, depth index, width index) of the shape to take: of the
+        shapes that meet the most requirements (weighted), and of those whose predicted
+        rate is within ``rate_tolerance`` of the best of them, the cheapest: the
+        shallowest, then the narrowest."""
+        cand = [  # (met_w, rate, depth index, width index)
+            (float(ev["met_w"][i]), float(ev["rate"][i]), i, j)
+            for j, ev in enumerate(evs)
+            for i in range(D)
+        ]
+        top = max(c[0] for c in cand)
+        floor = (1.0 - self.cfg.rate_tolerance) * max(c[1] for c in cand if c[0] == top)
+        return min((c for c in cand if c[0] == top and c[1] >= floor), key=_cheapest)
 
-    def predict(self, x: np.ndarray) -> np.ndarray:
-        return x @ self.theta
+    def _overload(
+        self, dec: list[ReqView], arr: _Arrays, best: ShapeChoice, widths, acc, plan: Plan
+    ) -> tuple[int, ...]:
+        """The requests whose requirement no tree can meet, after marking in
+        ``plan.degrade`` those infeasible for ``degrade_after`` plans in a row."""
+        # beyond reach: not even the biggest tree any request may get would meet the
+        # requirement at this plan's pace (a plan that merely chose a smaller tree,
+        # or a prediction a little pessimistic, is no reason to degrade anyone)
+        c = self.cfg
+        g = gain_curve(c.max_depth, max(widths), acc)
+        reach = g[min(c.node_cap, len(g) - 1)]
+        infeasible = tuple(arr.rid[arr.has_tpot & (best.need - 1.0 > reach + 1e-9)].tolist())
+        bad = set(infeasible)
+        for r in dec:
+            s = self._infeasible_streak.get(r.rid, 0) + 1 if r.rid in bad else 0
+            self._infeasible_streak[r.rid] = s
+            if s >= self.cfg.degrade_after:
+                plan.degrade[r.rid] = "looser"
+                self._infeasible_streak[r.rid] = 0
+        if len(self._infeasible_streak) > 4 * len(dec) + 64:
+            live = {r.rid for r in dec}
+            self._infeasible_streak = {
+                k: v for k, v in self._infeasible_streak.items() if k in live
+            }
+        return infeasible
 
-    def update(self, x: np.ndarray, residual_ms: float) -> None:
-        self.A = self.decay * self.A + np.outer(x, x) + (1 - self.decay) * self.ridge
-        self.b = self.decay * self.b + x * residual_ms
-        self.theta = np.linalg.solve(self.A, self.b)
+    def _slo_phase(self, view, plan: Plan, rids: list[int], F, caps, left: int) -> np.ndarray:
+        """Candidates per tree [R]: each request's fewest best-f nodes whose expected
+        gain reaches its requirement A(r) - 1 (capped), the most behind first, until
+        ``left`` runs out."""
+        k = np.zeros(len(rids), dtype=np.int64)
+        state = plan.state
+        arr = state.arrays if isinstance(state, BudgetedState) else None
+        if arr is None or arr.rid.tolist() != rids:
+            by_id = {r.rid: r for r in view.requests}
+            arr = _Arrays.of([by_id[r] for r in rids])
+        t_iter = plan.t_iter_ms if plan.t_iter_ms is not None else 0.0
+        need = self._requirements(arr, t_iter) - 1.0
+        cums = np.cumsum(np.maximum(F, 0.0), axis=1)
+        k_slo = np.minimum((cums < need[:, None] - 1e-9).sum(1) + 1, caps)
+        k_slo[need <= 1e-9] = 0
+        # most behind first: largest requirement takes its share of the budget first
+        ordr = np.argsort(-need, kind="stable")
+        want = k_slo[ordr]
+        k[ordr] = np.minimum(np.maximum(left - (np.cumsum(want) - want), 0), want)
+        return k
 
 
-@dataclass
-class _Arrays:
-    """Per-request quantities as arrays (vectorised planning)."""
+class DynTreePolicy(BudgetedPolicy):
+    """``dyn-tree``: the goodput phase only (global best-f selection under B)."""
 
-    rid: np.ndarray
-    decode_ms: np.ndarray
-    n_out: np.ndarray
-    tpot: np.ndarray
-    has_tpot: np.ndarray
-    weight: np.ndarray
-    left: np.ndarray  # output tokens still allowed (max_tokens left)
-    coef: tuple | None = None  # AdaptivePolicy._coef's constants, once computed
+    name = "dyn-tree"
 
-    @classmethod
-    def of(cls, reqs: list[ReqView]) -> _Arrays:
-        # one conversion of a row per request (the planner's hot path), then columns;
-        # strict classes weigh more: 3, 2, 1
-        cols = np.array(
-            [
-                (r.rid, r.decode_ms, r.n_out, r.tpot_ms or np.nan, 3 - min(r.rank, 2))
-                + (min(r.max_tokens, 1 << 20),)
-                for r in reqs
-            ],
-            dtype=float,
-        ).T.copy()
-        rid, decode_ms, n_out, tpot, weight, left = cols
-        return cls(
-            rid=rid.astype(np.int64),
-            decode_ms=decode_ms,
-            n_out=n_out,
-            tpot=tpot,
-            has_tpot=~np.isnan(tpot),
-            weight=weight,
-            left=left,
-        )
+
+class SmartSpecPolicy(BudgetedPolicy):
+    """``smartspec``: one chain length for the whole batch."""
+
+    name = "smartspec"
+    one_chain = True
+
+    def _widths(self, n: int) -> tuple[int, ...]:
+        """A chain only."""
+        return (1,)
+
+
+def _ttft_deadline(r: ReqView) -> tuple:
+    """The prefill sort key: time left to r's TTFT deadline, then its id."""
+    return ((r.ttft_ms or 1e9) - r.waited_ms, r.rid)
 
 
 def _cheapest(c: tuple) -> tuple:
@@ -522,28 +557,13 @@ def _warm_up() -> None:
 
 _EXTRAS = np.array([0, 4, 8, 16, 32, 64, 128, 256, 512])  # goodput-phase sizes tried
 
-
-@lru_cache(maxsize=256)
-def _curves(ds: tuple[int, ...], w: int, acc: tuple[float, ...], node_cap: int):
-    """The typical trees' gain curves of depths ``ds`` at width w as rows (read-only):
-    G [D, K+1] (the last value repeated past a curve), Gs (the same with +inf there,
-    for counting the values below a need), kmax [D] (nodes a request may get) and
-    kfill [D] (how many of those add a positive expected gain)."""
-    curves = [gain_curve(d, w, acc) for d in ds]
-    kmax = np.array([min(len(g) - 1, node_cap) for g in curves])
-    K = int(kmax.max())
-    G = np.empty((len(ds), K + 1))
-    Gs = np.full((len(ds), K + 1), np.inf)
-    for i, g in enumerate(curves):
-        m = min(len(g), K + 1)
-        G[i, :m] = g[:m]
-        G[i, m:] = g[m - 1]
-        Gs[i, :m] = g[:m]
-    kfill = ((np.diff(G, axis=1) > 0) & (np.arange(K) < kmax[:, None])).sum(1)
-    for x in (G, Gs, kmax, kfill):
-        x.flags.writeable = False
-    return G, Gs, kmax, kfill
+ADAPTIVE_POLICIES: dict[str, type[BudgetedPolicy]] = {
+    p.name: p for p in (AdaServePolicy, DynTreePolicy, SmartSpecPolicy)
+}
 
 
-def make_adaptive(name: str, engine=None, **kwargs) -> AdaptivePolicy:
-    return AdaptivePolicy(name, AdaptiveConfig(**kwargs) if kwargs else None, engine=engine)
+def make_adaptive(name: str, **kwargs) -> BudgetedPolicy:
+    """The budgeted policy called ``name``, with ``AdaptiveConfig`` overrides ``kwargs``."""
+    if name not in ADAPTIVE_POLICIES:
+        raise ValueError(name)
+    return ADAPTIVE_POLICIES[name](AdaptiveConfig(**kwargs) if kwargs else None)

@@ -45,6 +45,7 @@ class ReqView:
 
     @property
     def decoding(self) -> bool:
+        """Whether the request is past its prefill."""
         return self.prefill_left == 0
 
 
@@ -61,61 +62,98 @@ class BatchView:
 
     @property
     def decoding(self) -> list[ReqView]:
+        """The requests past their prefill."""
         return [r for r in self.requests if r.decoding]
 
     @property
     def prefilling(self) -> list[ReqView]:
+        """The requests still prefilling."""
         return [r for r in self.requests if not r.decoding]
+
+
+NO_BUDGET = 1 << 30  # Plan.budget of a plan that sets no verification token budget
+
+
+class PlannerState:
+    """Base of what a policy's ``plan`` leaves on its ``Plan`` for that same policy's
+    ``select`` and ``feedback``: opaque to every other caller, who passes the plan
+    back unchanged (its contents are the policy's own and may change at any time)."""
+
+    __slots__ = ()
 
 
 @dataclass
 class Plan:
     """A policy's decision before drafting.
 
-    shapes:   rid -> (depth, width) for decoding requests that speculate (absent = none)
-    prefill:  rid -> prefill tokens this iteration
-    budget:   verification token budget B (tree nodes + roots + prefill tokens)
-    node_cap: rid -> max selected candidate nodes (absent = no cap)
-    fallback: reason string when the policy fell back to plain decoding
+    shapes:    rid -> (depth, width) for decoding requests that speculate (absent = none)
+    prefill:   rid -> prefill tokens this iteration
+    budget:    verification token budget B (tree nodes + roots + prefill tokens);
+               ``NO_BUDGET`` when the policy sets none (see ``bounded_budget``)
+    node_cap:  rid -> max selected candidate nodes (absent = no cap)
+    fallback:  reason string when the policy fell back to plain decoding
+    degrade:   rid -> "looser": move the request to a looser class (overload)
+    t_iter_ms: the iteration time the plan predicts (None when it predicts none)
+    state:     the planning policy's own state for ``select`` / ``feedback``
+               (``PlannerState``; opaque to callers)
     """
 
     shapes: dict[int, tuple[int, int]] = field(default_factory=dict)
     prefill: dict[int, int] = field(default_factory=dict)
-    budget: int = 1 << 30
+    budget: int = NO_BUDGET
     node_cap: dict[int, int] = field(default_factory=dict)
     fallback: str | None = None
     degrade: dict[int, str] = field(default_factory=dict)
-    info: dict = field(default_factory=dict)
+    t_iter_ms: float | None = None
+    state: PlannerState | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def bounded_budget(self) -> int | None:
+        """The verification token budget, or None when the plan sets none."""
+        return None if self.budget >= NO_BUDGET else self.budget
+
+    @property
+    def info(self) -> dict:
+        """Deprecated (use ``t_iter_ms`` and ``Policy.explain``): ``{"t_iter": t_iter_ms}``."""
+        return {"t_iter": self.t_iter_ms}
 
 
 class Policy(ABC):
     """A scheduling/speculation policy. Subclasses are stateless between runs except
-    for what ``observe`` teaches them."""
+    for what ``feedback`` and the views teach them."""
 
     name: str = "policy"
     uses_draft: bool = True
 
     @abstractmethod
     def plan(self, view: BatchView) -> Plan:
-        """Decide prefill chunks and tree shapes for this iteration."""
+        """The iteration's plan: prefill chunks, tree shapes and token budget."""
 
     def select(
         self, view: BatchView, plan: Plan, trees: dict[int, CandidateTree]
     ) -> dict[int, np.ndarray]:
-        """Pick the nodes to verify per request (sorted, containing 0). Default: all."""
+        """rid -> the nodes of its tree to verify (sorted, containing 0). Default: all."""
         return {rid: np.arange(len(t.tokens)) for rid, t in trees.items()}
 
     def feedback(self, plan: Plan, measured_ms: float) -> None:
-        """Measured duration of the iteration ``plan`` described (default: ignored)."""
+        """Nothing; takes the measured duration of the iteration ``plan`` described
+        (default: ignored)."""
         return None
 
     def admission_key(self, waiting: ReqView) -> tuple:
-        """Order in which waiting requests are admitted (smallest first). Default FCFS."""
+        """The sort key that orders waiting requests for admission (smallest first).
+        Default FCFS."""
         return (-waiting.waited_ms,)
+
+    def explain(self, req: ReqView, plan: Plan) -> dict:
+        """What the selection log records of ``req`` under ``plan``: at least
+        ``{"requirement": accepted tokens it needs this iteration, or None}``."""
+        return {"requirement": None}
 
 
 def chunk_prefills(view: BatchView, token_budget: int, order_key=None) -> dict[int, int]:
-    """Give prefilling requests tokens from ``token_budget``, in ``order_key`` order."""
+    """rid -> prefill tokens: ``token_budget`` shared among prefilling requests in
+    ``order_key`` order (view order without one)."""
     out: dict[int, int] = {}
     left = token_budget
     reqs = view.prefilling
@@ -131,7 +169,8 @@ def chunk_prefills(view: BatchView, token_budget: int, order_key=None) -> dict[i
 
 
 def top_f_nodes(tree: CandidateTree, k: int) -> np.ndarray:
-    """Root plus the k candidates of highest f (a connected subtree; sorted)."""
+    """The root plus the k candidates of highest f: sorted node indices of a connected
+    subtree."""
     n = tree.num_candidates
     if k >= n:
         return np.arange(n + 1)

@@ -48,10 +48,11 @@ class Calibrator:
 
     @staticmethod
     def bucket(q: np.ndarray) -> np.ndarray:
+        """The draft-probability bucket of each q."""
         return np.minimum((np.asarray(q) * NUM_Q_BUCKETS).astype(np.int64), NUM_Q_BUCKETS - 1)
 
     def apply(self, tree: CandidateTree) -> None:
-        """Set ``tree.f`` (path acceptance estimates) from the current table."""
+        """Nothing; sets ``tree.f`` (path acceptance estimates) from the current table."""
         tab = self.table()
         d = np.clip(tree.depth, 1, MAX_DEPTH) - 1
         acc = tab[d, self.bucket(tree.q)]
@@ -65,7 +66,8 @@ class Calibrator:
 
     # ------------------------------------------------------------------ feedback
     def observe(self, tree: CandidateTree, accepted_path: list[int]) -> None:
-        """Record one verification: ``tree`` is the verified subtree (local indices)."""
+        """Nothing; records one verification: ``tree`` is the verified subtree (local
+        indices)."""
         on_path = np.zeros(len(tree.tokens), dtype=bool)
         on_path[0] = True
         on_path[accepted_path] = True
@@ -83,7 +85,8 @@ class Calibrator:
 
     # ------------------------------------------------------------------ seeding
     def seed_from_stats(self, path: str | Path, weight: float = 50.0) -> bool:
-        """Seed the prior from a pair stats file's ``calibration`` table, if present."""
+        """Whether the prior was seeded from a pair stats file's ``calibration`` table
+        (False when the file has none, or a malformed one)."""
         try:
             data = json.loads(Path(path).read_text())
             tab = np.asarray(data["calibration"]["acceptance"], dtype=float)
@@ -102,4 +105,5 @@ class Calibrator:
         return True
 
     def snapshot(self) -> dict:
+        """The current estimates and the number of tried nodes (for reports)."""
         return {"acceptance": self.table().round(4).tolist(), "tried": self.tried.sum()}

@@ -62,7 +62,8 @@ class HardwareModel:
 
     # ------------------------------------------------------------------ predictions
     def verify_latency(self, tokens, kv_tokens=0.0):
-        """Target pass over ``tokens`` new tokens attending ``kv_tokens`` cached ones."""
+        """Predicted ms of a target pass over ``tokens`` new tokens attending ``kv_tokens``
+        cached ones."""
         kv = self.kv_ms_per_token * (
             kv_tokens if np.ndim(kv_tokens) == 0 else np.asarray(kv_tokens)
         )
@@ -80,7 +81,7 @@ class HardwareModel:
         return tab
 
     def draft_latency(self, tokens):
-        """One batched draft step over ``tokens`` tokens."""
+        """Predicted ms of one batched draft step over ``tokens`` tokens."""
         return self._dtab(tokens)
 
     def iteration_ms(
@@ -92,7 +93,7 @@ class HardwareModel:
         catchup_tokens: float = 0.0,
         draft_requests: float = 0.0,
     ):
-        """Predicted iteration: draft steps + verification + host overhead."""
+        """Predicted ms of an iteration: draft steps + verification + host overhead."""
         draft = self.drafting_ms(draft_depth, draft_tokens_per_step, catchup_tokens, draft_requests)
         return self.verify_latency(verify_tokens, kv_tokens) + draft + self.overhead_ms
 
@@ -103,7 +104,7 @@ class HardwareModel:
         catchup_tokens: float = 0.0,
         draft_requests: float = 0.0,
     ) -> float:
-        """Drafting ``draft_depth`` steps: one catch-up pass, then ``draft_depth - 1``
+        """Predicted ms of drafting ``draft_depth`` steps: one catch-up pass, then ``draft_depth - 1``
         steps over ``draft_tokens_per_step`` tokens; ``draft_requests`` speculating
         requests each cost ``draft_host_ms`` of host work (tree bookkeeping, masks) per
         step on top of the forward passes. 0 when ``draft_depth`` is 0."""
@@ -114,12 +115,13 @@ class HardwareModel:
         return first + (draft_depth - 1) * step + draft_depth * draft_requests * self.draft_host_ms
 
     def unloaded_tpot_ms(self, kv_tokens: float = 256.0) -> float:
-        """Per-token latency of one request decoding alone, without speculation."""
+        """Per-token latency (ms) of one request decoding alone, without speculation."""
         return float(self.verify_latency(1, kv_tokens) + self.overhead_ms)
 
     # ------------------------------------------------------------------ I/O
     @classmethod
     def from_dict(cls, d: dict, source: str = "profile") -> HardwareModel:
+        """The model of a profile's parsed JSON (see the module docstring)."""
         v = d["verify"]
         if "draft_step" in d:
             dt, dm = d["draft_step"]["tokens"], d["draft_step"]["latency_ms"]
@@ -141,7 +143,7 @@ class HardwareModel:
 
     @classmethod
     def load(cls, path: str | Path) -> HardwareModel:
-        """Read a profile file; ValueError with a readable message when malformed."""
+        """The model of a profile file; ValueError with a readable message when malformed."""
         try:
             d = json.loads(Path(path).read_text())
             return cls.from_dict(d, source=str(path))

@@ -1,6 +1,6 @@
 """The planner's per-depth evaluation as compiled loops (numba; no torch).
 
-``AdaptivePolicy._evaluate_depths`` prepares per-batch constants with numpy and calls
+``BudgetedPolicy._evaluate_depths`` prepares per-batch constants with numpy and calls
 ``evaluate_depths`` here. Over [D depths, n requests] arrays of a few dozen elements
 a numpy program pays 1-5 us per operation whatever it computes, about 60 operations a
 plan; the same arithmetic as loops runs in a few microseconds. The simulator calls the
@@ -20,7 +20,7 @@ from adaserve.jit import compiled
 
 @compiled
 def _t(st, tot, th1, th2, fixed):
-    """Predicted ms of a pass whose profile part is st: the profile plus the fitted
+    """The predicted ms of a pass whose profile part is st: the profile plus the fitted
     correction, never below half the profile (``OnlineCorrection.residual``)."""
     return max(st + (th1 * st + th2 * tot + fixed), 0.5 * st)
 
@@ -30,7 +30,7 @@ def evaluate_depths(
     slope, base_r, has_tpot, weight, G, Gs, kmax, kfill, di, V, base_d, fixed_d,
     th1, th2, tok0, w, free_slots, max_budget, hi, strict, smart, extras, t_pre,
 ):  # fmt: skip
-    """Outcome of each depth (see ``AdaptivePolicy._evaluate_depths``).
+    """The predicted outcome of each depth (see ``BudgetedPolicy._evaluate_depths``).
 
     Per request [n]: ``slope``, ``base_r`` (A(r) = clip(t * slope + base, 1, hi)),
     ``has_tpot``, ``weight``. Per depth [D]: the typical tree's gain curve ``G`` and
@@ -151,9 +151,10 @@ def evaluate_depths(
 
 
 def warm_up() -> None:
-    """Compile ``evaluate_depths`` (or load it from the on-disk cache) now, with the
-    argument types the planner passes, instead of inside the first plan: a cold compile
-    takes seconds, which a server should pay at start, not on its first request."""
+    """Nothing; compiles ``evaluate_depths`` (or loads it from the on-disk cache) now,
+    with the argument types the planner passes, instead of inside the first plan: a
+    cold compile takes seconds, which a server should pay at start, not on its first
+    request."""
     f, i = np.zeros(1), np.zeros(1, dtype=np.int64)
     g = np.zeros((1, 2))
     ro = [x.copy() for x in (g, g, i, i)] + [np.ones(4)]

@@ -21,7 +21,8 @@ POLICY_NAMES = (
 
 
 def make_policy(name: str, **kwargs) -> Policy:
-    """Build the policy called ``name`` (see ``POLICY_NAMES``)."""
+    """The policy called ``name`` (see ``POLICY_NAMES``); ``kwargs`` and any
+    ``:key=value`` suffix override a budgeted policy's ``AdaptiveConfig``."""
     head, _, arg = name.partition(":")
     try:
         if head in ("ar", "ar-chunked", "priority") and not arg:

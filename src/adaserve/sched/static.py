@@ -22,12 +22,14 @@ class AutoregressivePolicy(Policy):
         self.chunk = chunk
 
     def plan(self, view: BatchView) -> Plan:
+        """The iteration's plan: prefill chunks only (whole prompts for ``ar``)."""
         if self.name == "ar":
             return Plan(prefill=chunk_prefills(view, WHOLE_PROMPT_BUDGET))
         key = (lambda r: (r.rank, -r.waited_ms)) if self.name == "priority" else None
         return Plan(prefill=chunk_prefills(view, self.chunk, key))
 
     def admission_key(self, waiting):
+        """The admission sort key: FCFS, strict classes first for ``priority``."""
         if self.name == "priority":
             return (waiting.rank, -waiting.waited_ms)
         return super().admission_key(waiting)
@@ -48,12 +50,15 @@ class StaticSpecPolicy(Policy):
         self.chunk = chunk
 
     def plan(self, view: BatchView) -> Plan:
+        """The iteration's plan: the fixed shape for every decoding request, chunked
+        prefill, no budget."""
         return Plan(
             shapes={r.rid: (self.depth, self.width) for r in view.decoding},
             prefill=chunk_prefills(view, self.chunk),
         )
 
     def select(self, view, plan, trees: dict[int, CandidateTree]) -> dict[int, np.ndarray]:
+        """rid -> every node of its tree, or the root and its ``max_nodes`` best."""
         if self.max_nodes is None:
             return super().select(view, plan, trees)
         return {rid: top_f_nodes(t, self.max_nodes) for rid, t in trees.items()}
