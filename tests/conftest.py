@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -70,3 +73,35 @@ def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[lis
         L = int(torch.randint(lo, hi, (1,), generator=g))
         out.append(torch.randint(1, VOCAB - 1, (L,), generator=g).tolist())
     return out
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int, float]:
+    """Chi-square goodness of fit of ``counts`` to ``probs``: (statistic, degrees of
+    freedom, p-value by the Wilson-Hilferty approximation).
+
+    Cells with expected count < 5 are pooled; a sample in a zero-probability cell
+    gives p = 0 outright.
+    """
+    n = counts.sum()
+    exp = probs * n
+    if (counts[probs == 0] > 0).any():
+        return math.inf, 0, 0.0
+    big = exp >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    ex = np.append(exp[big], exp[~big].sum())
+    keep = ex > 0
+    stat = float(((obs[keep] - ex[keep]) ** 2 / ex[keep]).sum())
+    df = int(keep.sum()) - 1
+    assert df >= 10, "the test distribution is too concentrated to tell samplers apart"
+    v = 2 / (9 * df)
+    z = ((stat / df) ** (1 / 3) - (1 - v)) / math.sqrt(v)
+    return stat, df, 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def chi_square_rejects(counts: np.ndarray, probs: np.ndarray, alpha_z: float = 3.09) -> bool:
+    """The chi-square test at alpha = 0.001 (z = 3.09: Wilson-Hilferty critical value)."""
+    stat, df, _ = chi_square(counts, probs)
+    if df == 0:
+        return True
+    crit = df * (1 - 2 / (9 * df) + alpha_z * math.sqrt(2 / (9 * df))) ** 3
+    return stat > crit

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest
 import torch
-from conftest import random_prompts, save_tiny
+from conftest import chi_square_rejects, random_prompts, save_tiny
 
 from adaserve import LLM, SamplingParams
 from adaserve.logits import target_probs
@@ -159,27 +158,6 @@ def exact_joint(model_dir, prompt, sp) -> np.ndarray:
         seqs = torch.tensor([prompt + [x] for x in range(SMALL_VOCAB)])
         p2 = target_probs(m.forward_dense(seqs)[:, -1], sp)
     return (p1[:, None] * p2).double().numpy()
-
-
-def chi_square_rejects(counts: np.ndarray, probs: np.ndarray, alpha_z: float = 3.09) -> bool:
-    """Chi-square goodness of fit at alpha = 0.001 (Wilson-Hilferty critical value).
-
-    Cells with expected count < 5 are pooled; a sample in a zero-probability cell
-    rejects outright.
-    """
-    n = counts.sum()
-    exp = probs * n
-    if (counts[probs == 0] > 0).any():
-        return True
-    big = exp >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    ex = np.append(exp[big], exp[~big].sum())
-    keep = ex > 0
-    stat = float(((obs[keep] - ex[keep]) ** 2 / ex[keep]).sum())
-    df = int(keep.sum()) - 1
-    assert df >= 10, "the test distribution is too concentrated to tell samplers apart"
-    crit = df * (1 - 2 / (9 * df) + alpha_z * math.sqrt(2 / (9 * df))) ** 3
-    return stat > crit
 
 
 def sample_joint(target, draft, policy, prompt, sp, n, draft_sample=False) -> np.ndarray:

@@ -1,0 +1,282 @@
+"""One step's verification batch: every request's token tree, flattened.
+
+Layout (in the manner of vLLM's ``spec_decode/metadata.py``): R requests, N nodes in
+all. Request r owns the nodes ``cu_nodes[r] : cu_nodes[r + 1]``, its root first, then
+its candidates in tree order (parents before children). A *global* node index is a
+position in that flat layout, which is also the row of the verifier's logits
+``[N, V]``; a *local* one is an index into the request's own ``CandidateTree``.
+
+Everything structural (who is whose child, which siblings are tried in which order,
+which requests are greedy) is known on the host from the trees, so ``build`` turns it
+into index tensors once; ``verify`` then only launches device work and copies one
+result tensor back (see ``adaserve.spec_decode.verify``).
+
+Usage in the engine (the wiring is the lead's; this is the intended shape)
+--------------------------------------------------------------------------
+``_verify_forward`` builds the batch while it lays out the forward, *before* it
+launches the target, so that the batch's host-to-device copies wait on nothing:
+
+    trees, params, gens, first_rows, q = [], [], [], [], []
+    for r, n in batch.prefill:                    # a prefill that completes its prompt
+        ...                                       # is a root-only request:
+        if nc + n == len(r.tokens):
+            trees.append(CandidateTree.root_only(r.tokens[-1]))
+            first_rows.append(pos + n - 1)        # its last prompt token's hidden row
+            params.append(r.params); gens.append(r.gen); q.append(None)
+    for r in batch.decode:
+        t = subtrees[r.rid]
+        ...
+        trees.append(t); first_rows.append(pos)   # its k nodes are rows pos .. pos+k-1
+        params.append(r.params); gens.append(r.gen)
+        d = drafts.get(r.rid)
+        q.append(d.q_rows if d is not None and self.cfg.draft_sample else None)
+    vb = VerifyBatch.build(trees, params, gens, device=self.device,
+                           first_rows=first_rows, draft_q=q)
+    hidden = self.target(...)
+    logits = self.target.logits(hidden[vb.hidden_rows])          # [N, V], node order
+    # (prompt-logprob rows, if any, appended after these N rows as today)
+
+``_commit`` consumes the result in the same request order, with no row counter:
+
+    res = verify(vb, logits)                      # the step's one device-to-host copy
+    for i, r in enumerate(completed_prefills + batch.decode):
+        new = res.new_tokens[i]                   # accepted tokens + bonus
+        if r.params.logprobs is not None:         # token j was drawn at row token_rows[i][j]
+            self._record_logprobs(r, logits, res.token_rows[i], new)
+        if r is decoding:
+            C = len(r.tokens)
+            src, dst = compact_moves(res.accepted[i], C)
+            moves_src += [r.table.slot(p) for p in src]
+            moves_dst += [r.table.slot(p) for p in dst]
+            r.num_cached = C + res.num_accepted[i]
+            self._record_spec(r, subtrees[r.rid], res.accepted[i])
+        self._append(r, new, now)
+
+``_draft_q_rows`` and ``children_lists`` are then no longer needed (``build`` gathers
+the q rows through ``tree.origin``), nor ``_sample`` (a completed prefill is a
+root-only request).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from adaserve.core.tree import CandidateTree
+from adaserve.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class SiblingStep:
+    """The stochastic edges whose child is the j-th child of its parent (one j), for
+    requests of one kind (verified with draft q or without). Each parent appears once.
+
+    parent: [M] int64, global index of the parent node
+    child:  [M] int64, global index of its j-th child
+    with_q: the requests of these edges are verified against ``VerifyBatch.draft_q``
+    """
+
+    parent: torch.Tensor
+    child: torch.Tensor
+    with_q: bool
+
+
+@dataclass
+class VerifyBatch:
+    """What one step verifies: the flattened trees and each request's sampling setup.
+
+    Host side (numpy / Python):
+      cu_nodes:    [R+1] int64, request r's nodes are cu_nodes[r] : cu_nodes[r+1]
+      tokens_host: [N] int64, node tokens, each request's root first
+      parents:     [N] int64, global index of each node's parent (a root: itself)
+      max_depth:   depth of the deepest candidate in the batch (0: all root-only)
+      greedy:      [R] bool, the request decodes greedily (argmax of the raw logits)
+      params:      [R] sampling params (temperature / top_k / top_p / min_p are applied
+                   by ``target_probs``; greedy requests ignore them)
+      generators:  [R] the request's own generator (None: torch's default generator);
+                   only stochastic requests draw from it
+      use_q:       [R] bool, stochastic and verified against draft q rows (sampled
+                   drafts); False: deterministic-draft residual method
+      prob_groups: [(params, [M] int64 global node indices)], the stochastic nodes
+                   grouped by identical processing params (one ``target_probs`` each)
+      sibling_steps: stochastic edges by sibling rank j = 0, 1, ..., each rank split
+                   by ``with_q``; the verifier tries rank j before rank j + 1
+    Device side (``device``):
+      tokens:      [N] int64, node tokens
+      hidden_rows: [N] int64, row of each node in the target forward's hidden states
+      draft_q:     [N, V] float32 or None, the draft distribution each node's children
+                   were sampled from (zero rows for nodes without one); None when no
+                   request has q rows
+      roots:       [R] int64, global index of each request's root (cu_nodes[:-1])
+      stochastic:  [R_s] int64, indices of the stochastic requests
+      greedy_parent, greedy_child: [E_g] int64, the edges of greedy requests' trees
+                   (global indices; empty tensors when there are none)
+    """
+
+    cu_nodes: np.ndarray
+    tokens_host: np.ndarray
+    parents: np.ndarray
+    max_depth: int
+    greedy: list[bool]
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    use_q: list[bool]
+    prob_groups: list[tuple[SamplingParams, torch.Tensor]]
+    sibling_steps: list[SiblingStep]
+    tokens: torch.Tensor
+    hidden_rows: torch.Tensor
+    draft_q: torch.Tensor | None
+    roots: torch.Tensor
+    stochastic: torch.Tensor
+    greedy_parent: torch.Tensor
+    greedy_child: torch.Tensor
+    device: torch.device
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.cu_nodes) - 1
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.cu_nodes[-1])
+
+    @classmethod
+    def build(
+        cls,
+        trees: Sequence[CandidateTree],
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        *,
+        device: torch.device | str = "cpu",
+        first_rows: Sequence[int] | None = None,
+        draft_q: Sequence[dict[int, torch.Tensor] | None] | None = None,
+    ) -> VerifyBatch:
+        """Flatten the requests' trees (host work plus a few host-to-device copies).
+
+        trees:      R trees (root-only ones too: a completed prefill, a request that
+                    did not speculate)
+        params, generators: per request, as ``Request.params`` and ``Request.gen``
+        first_rows: [R] hidden-state row of each request's root in the target forward,
+                    its other nodes following it; None: rows 0..N-1 in node order
+        draft_q:    [R] ``DraftOutput.q_rows`` (draft node index -> [V] draft
+                    distribution) or None; indexed through ``tree.origin`` when the
+                    tree is a subtree of the drafted one. Used for stochastic requests.
+        """
+        R = len(trees)
+        lens = {len(params), len(generators)}
+        lens |= {len(x) for x in (first_rows, draft_q) if x is not None}
+        if lens - {R}:
+            raise ValueError("trees, params, generators, first_rows, draft_q differ in length")
+        device = torch.device(device)
+        sizes = np.array([len(t.tokens) for t in trees], dtype=np.int64)
+        if (sizes < 1).any():
+            raise ValueError("a tree without a root")
+        cu = np.zeros(R + 1, dtype=np.int64)
+        np.cumsum(sizes, out=cu[1:])
+        N = int(cu[-1])
+        off = np.repeat(cu[:-1], sizes)
+        cat = np.concatenate
+        tokens = cat([np.asarray(t.tokens, dtype=np.int64) for t in trees]) if R else off
+        parents = cat([np.asarray(t.parents, dtype=np.int64) for t in trees]) + off if R else off
+        idx = np.arange(N)
+        is_root = np.zeros(N, dtype=bool)
+        is_root[cu[:-1]] = True
+        if (parents[is_root] != idx[is_root]).any() or (parents[~is_root] >= idx[~is_root]).any():
+            raise ValueError("a tree is not rooted at node 0 with parents before children")
+        max_depth = max((int(np.max(t.depth)) for t in trees), default=0)
+        greedy = [p.greedy for p in params]
+
+        use_q = [False] * R
+        q_at: list[int] = []
+        q_rows: list[torch.Tensor] = []
+        for r, t in enumerate(trees):
+            qr = draft_q[r] if draft_q is not None else None
+            if greedy[r] or not qr or sizes[r] == 1:
+                continue
+            origin = t.origin if t.origin is not None else np.arange(sizes[r])
+            for local in np.unique(np.asarray(t.parents)[1:]):  # the nodes with children
+                row = qr.get(int(origin[local]))
+                if row is not None:
+                    q_at.append(int(cu[r] + local))
+                    q_rows.append(row)
+                    use_q[r] = True
+
+        # edges (every non-root node and its parent) with the child's rank among its
+        # siblings in node order: the order the verifier tries them in
+        child = np.flatnonzero(~is_root)
+        par = parents[child]
+        order = np.argsort(par, kind="stable")
+        sp = par[order]
+        start = np.flatnonzero(np.r_[True, sp[1:] != sp[:-1]]) if len(sp) else sp
+        rank = np.empty_like(child)
+        rank[order] = np.arange(len(sp)) - np.repeat(start, np.diff(np.r_[start, len(sp)]))
+        req_of_edge = np.searchsorted(cu, child, side="right") - 1
+        edge_greedy = np.asarray(greedy, dtype=bool)[req_of_edge]
+        edge_q = np.asarray(use_q, dtype=bool)[req_of_edge]
+
+        def t64(a) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(a, dtype=np.int64)).to(device)
+
+        steps = []
+        for j in range(int(rank.max()) + 1 if len(rank) else 0):
+            for with_q in (False, True):
+                sel = (rank == j) & ~edge_greedy & (edge_q == with_q)
+                if sel.any():
+                    steps.append(SiblingStep(t64(par[sel]), t64(child[sel]), with_q))
+
+        groups: dict[tuple, tuple[SamplingParams, list[np.ndarray]]] = {}
+        for r, p in enumerate(params):
+            if not greedy[r]:
+                key = (p.temperature, p.top_k, p.top_p, p.min_p)
+                groups.setdefault(key, (p, []))[1].append(np.arange(cu[r], cu[r + 1]))
+        prob_groups = [(p, t64(cat(nodes))) for p, nodes in groups.values()]
+
+        q = None
+        if q_rows:
+            rows = torch.stack([x.to(device=device, dtype=torch.float32) for x in q_rows])
+            q = rows.new_zeros(N, rows.shape[-1])
+            q[t64(q_at)] = rows
+        hidden = idx
+        if first_rows is not None:
+            hidden = idx - off + np.repeat(np.asarray(first_rows, dtype=np.int64), sizes)
+        return cls(
+            cu_nodes=cu,
+            tokens_host=tokens,
+            parents=parents,
+            max_depth=max_depth,
+            greedy=greedy,
+            params=list(params),
+            generators=list(generators),
+            use_q=use_q,
+            prob_groups=prob_groups,
+            sibling_steps=steps,
+            tokens=t64(tokens),
+            hidden_rows=t64(hidden),
+            draft_q=q,
+            roots=t64(cu[:-1]),
+            stochastic=t64([r for r in range(R) if not greedy[r]]),
+            greedy_parent=t64(par[edge_greedy]),
+            greedy_child=t64(child[edge_greedy]),
+            device=device,
+        )
+
+
+def compact_moves(path: Sequence[int], committed: int) -> tuple[list[int], list[int]]:
+    """KV positions to copy so that the root and the accepted path lie contiguously.
+
+    The verification forward wrote node i of the tree at position ``C - 1 + i``
+    (``C = committed``, the request's token count before this step; the root, the last
+    committed token, at ``C - 1``). Accepted node ``path[j]`` must end at ``C + j``.
+    Returns (source positions, destination positions) of the nodes not already in
+    place, to be mapped to slots by the block table and copied with every source read
+    before any destination is written (as ``KVCache.move_slots`` does).
+    """
+    src, dst = [], []
+    for j, node in enumerate(path):
+        if node != j + 1:
+            src.append(committed - 1 + int(node))
+            dst.append(committed + j)
+    return src, dst
