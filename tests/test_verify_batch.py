@@ -14,7 +14,29 @@ from adaserve.core.tree import CandidateTree
 from adaserve.logits import target_probs
 from adaserve.sampling import SamplingParams
 from adaserve.spec_decode.batch import VerifyBatch, compact_moves
-from adaserve.spec_decode.verify import children_lists, verify, verify_device, verify_greedy
+from adaserve.spec_decode.verify import verify, verify_device
+
+
+def children_lists(parents) -> list[list[int]]:
+    """Children of each node, in node order (the order verification tries them)."""
+    ch: list[list[int]] = [[] for _ in range(len(parents))]
+    for i in range(1, len(parents)):
+        ch[int(parents[i])].append(i)
+    return ch
+
+
+def verify_greedy(tokens, children: list[list[int]], argmax: list[int]) -> tuple[list[int], int]:
+    """The greedy oracle, one tree at a time: walk the tree along the target's argmax;
+    returns (accepted nodes excluding the root, bonus token)."""
+    node, path = 0, []
+    while True:
+        want = argmax[node]
+        nxt = next((c for c in children[node] if tokens[c] == want), None)
+        if nxt is None:
+            return path, want
+        path.append(nxt)
+        node = nxt
+
 
 GREEDY = SamplingParams()
 HOT = SamplingParams(temperature=1.0)

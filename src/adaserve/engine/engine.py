@@ -103,11 +103,11 @@ class Engine:
         if drafts:
             selected = self.policy.select(view, plan, {rid: d.tree for rid, d in drafts.items()})
         trees = self._verified_trees(batch, drafts, selected)
-        logits, prompt_rows = self.runner.verify_forward(batch, trees)  # --- verify
-        result = accept(batch, trees, drafts, logits, self.cfg.draft_sample)
+        vpass = self.runner.verify_forward(batch, trees, drafts)  # --- verify
+        result = accept(vpass)
         self.runner.move_target_slots(result.moves_src, result.moves_dst)
         now = self.clock.now()  # --- commit
-        for r, p, lsm in prompt_rows:
+        for r, p, lsm in vpass.prompt_rows if vpass is not None else ():
             self.output.record_prompt_logprobs(r, p, lsm)
         generated = self.counters.generation_tokens
         finished, accepted = self.output.commit(batch, trees, result, self.calibrator, now)

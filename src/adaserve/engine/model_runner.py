@@ -8,6 +8,7 @@ requests already hold the KV slots they need.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,8 +24,27 @@ from adaserve.models.config import ModelConfig
 from adaserve.models.loader import load_model, resolve_dtype
 from adaserve.request import Request
 from adaserve.resources import default_kv_budget, gpu_kv_budget
+from adaserve.spec_decode.batch import VerifyBatch
 from adaserve.spec_decode.draft import DraftOutput, expand
 from adaserve.tokenizer import Tokenizer, check_draft_tokenizer, load_tokenizer
+
+
+@dataclass
+class VerifyPass:
+    """The verification forward of one step.
+
+    requests:    the R requests of ``batch``, in its order (completing prefills, then
+                 decodes)
+    batch:       their flattened trees (``VerifyBatch``)
+    logits:      [N, V] float32, the target's logits at every node of ``batch``
+    prompt_rows: (request, first position p, log-probabilities [m, V]) of prefill rows
+                 that score prompt tokens p+1..p+m (``params.prompt_logprobs``)
+    """
+
+    requests: list[Request]
+    batch: VerifyBatch
+    logits: torch.Tensor
+    prompt_rows: list[tuple[Request, int, torch.Tensor]]
 
 
 class ModelRunner:
@@ -152,17 +172,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def verify_forward(
-        self, batch: Batch, trees: dict[int, CandidateTree]
-    ) -> tuple[torch.Tensor | None, list[tuple[Request, int, torch.Tensor]]]:
-        """One target forward over the batch's prefill chunks and trees.
+        self, batch: Batch, trees: dict[int, CandidateTree], drafts: dict[int, DraftOutput]
+    ) -> VerifyPass | None:
+        """One target forward over the batch's prefill chunks and trees (None when the
+        batch is empty).
 
-        Returns (logits, prompt_rows): logits [rows, V] float32 of, for each prefill
-        that completes its prompt, its last token, then for each decoding request its
-        1+N tree nodes (root first); prompt_rows: (request, first position p,
-        log-probabilities [m, V]) of the prefill rows that score prompt tokens
-        p+1..p+m (``params.prompt_logprobs``)."""
+        The pass's ``VerifyBatch`` is laid out with the forward: one request for each
+        prefill that completes its prompt (root only, at its last token's row), then
+        each decoding request's 1+N tree nodes (root first); its logits [N, V] float32
+        are in that node order."""
         t0 = time.perf_counter()
-        seqs, ids, rows = [], [], []
+        seqs, ids = [], []
+        vtrees, vreqs, first_rows, q_rows = [], [], [], []
         extra: list[tuple[Request, int, int, int]] = []  # (request, position, row, count)
         pos = 0
         for r, n in batch.prefill:
@@ -172,7 +193,10 @@ class ModelRunner:
             )
             ids.extend(r.tokens[nc : nc + n])
             if nc + n == len(r.tokens):
-                rows.append(pos + n - 1)
+                vtrees.append(CandidateTree.root_only(r.tokens[-1]))
+                vreqs.append(r)
+                first_rows.append(pos + n - 1)
+                q_rows.append(None)
             if r.params.prompt_logprobs is not None:
                 # rows nc..: the distributions of prompt tokens nc+1.. (not the output's)
                 m = min(n, len(r.prompt_ids) - 1 - nc)
@@ -192,29 +216,39 @@ class ModelRunner:
                 )
             )
             ids.extend(t.tokens.tolist())
-            rows.extend(range(pos, pos + k))
+            vtrees.append(t)
+            vreqs.append(r)
+            first_rows.append(pos)
+            d = drafts.get(r.rid)
+            q_rows.append(d.q_rows if d is not None and self.cfg.draft_sample else None)
             pos += k
         if not seqs:
-            return None, []
+            return None
+        vb = VerifyBatch.build(
+            vtrees,
+            [r.params for r in vreqs],
+            [r.gen for r in vreqs],
+            device=self.device,
+            first_rows=first_rows,
+            draft_q=q_rows,
+        )
         meta = AttnMetadata.build(seqs, self.device, self.target.cfg.sliding_window)
         hidden = self.target(
             torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_target.layers
         )
-        n_rows = len(rows)
-        for _, _, row, m in extra:  # after every row the commit reads
-            rows.extend(range(row, row + m))
-        logits = self.target.logits(
-            hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
-        )
+        logits = self.target.logits(hidden[vb.hidden_rows])
         prompt_rows = []
         if extra:
-            lsm = torch.log_softmax(logits[n_rows:], dim=-1)
+            rows = [i for _, _, row, m in extra for i in range(row, row + m)]
+            lsm = torch.log_softmax(
+                self.target.logits(hidden[torch.tensor(rows, device=self.device)]), dim=-1
+            )
             at = 0
             for r, p, _, m in extra:
                 prompt_rows.append((r, p, lsm[at : at + m]))
                 at += m
         self.model_time_s += time.perf_counter() - t0
-        return logits[:n_rows], prompt_rows
+        return VerifyPass(vreqs, vb, logits, prompt_rows)
 
     def move_target_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy the target's KV of slots ``src`` to ``dst`` (tree compaction)."""

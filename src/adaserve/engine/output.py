@@ -50,16 +50,16 @@ class OutputProcessor:
         for r, n in batch.prefill:
             r.num_cached += n
             self.counters.prompt_tokens += n
-            acc = result.prefill.get(r.rid)
-            if acc is None:
-                continue
+            if r.num_cached < len(r.tokens):
+                continue  # a chunk that does not complete the prompt produces nothing
+            acc = result.accepted[r.rid]
             if r.first_token_at is None:
                 r.first_token_at = now
             self._append(r, acc.tokens, acc.logprobs, now)
             if r.finished:
                 finished.append(r)
         for r in batch.decode:
-            acc = result.decode[r.rid]
+            acc = result.accepted[r.rid]
             r.num_cached = len(r.tokens) + len(acc.path)
             self._record_spec(r, trees[r.rid], acc.path, calibrator)
             accepted[r.rid] = len(acc.path)

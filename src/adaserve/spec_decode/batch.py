@@ -11,50 +11,12 @@ which requests are greedy) is known on the host from the trees, so ``build`` tur
 into index tensors once; ``verify`` then only launches device work and copies one
 result tensor back (see ``adaserve.spec_decode.verify``).
 
-Usage in the engine (the wiring is the lead's; this is the intended shape)
---------------------------------------------------------------------------
-``_verify_forward`` builds the batch while it lays out the forward, *before* it
-launches the target, so that the batch's host-to-device copies wait on nothing:
-
-    trees, params, gens, first_rows, q = [], [], [], [], []
-    for r, n in batch.prefill:                    # a prefill that completes its prompt
-        ...                                       # is a root-only request:
-        if nc + n == len(r.tokens):
-            trees.append(CandidateTree.root_only(r.tokens[-1]))
-            first_rows.append(pos + n - 1)        # its last prompt token's hidden row
-            params.append(r.params); gens.append(r.gen); q.append(None)
-    for r in batch.decode:
-        t = subtrees[r.rid]
-        ...
-        trees.append(t); first_rows.append(pos)   # its k nodes are rows pos .. pos+k-1
-        params.append(r.params); gens.append(r.gen)
-        d = drafts.get(r.rid)
-        q.append(d.q_rows if d is not None and self.cfg.draft_sample else None)
-    vb = VerifyBatch.build(trees, params, gens, device=self.device,
-                           first_rows=first_rows, draft_q=q)
-    hidden = self.target(...)
-    logits = self.target.logits(hidden[vb.hidden_rows])          # [N, V], node order
-    # (prompt-logprob rows, if any, appended after these N rows as today)
-
-``_commit`` consumes the result in the same request order, with no row counter:
-
-    res = verify(vb, logits)                      # the step's one device-to-host copy
-    for i, r in enumerate(completed_prefills + batch.decode):
-        new = res.new_tokens[i]                   # accepted tokens + bonus
-        if r.params.logprobs is not None:         # token j was drawn at row token_rows[i][j]
-            self._record_logprobs(r, logits, res.token_rows[i], new)
-        if r is decoding:
-            C = len(r.tokens)
-            src, dst = compact_moves(res.accepted[i], C)
-            moves_src += [r.table.slot(p) for p in src]
-            moves_dst += [r.table.slot(p) for p in dst]
-            r.num_cached = C + res.num_accepted[i]
-            self._record_spec(r, subtrees[r.rid], res.accepted[i])
-        self._append(r, new, now)
-
-``_draft_q_rows`` and ``children_lists`` are then no longer needed (``build`` gathers
-the q rows through ``tree.origin``), nor ``_sample`` (a completed prefill is a
-root-only request).
+Use in the engine: ``ModelRunner.verify_forward`` builds the batch while it lays out
+the forward (a prefill that completes its prompt is a root-only request at its last
+token's row; each decoding request's 1+N nodes follow its root), gathers the logits
+``[N, V]`` with ``hidden_rows``, and ``engine.verification.accept`` hands them to
+``verify``: the step's one device-to-host copy. The commit reads ``VerifyResult`` in
+request order with no row counter; ``compact_moves`` gives the KV compaction.
 """
 
 from __future__ import annotations
