@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import time
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adaserve import LLM, SLO, SamplingParams
+from adaserve.core.clock import TickClock
 from adaserve.core.tree import CandidateTree, is_connected
 from adaserve.engine import Faults
 from adaserve.sched.adaptive import (
@@ -293,7 +293,9 @@ def test_mixed_batch_end_to_end_per_request_trees_output_unchanged(tiny_pair, ch
 
 
 def test_strict_burst_does_not_starve_relaxed_request(tiny_pair, cheap_profile):
+    """Decisions on a fake clock (1 ms a reading), never the machine's speed."""
     target, _, _ = tiny_pair
+    clock = TickClock(0.001)
     llm = LLM(
         model=str(target),
         draft=str(target),
@@ -301,6 +303,7 @@ def test_strict_burst_does_not_starve_relaxed_request(tiny_pair, cheap_profile):
         profile=cheap_profile,
         max_num_seqs=2,
         kv_cache_bytes=16 << 20,
+        clock=clock,
     )
     eng = llm.engine
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -308,7 +311,7 @@ def test_strict_burst_does_not_starve_relaxed_request(tiny_pair, cheap_profile):
         eng.add_request(p, sp, SLO(tpot_ms=5.0, ttft_ms=100.0, cls="interactive"))
         for p in random_prompts(24, seed=33)
     ]
-    time.sleep(0.01)
+    clock.advance(0.01)
     relaxed = eng.add_request(
         [5, 6, 7], sp, SLO(tpot_ms=1e5, ttft_ms=1e6, max_queue_ms=30.0, cls="batch")
     )
@@ -661,8 +664,8 @@ def test_compiled_loops_fall_back_to_per_process_compilation(monkeypatch):
 
 
 def test_plan_budget_and_policy_explain():
-    """``NO_BUDGET`` reads as no budget; the deprecated ``info`` carries only the
-    predicted iteration time; ``explain`` gives the selection log's requirement (None
+    """``NO_BUDGET`` reads as no budget; a plan carries its predicted iteration time;
+    ``explain`` gives the selection log's requirement (None
     for the baselines and for plans that predict no time)."""
     from adaserve.sched.registry import make_policy
 
@@ -674,7 +677,7 @@ def test_plan_budget_and_policy_explain():
         pol = make_policy(name)
         assert type(pol).__name__ == cls and pol.name == name
         plan = pol.plan(view)
-        assert plan.t_iter_ms > 0 and plan.info == {"t_iter": plan.t_iter_ms}
+        assert plan.t_iter_ms > 0
         want = round(pol.requirement(r, plan.t_iter_ms), 3)
         assert pol.explain(r, plan) == {"requirement": want} and want > 1.0
         assert pol.explain(r, Plan()) == {"requirement": None}
@@ -682,7 +685,7 @@ def test_plan_budget_and_policy_explain():
     for name in ("ar", "spec-chain:4", "spec-tree"):
         pol = make_policy(name)
         assert pol.explain(r, pol.plan(view)) == {"requirement": None}
-        assert pol.plan(view).info == {"t_iter": None}
+        assert pol.plan(view).t_iter_ms is None
 
 
 def test_budgeted_policy_keeps_its_planner_state_on_the_plan():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from adaserve.config import EngineConfig
+from adaserve.core.clock import Clock
 from adaserve.engine import Engine, build_engine
 from adaserve.errors import InvalidRequestError
 from adaserve.request import Request
@@ -94,6 +95,7 @@ class LLM:
         device: str = "cpu",
         dtype: str = "auto",
         no_draft: bool = False,
+        clock: Clock | None = None,
         **engine_kwargs,
     ):
         cfg = EngineConfig(
@@ -105,7 +107,7 @@ class LLM:
             dtype=dtype,
             **engine_kwargs,
         )
-        self.engine = build_engine(cfg)
+        self.engine = build_engine(cfg, clock)
 
     @property
     def tokenizer(self):

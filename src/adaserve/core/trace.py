@@ -163,13 +163,10 @@ def sample(tr: StepTrace, t: float) -> dict:
         "tree_by_class": {k: sum(v) / len(v) for k, v in by_cls.items()},
         "accepted": int(sum(tr.accepted.values())),
         "kv_usage": float(tr.kv_usage),
-        "budget": tr.plan.budget if tr.plan.budget < NO_BUDGET else None,
+        "budget": tr.plan.bounded_budget,
         "fallback": tr.plan.fallback,
         # the work of the pass, for pricing it afterwards (benchmarks/fidelity.py):
         # context tokens of the batch and the (depth, width) of each drafted tree
         "kv_tokens": tr.kv_tokens,
         "shapes": [list(tr.spec[rid]) for rid in nodes if rid in tr.spec],
     }
-
-
-NO_BUDGET = 1 << 30

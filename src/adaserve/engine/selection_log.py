@@ -35,7 +35,7 @@ class SelectionLog:
             rv = by_id.get(rid)
             if rv is None or (len(t.tokens) == 1 and not plan.fallback):
                 continue
-            req = _explain(policy, rv, plan).get("requirement")
+            req = policy.explain(rv, plan).get("requirement")
             line = {
                 "ts": round(now, 4),
                 "request": hashlib.sha1(f"{self._salt}:{rid}".encode()).hexdigest()[:12],
@@ -45,7 +45,7 @@ class SelectionLog:
                 "nodes": len(t.tokens) - 1,
                 "expected_accepted": round(float(t.f[1:].sum()), 3),
                 "accepted": accepted.get(rid, 0),
-                "budget": plan.budget if plan.budget < 1 << 30 else None,
+                "budget": plan.bounded_budget,
                 "fallback": plan.fallback,
             }
             self._f.write(json.dumps(line) + "\n")
@@ -53,13 +53,3 @@ class SelectionLog:
 
     def close(self) -> None:
         self._f.close()
-
-
-def _explain(policy: Policy, rv, plan: Plan) -> dict:
-    """The policy's account of its decision for ``rv`` (``Policy.explain``)."""
-    explain = getattr(policy, "explain", None)
-    if explain is not None:
-        return explain(rv, plan)
-    req_fn = getattr(policy, "requirement", None)
-    t_iter = plan.info.get("t_iter")
-    return {"requirement": req_fn(rv, t_iter) if req_fn and t_iter else None}

@@ -112,11 +112,6 @@ class Plan:
         """The verification token budget, or None when the plan sets none."""
         return None if self.budget >= NO_BUDGET else self.budget
 
-    @property
-    def info(self) -> dict:
-        """Deprecated (use ``t_iter_ms`` and ``Policy.explain``): ``{"t_iter": t_iter_ms}``."""
-        return {"t_iter": self.t_iter_ms}
-
 
 class Policy(ABC):
     """A scheduling/speculation policy. Subclasses are stateless between runs except
