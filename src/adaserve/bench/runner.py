@@ -281,35 +281,16 @@ def run_in_process(
 
     finish = [r.finish_s for r in records if r.finish_s is not None]
     duration = max(finish) if finish else end
-    kv_peak = recorder.peak_kv
     pool_bytes = engine.allocator.num_blocks * engine.cfg.block_size * engine.kv_bytes_per_slot
     c = engine.counters
     timeline.info = {
-        "policy": policy,
+        **recorder.info(policy, c, pool_bytes, slos),
         "duration_s": duration if duration > 0 else max(end, 1e-9),
         "wall_s": end,
-        "iterations": c.iterations,
-        "fallback_iterations": dict(c.fallback_iterations),
-        "fallback_iterations_total": sum(c.fallback_iterations.values()),
-        "shed_by_reason": dict(c.shed),
-        "degraded_total": c.degraded,
-        "preemptions": c.preemptions,
         "model_time_s": c.model_time_s,
         "step_time_s": c.step_time_s,
-        "peak_kv_usage": kv_peak,
-        "peak_kv_bytes": kv_peak * pool_bytes,
-        "kv_pool_bytes": pool_bytes,
-        "flops_per_token_target": costs.flops_per_token[0],
-        "flops_per_token_draft": costs.flops_per_token[1],
-        "energy_tally": {
-            "flops": recorder.energy.flops,
-            "bytes_moved": recorder.energy.bytes_moved,
-        },
         "shifts_applied": applied,
         "unloaded_tpot_ms": engine.unloaded_tpot_ms(),
-        "slo_targets": {
-            k: {"tpot_ms": v.tpot_ms, "ttft_ms": v.ttft_ms} for k, v in sorted(slos.items())
-        },
     }
     records.sort(key=lambda r: r.idx)
     return records, timeline

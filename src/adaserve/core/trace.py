@@ -143,6 +143,29 @@ class RunRecorder:
             self._next = tr.t_end + self.sample_every_s
             self.timeline.samples.append(sample(tr, tr.t_end - self.t0))
 
+    def info(self, policy: str, counters, pool_bytes: float, slos: dict) -> dict:
+        """The run-level facts both runners report: iterations, fallbacks, sheds,
+        degradations and preemptions (``counters``), peak KV, energy, SLO targets."""
+        c, ft = counters, self.costs.flops_per_token
+        return {
+            "policy": policy,
+            "iterations": c.iterations,
+            "fallback_iterations": dict(c.fallback_iterations),
+            "fallback_iterations_total": sum(c.fallback_iterations.values()),
+            "shed_by_reason": dict(c.shed),
+            "degraded_total": c.degraded,
+            "preemptions": c.preemptions,
+            "peak_kv_usage": self.peak_kv,
+            "peak_kv_bytes": self.peak_kv * pool_bytes,
+            "kv_pool_bytes": pool_bytes,
+            "flops_per_token_target": ft[0],
+            "flops_per_token_draft": ft[1],
+            "energy_tally": {"flops": self.energy.flops, "bytes_moved": self.energy.bytes_moved},
+            "slo_targets": {
+                k: {"tpot_ms": v.tpot_ms, "ttft_ms": v.ttft_ms} for k, v in sorted(slos.items())
+            },
+        }
+
 
 def sample(tr: StepTrace, t: float) -> dict:
     """One timeline sample of ``tr`` stamped ``t`` (seconds from the run's start)."""

@@ -52,6 +52,25 @@ class Faults:
             raise ValueError("kv_reserved must be in [0, 1]")
 
 
+class _From:
+    """A read-only attribute of one of the engine's parts (the runner, the scheduler):
+    reading ``engine.target`` reads ``engine.runner.target``; writing it is an error."""
+
+    def __init__(self, part: str):
+        self.part = part
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        return getattr(getattr(obj, self.part), self.name)
+
+    def __set__(self, obj, value) -> None:
+        raise AttributeError(f"Engine.{self.name} is read-only (see the Engine's methods)")
+
+
 class Engine:
     """Owns the model runner, the scheduler and every request's state.
 
@@ -253,85 +272,26 @@ class Engine:
             self._sel_log = None
 
     # ------------------------------------------------------------------ read-only views
-    @property
-    def policy(self) -> Policy:
-        return self.scheduler.policy
-
-    @property
-    def hw(self):
-        return self.scheduler.hw
-
-    @property
-    def counters(self) -> Counters:
-        return self.scheduler.counters
-
-    @property
-    def waiting(self):
-        return self.scheduler.waiting
-
-    @property
-    def running(self) -> list:
-        return self.scheduler.running
-
-    @property
-    def allocator(self):
-        return self.scheduler.allocator
-
-    @property
-    def target(self):
-        return self.runner.target
-
-    @property
-    def draft(self):
-        return self.runner.draft
-
-    @property
-    def tokenizer(self):
-        return self.runner.tokenizer
-
-    @property
-    def model_dir(self) -> Path:
-        return self.runner.model_dir
-
-    @property
-    def draft_dir(self) -> Path | None:
-        return self.runner.draft_dir
-
-    @property
-    def device(self):
-        return self.runner.device
-
-    @property
-    def dtype(self):
-        return self.runner.dtype
-
-    @property
-    def kv_target(self):
-        return self.runner.kv_target
-
-    @property
-    def kv_draft(self):
-        return self.runner.kv_draft
-
-    @property
-    def eos_ids(self) -> set[int]:
-        return self.runner.eos_ids
-
-    @property
-    def max_model_len(self) -> int:
-        return self.runner.max_model_len
-
-    @property
-    def kv_bytes_per_slot(self) -> int:
-        return self.runner.kv_bytes_per_slot
-
-    @property
-    def flops_per_token_target(self) -> float:
-        return self.runner.flops_per_token_target
-
-    @property
-    def flops_per_token_draft(self) -> float:
-        return self.runner.flops_per_token_draft
+    policy = _From("scheduler")
+    hw = _From("scheduler")
+    counters = _From("scheduler")
+    waiting = _From("scheduler")
+    running = _From("scheduler")
+    allocator = _From("scheduler")
+    target = _From("runner")
+    draft = _From("runner")
+    tokenizer = _From("runner")
+    model_dir = _From("runner")
+    draft_dir = _From("runner")
+    device = _From("runner")
+    dtype = _From("runner")
+    kv_target = _From("runner")
+    kv_draft = _From("runner")
+    eos_ids = _From("runner")
+    max_model_len = _From("runner")
+    kv_bytes_per_slot = _From("runner")
+    flops_per_token_target = _From("runner")
+    flops_per_token_draft = _From("runner")
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (a string needs a tokenizer)."""

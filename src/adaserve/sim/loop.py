@@ -556,38 +556,15 @@ class _Run:
         finish = [r.finish_s for r in self.records if r.finish_s is not None]
         duration = max(finish) if finish else max(self.now, 1e-9)
         kvb = self.hw.kv_bytes_target + self.hw.kv_bytes_draft
-        alloc = self.sched.allocator
-        pool = alloc.num_blocks * self.cfg.block_size * kvb
-        ft, fd = self.cfg.flops_per_token
-        c = self.counters
-        peak = self.recorder.peak_kv
+        pool = self.sched.allocator.num_blocks * self.cfg.block_size * kvb
         self.timeline.info = {
-            "policy": self.name,
+            **self.recorder.info(self.name, self.counters, pool, self.slos),
             "duration_s": duration if duration > 0 else 1e-9,
             "wall_s": duration,
-            "iterations": c.iterations,
-            "fallback_iterations": dict(c.fallback_iterations),
-            "fallback_iterations_total": sum(c.fallback_iterations.values()),
-            "shed_by_reason": dict(c.shed),
-            "degraded_total": c.degraded,
-            "preemptions": c.preemptions,
             "model_time_s": self.busy_s,
             "step_time_s": self.busy_s,
-            "peak_kv_usage": peak,
-            "peak_kv_bytes": peak * pool,
-            "kv_pool_bytes": pool,
-            "flops_per_token_target": ft,
-            "flops_per_token_draft": fd,
-            "energy_tally": {
-                "flops": self.recorder.energy.flops,
-                "bytes_moved": self.recorder.energy.bytes_moved,
-            },
             "shifts_applied": [],
             "unloaded_tpot_ms": self.sim.unloaded_tpot_ms(),
-            "slo_targets": {
-                k: {"tpot_ms": v.tpot_ms, "ttft_ms": v.ttft_ms}
-                for k, v in sorted(self.slos.items())
-            },
             "simulated": True,
             "sim_wall_s": wall,
             "selection_time_s": self.sel_s,
