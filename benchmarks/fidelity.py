@@ -85,7 +85,7 @@ def _sample_ms(hw, host, smp: dict) -> float | None:
     sample's work: tokens verified, context tokens, drafted tree shapes); None for
     samples without the work fields (runs made before they were recorded). The draft's
     catch-up is taken as one token per drafting request."""
-    from adaserve.sim.loop import HostOverhead, forward_ms
+    from adaserve.sim.pricing import HostOverhead, forward_ms
 
     if "shapes" not in smp:
         return None
@@ -114,7 +114,7 @@ def speed_trace(samples: list[dict], profile: Path, window: float) -> dict | Non
     ``--selection-time none``. {"t_s": [...], "factor": [...]}, or None when the
     timeline does not record the iterations' work."""
     from adaserve.sched.hardware import HardwareModel
-    from adaserve.sim.loop import HostOverhead
+    from adaserve.sim.pricing import HostOverhead
 
     prof = json.loads(profile.read_text())
     hw = HardwareModel.load(profile)

@@ -6,7 +6,7 @@ bare forwards does not see. This script runs the shipped pair in-process on a be
 workload for a few policies, records every iteration's measured time, the profile's
 prediction for the same batch (computed the way ``adaserve simulate`` computes it) and
 the policy's own decision time, and fits the remainder by non-negative least squares
-against the features of ``adaserve.sim.loop.HostOverhead``, plus speed factors on the
+against the features of ``adaserve.sim.pricing.HostOverhead``, plus speed factors on the
 profile's timings: one for the target's cost beyond one token, one for its one-token
 cost and one for the draft (a shared machine runs at a different speed than when it was
 profiled, and not uniformly: in slow phases big passes slowed by 1.8x while one-token
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from adaserve.sim.loop import HostOverhead, forward_ms
+from adaserve.sim.pricing import HostOverhead, forward_ms
 
 
 def nnls(X: np.ndarray, y: np.ndarray, iters: int = 100) -> np.ndarray:
@@ -177,7 +177,8 @@ def main() -> None:
 
     from adaserve.bench.cli import _bytes
     from adaserve.bench.runner import EngineFactory, run_in_process
-    from adaserve.bench.workload import WorkloadSpec, build_workload
+    from adaserve.bench.workload import build_workload
+    from adaserve.bench.workload_spec import WorkloadSpec
     from adaserve.config import EngineConfig
 
     kv = _bytes(args.kv_cache_bytes) if args.kv_cache_bytes else None

@@ -13,7 +13,7 @@ from adaserve.bench.metrics import (
     shift_convergence,
     summarize,
 )
-from adaserve.bench.report import format_class_table
+from adaserve.bench.tables import format_class_table
 
 
 def _records():

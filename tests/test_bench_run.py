@@ -17,7 +17,8 @@ from fastapi import Request  # module level: the fake server's handler annotatio
 
 from adaserve.bench.metrics import summarize
 from adaserve.bench.runner import EngineFactory, run_http, run_in_process
-from adaserve.bench.workload import LengthDist, WorkloadSpec, build_workload, parse_shift
+from adaserve.bench.workload import build_workload
+from adaserve.bench.workload_spec import LengthDist, WorkloadSpec, parse_shift
 from adaserve.cli import main
 
 PNG = b"\x89PNG\r\n\x1a\n"

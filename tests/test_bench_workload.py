@@ -10,15 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adaserve.bench.workload import (
+from adaserve.bench.arrivals import gamma_arrivals, load_trace
+from adaserve.bench.datasets import is_heldout_path
+from adaserve.bench.workload import build_workload
+from adaserve.bench.workload_spec import (
     LengthDist,
     Shift,
     WorkloadError,
     WorkloadSpec,
-    build_workload,
-    gamma_arrivals,
-    is_heldout_path,
-    load_trace,
     parse_class_mix,
     parse_length,
     parse_length_overrides,

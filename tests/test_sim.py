@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from adaserve.bench.runner import class_slos
-from adaserve.bench.workload import WorkItem, WorkloadSpec, build_workload
+from adaserve.bench.workload import build_workload
+from adaserve.bench.workload_spec import WorkItem, WorkloadSpec
 from adaserve.sched.base import top_f_nodes
 from adaserve.sched.calibration import Calibrator
 from adaserve.sched.hardware import HardwareModel
@@ -17,12 +18,12 @@ from adaserve.sched.registry import make_policy
 from adaserve.sim import presets
 from adaserve.sim.acceptance import (
     AcceptanceModel,
-    AcceptanceParams,
     accepted_paths,
     apply_calibration,
     layout,
     observe_batch,
 )
+from adaserve.sim.acceptance_params import AcceptanceParams
 from adaserve.sim.loop import SimConfig, Simulator
 from adaserve.slo import DEFAULT_CLASSES
 
@@ -168,7 +169,7 @@ def test_regimes_fit_the_agreement_after_a_miss_when_it_is_measured():
     from dataclasses import replace
 
     from adaserve import paths
-    from adaserve.sim.acceptance import _after_miss, fit_regimes
+    from adaserve.sim.acceptance_params import _after_miss, fit_regimes
 
     p = AcceptanceParams.from_stats(paths.DEFAULT_STATS)
     assert p.after_miss == pytest.approx(0.757, abs=0.001)

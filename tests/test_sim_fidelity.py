@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from adaserve.bench.runner import class_slos
-from adaserve.bench.workload import WorkItem
+from adaserve.bench.workload_spec import WorkItem
 from adaserve.sched.hardware import HardwareModel
 from adaserve.sched.registry import make_policy
-from adaserve.sim.acceptance import AcceptanceModel, AcceptanceParams
+from adaserve.sim.acceptance import AcceptanceModel
+from adaserve.sim.acceptance_params import AcceptanceParams
 from adaserve.sim.loop import SimConfig, Simulator
 
 V = 320
@@ -195,7 +196,7 @@ def test_speed_trace_of_a_real_run_is_measured_over_fitted_time_per_window(tmp_p
     import json
 
     from adaserve.sched.hardware import HardwareModel
-    from adaserve.sim.loop import HostOverhead, forward_ms
+    from adaserve.sim.pricing import HostOverhead, forward_ms
 
     fid = _fidelity_script()
     prof = {

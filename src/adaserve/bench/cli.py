@@ -10,7 +10,7 @@ from pathlib import Path
 
 from adaserve.bench.energy import device_energy
 from adaserve.bench.metrics import shift_convergence, summarize
-from adaserve.bench.report import format_class_table, write_report
+from adaserve.bench.report import write_report
 from adaserve.bench.runner import (
     EngineFactory,
     class_ranks,
@@ -19,13 +19,14 @@ from adaserve.bench.runner import (
     run_http,
     run_in_process,
 )
-from adaserve.bench.workload import (
+from adaserve.bench.tables import format_class_table
+from adaserve.bench.workload import build_workload
+from adaserve.bench.workload_spec import (
     DEFAULT_CLASS_MIX,
     DEFAULT_INPUT_LEN,
     DEFAULT_OUTPUT_LEN,
     WorkloadError,
     WorkloadSpec,
-    build_workload,
     format_class_mix,
     parse_class_mix,
     parse_length_overrides,

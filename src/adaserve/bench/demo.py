@@ -61,7 +61,7 @@ def _tail(path: Path, n: int = 30) -> str:
 
 def demo_workload(duration_s: float, unloaded_tpot_ms: float, seed: int = 0):
     """A short mixed-SLO workload sized to the server's single-stream speed."""
-    from adaserve.bench.workload import LengthDist, WorkloadSpec
+    from adaserve.bench.workload_spec import LengthDist, WorkloadSpec
 
     out_len = 48
     rate = 2000.0 / max(unloaded_tpot_ms, 1.0) / out_len
@@ -87,8 +87,9 @@ def run(args) -> int:
     from adaserve import paths
     from adaserve.bench.cli import _vocab_of
     from adaserve.bench.metrics import summarize
-    from adaserve.bench.report import format_class_table, write_report
+    from adaserve.bench.report import write_report
     from adaserve.bench.runner import class_slos, measure_unloaded_tpot, run_http
+    from adaserve.bench.tables import format_class_table
     from adaserve.bench.workload import build_workload
     from adaserve.tokenizer import load_tokenizer
 

@@ -21,7 +21,7 @@ import statistics
 import time
 
 from adaserve.bench.metrics import RequestRecord
-from adaserve.bench.workload import WorkItem, WorkloadSpec, item_slo
+from adaserve.bench.workload_spec import WorkItem, WorkloadSpec, item_slo
 from adaserve.core.trace import ModelCosts, RunRecorder, RunTimeline
 from adaserve.errors import AdaServeError, AdmissionRejected
 from adaserve.slo import DEFAULT_CLASSES, SLO, SLOClass

@@ -178,7 +178,7 @@ def hardware_from_args(args):
 def _acceptance_params(args, using_profile: bool):
     """AcceptanceParams from ``--stats`` / ``--accept`` / the shipped pair's stats."""
     from adaserve import paths
-    from adaserve.sim.acceptance import AcceptanceParams
+    from adaserve.sim.acceptance_params import AcceptanceParams
 
     try:
         if args.accept or args.topk_mass is not None:
@@ -283,7 +283,8 @@ class SimBackend:
         from adaserve.bench.energy import device_energy
         from adaserve.sim import presets
         from adaserve.sim.acceptance import AcceptanceModel
-        from adaserve.sim.loop import HostOverhead, SimConfig, Simulator
+        from adaserve.sim.loop import SimConfig, Simulator
+        from adaserve.sim.pricing import HostOverhead
         from adaserve.slo import DEFAULT_CLASSES
 
         if getattr(args, "base_url", None):

@@ -9,11 +9,11 @@ One event is one iteration of ``adaserve.engine.Engine.step``, mirrored without 
     -> commit (accepted path + 1 bonus token, cut at max_tokens) -> policy.feedback
 
 The iteration lasts ``hw.iteration_ms(...)`` of the batch actually formed (verification
-tokens, attended KV, draft steps, draft catch-up), plus host overhead and, optionally,
-the policy's measured decision time. Requests arriving during an iteration join the
-queue before the next one; every token of an iteration is stamped at its end. Times
-are simulated seconds from the start; the result has the in-process benchmark's shape
-(``RequestRecord`` list and ``RunTimeline``).
+tokens, attended KV, draft steps, draft catch-up), plus host overhead (both priced in
+``sim.pricing``) and, optionally, the policy's measured decision time. Requests
+arriving during an iteration join the queue before the next one; every token of an
+iteration is stamped at its end. Times are simulated seconds from the start; the result
+has the in-process benchmark's shape (``RequestRecord`` list and ``RunTimeline``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from adaserve.bench.metrics import RequestRecord
-from adaserve.bench.workload import WorkItem, item_slo
+from adaserve.bench.workload_spec import WorkItem, item_slo
 from adaserve.core.clock import ManualClock
 from adaserve.core.config import SchedulerConfig
 from adaserve.core.scheduler import Batch, Scheduler
@@ -43,59 +43,8 @@ from adaserve.sim.acceptance import (
     apply_calibration,
     observe_batch,
 )
+from adaserve.sim.pricing import HostOverhead, forward_ms
 from adaserve.slo import SLO
-
-
-@dataclass(frozen=True)
-class HostOverhead:
-    """Engine host time per iteration not in the profile's forward timings (ms):
-    ``per_iteration + per_request * batch + per_spec_request * speculating requests
-    + per_spec_step * (speculating requests x draft depth) + per_drafted * drafted
-    candidates + per_verified * verified candidates``.
-    Measured on the machine (docs/simulator.md, "Fidelity"); zero on GPUs, where the
-    presets' framework costs already hold the host work."""
-
-    per_iteration: float = 0.0
-    per_request: float = 0.0
-    per_spec_request: float = 0.0
-    per_spec_step: float = 0.0
-    per_drafted: float = 0.0
-    per_verified: float = 0.0
-
-    def __post_init__(self) -> None:
-        if any(not (x >= 0 and math.isfinite(x)) for x in self.as_tuple()):
-            raise ValueError("host overhead coefficients must be finite and >= 0")
-
-    @staticmethod
-    def features(requests, spec_requests, spec_steps, drafted, verified) -> tuple[float, ...]:
-        """One iteration's counts in coefficient order (``as_tuple``): 1, requests in the
-        batch, speculating requests, speculating requests x draft depth, drafted and
-        verified candidates."""
-        return (1.0, requests, spec_requests, spec_steps, drafted, verified)
-
-    def ms(self, features: tuple[float, ...]) -> float:
-        """Host ms of an iteration with these ``features``."""
-        return sum(c * x for c, x in zip(self.as_tuple(), features))
-
-    def as_tuple(self) -> tuple[float, ...]:
-        return (
-            self.per_iteration,
-            self.per_request,
-            self.per_spec_request,
-            self.per_spec_step,
-            self.per_drafted,
-            self.per_verified,
-        )
-
-    @classmethod
-    def parse(cls, s) -> HostOverhead:
-        """From "a[,b[,c[,d[,e[,f]]]]]" (field order) or a dict with the field names."""
-        if isinstance(s, dict):
-            return cls(**{k: float(v) for k, v in s.items() if k in cls.__dataclass_fields__})
-        vals = [float(x) for x in str(s).split(",") if x.strip()]
-        if not 1 <= len(vals) <= 6:
-            raise ValueError("host overhead: give 1 to 6 comma-separated numbers (ms)")
-        return cls(*vals)
 
 
 @dataclass(frozen=True)
@@ -574,14 +523,3 @@ class _Run:
 
 
 _ROOT = np.zeros(1, dtype=np.int64)
-
-
-def forward_ms(hw: HardwareModel, v_tokens, kv_tokens, catchup, steps) -> float:
-    """The profile's forward time of one iteration (ms): verification of ``v_tokens``
-    attending ``kv_tokens``, the per-iteration overhead and, when ``steps`` is not None
-    (something was drafted), the draft's catch-up pass over ``catchup`` tokens plus one
-    pass per entry of ``steps`` (tokens fed at each later draft step)."""
-    ms = float(hw.verify_latency(v_tokens, kv_tokens)) + hw.overhead_ms
-    if steps is not None:
-        ms += float(hw.draft_latency(np.array([max(catchup, 1)] + list(steps), dtype=float)).sum())
-    return ms

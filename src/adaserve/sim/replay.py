@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from adaserve.bench.workload import WorkItem
+from adaserve.bench.workload_spec import WorkItem
 from adaserve.core.config import SchedulerConfig
 from adaserve.core.scheduler import Batch
 from adaserve.core.trace import StepTrace
 from adaserve.sched.base import BatchView, Plan, Policy
 from adaserve.sched.hardware import HardwareModel
-from adaserve.sim.acceptance import AcceptanceModel, AcceptanceParams
+from adaserve.sim.acceptance import AcceptanceModel
+from adaserve.sim.acceptance_params import AcceptanceParams
 from adaserve.sim.loop import PassOutcome, SimConfig, SimRequest, Simulator, _Run
 from adaserve.slo import SLO
 

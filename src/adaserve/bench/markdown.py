@@ -1,0 +1,226 @@
+"""``summary.md``: the configuration, overall and per-class tables, shifts (serve) or
+one row per point (sweep), in Markdown."""
+
+from __future__ import annotations
+
+from adaserve.bench.tables import (
+    AZURE_ATTRIBUTION,
+    _class_order,
+    _f,
+    _md_table,
+    _pct,
+    _sweep_policies,
+    _uses_azure,
+)
+
+
+def _config_md(config: dict) -> str:
+    lines = []
+    for k, v in config.items():
+        if isinstance(v, dict):
+            v = ", ".join(f"{a}={b}" for a, b in v.items())
+        elif isinstance(v, list):
+            v = "; ".join(str(x) for x in v) or "-"
+        lines.append(f"- **{k}**: {v}")
+    return "\n".join(lines)
+
+
+OVERALL_HEADER = [
+    "policy",
+    "reqs",
+    "attain %",
+    "viol",
+    "tok/s",
+    "goodput tok/s",
+    "req goodput/s",
+    "TTFT p50",
+    "TTFT p99",
+    "TPOT mean",
+    "TPOT p50",
+    "TPOT p95",
+    "TPOT p99",
+    "ITL p99",
+    "E2E p99",
+    "accept %",
+    "rej. FLOPs %",
+    "mJ/token",
+    "peak KV %",
+    "fallback it.",
+    "shed",
+]
+
+
+def _overall_row(pol: str, m: dict) -> list[str]:
+    en = m.get("energy") or {}
+    return [
+        pol,
+        str(m.get("requests", 0)),
+        _pct(m.get("attainment")),
+        str(m.get("violations", 0)),
+        _f(m.get("throughput_tok_s")),
+        _f(m.get("goodput_tok_s")),
+        _f(m.get("request_goodput_rps"), "{:.2f}"),
+        _f(m["ttft_ms"].get("p50"), "{:.0f}"),
+        _f(m["ttft_ms"].get("p99"), "{:.0f}"),
+        _f(m["tpot_ms"].get("mean")),
+        _f(m["tpot_ms"].get("p50")),
+        _f(m["tpot_ms"].get("p95")),
+        _f(m["tpot_ms"].get("p99")),
+        _f(m["itl_ms"].get("p99")),
+        _f(m["e2e_ms"].get("p99"), "{:.0f}"),
+        _pct(m.get("acceptance_rate")),
+        _pct(m.get("rejected_flops_share")),
+        _f(en.get("energy_per_token_mj"), "{:.3g}"),
+        _pct(m.get("peak_kv_usage")),
+        str(m.get("fallback_iterations_total", "-")),
+        str(m.get("shed", 0)),
+    ]
+
+
+def _per_class_md(results: dict) -> str:
+    out = []
+    for c in _class_order([results]):
+        first = next((r["per_class"][c] for r in results.values() if c in r["per_class"]), {})
+        tgt = (
+            f"TPOT target {_f(first.get('tpot_target_ms'))} ms, "
+            f"TTFT target {_f(first.get('ttft_target_ms'), '{:.0f}')} ms"
+        )
+        header = [
+            "policy",
+            "reqs",
+            "attain %",
+            "viol",
+            "goodput tok/s",
+            "TTFT p50",
+            "TTFT p95",
+            "TTFT p99",
+            "TPOT mean",
+            "TPOT p50",
+            "TPOT p95",
+            "TPOT p99",
+            "ITL p50",
+            "ITL p99",
+            "E2E p50",
+            "E2E p99",
+            "accept %",
+        ]
+        rows = []
+        for pol, r in results.items():
+            m = r["per_class"].get(c)
+            if m is None:
+                continue
+            rows.append(
+                [
+                    pol,
+                    str(m["requests"]),
+                    _pct(m["attainment"]),
+                    str(m["violations"]),
+                    _f(m["goodput_tok_s"]),
+                    _f(m["ttft_ms"]["p50"], "{:.0f}"),
+                    _f(m["ttft_ms"]["p95"], "{:.0f}"),
+                    _f(m["ttft_ms"]["p99"], "{:.0f}"),
+                    _f(m["tpot_ms"]["mean"]),
+                    _f(m["tpot_ms"]["p50"]),
+                    _f(m["tpot_ms"]["p95"]),
+                    _f(m["tpot_ms"]["p99"]),
+                    _f(m["itl_ms"]["p50"]),
+                    _f(m["itl_ms"]["p99"]),
+                    _f(m["e2e_ms"]["p50"], "{:.0f}"),
+                    _f(m["e2e_ms"]["p99"], "{:.0f}"),
+                    _pct(m.get("acceptance_rate")),
+                ]
+            )
+        out.append(f"### {c} ({tgt})\n\n" + _md_table(header, rows))
+    return "\n\n".join(out)
+
+
+def _shifts_md(results: dict) -> str | None:
+    rows = []
+    for pol, r in results.items():
+        for s in r["overall"].get("shifts") or []:
+            rows.append(
+                [
+                    pol,
+                    _f(s.get("at_s"), "{:g}"),
+                    str(s.get("change", "")),
+                    _pct(s.get("pre_steady")),
+                    _pct(s.get("post_steady")),
+                    _pct(s.get("dip")),
+                    _f(s.get("convergence_s"), "{:.1f}", "not converged"),
+                ]
+            )
+    if not rows:
+        return None
+    header = [
+        "policy",
+        "at s",
+        "change",
+        "before %",
+        "steady after %",
+        "lowest %",
+        "convergence s",
+    ]
+    return _md_table(header, rows)
+
+
+def serve_summary_md(result: dict) -> str:
+    cfg = result.get("config", {})
+    results = result.get("results", {})
+    parts = [
+        "# adaserve bench serve",
+        "## Configuration\n\n" + _config_md(cfg),
+        "## Overall\n\nLatencies in ms. Attainment: mean TPOT and TTFT within the class "
+        "targets; goodput counts output tokens of requests that attained their SLO.\n\n"
+        + _md_table(OVERALL_HEADER, [_overall_row(p, r["overall"]) for p, r in results.items()]),
+        "## Per class\n\n" + _per_class_md(results),
+    ]
+    sh = _shifts_md(results)
+    if sh:
+        parts.append(
+            "## Shifts\n\nStrict class's attainment before/after each shift and the time "
+            "until its rolling attainment stays within 5 points of the new steady state.\n\n" + sh
+        )
+    if _uses_azure(cfg):
+        parts.append(f"---\n{AZURE_ATTRIBUTION}")
+    return "\n\n".join(parts) + "\n"
+
+
+def sweep_summary_md(result: dict) -> str:
+    cfg = result.get("config", {})
+    pts = result.get("points", [])
+    xname = cfg.get("sweep", "x")
+    pols = _sweep_policies(pts)
+    classes = _class_order([p["results"] for p in pts])
+
+    def table(title: str, get) -> str:
+        rows = []
+        for p in pts:
+            rows.append(
+                [_f(p["x"], "{:g}")]
+                + [get(p["results"][q]) if q in p["results"] else "-" for q in pols]
+            )
+        return f"### {title}\n\n" + _md_table([xname] + pols, rows)
+
+    parts = [
+        f"# adaserve bench sweep ({xname})",
+        "## Configuration\n\n" + _config_md(cfg),
+        "## Overall",
+        table("SLO attainment (%)", lambda r: _pct(r["overall"]["attainment"])),
+        table("SLO violations", lambda r: str(r["overall"]["violations"])),
+        table("Goodput (tok/s)", lambda r: _f(r["overall"]["goodput_tok_s"])),
+        table("Throughput (tok/s)", lambda r: _f(r["overall"]["throughput_tok_s"])),
+        table("TPOT p99 (ms)", lambda r: _f(r["overall"]["tpot_ms"]["p99"])),
+        "## Per class attainment (%)",
+    ]
+    for c in classes:
+        parts.append(
+            table(
+                c,
+                lambda r, c=c: (
+                    _pct(r["per_class"][c]["attainment"]) if c in r["per_class"] else "-"
+                ),
+            )
+        )
+    if _uses_azure(cfg):
+        parts.append(f"---\n{AZURE_ATTRIBUTION}")
+    return "\n\n".join(parts) + "\n"
