@@ -10,6 +10,9 @@ import sys
 TORCH_FREE = ("adaserve.core", "adaserve.sched", "adaserve.sim")
 TORCH_FREE_MODULES = (
     "adaserve.bench.workload",
+    "adaserve.bench.workload_spec",
+    "adaserve.bench.arrivals",
+    "adaserve.bench.datasets",
     "adaserve.bench.metrics",
     "adaserve.bench.energy",
     "adaserve.slo",

@@ -263,6 +263,7 @@ def test_mixed_batch_end_to_end_per_request_trees_output_unchanged(tiny_pair, ch
             policy="adaserve",
             profile=cheap_profile,
             kv_cache_bytes=32 << 20,
+            clock=TickClock(0.001),
         )
         llm.engine.set_faults(Faults(draft_noise=0.5))
         return llm
@@ -338,6 +339,7 @@ def test_selection_log_explains_decisions_without_text(tiny_pair, cheap_profile,
         profile=cheap_profile,
         selection_log=str(log),
         kv_cache_bytes=16 << 20,
+        clock=TickClock(0.001),
     )
     llm.generate(
         prompts,

@@ -10,6 +10,7 @@ import torch
 from conftest import chi_square_rejects, random_prompts, save_tiny
 
 from adaserve import LLM, SamplingParams
+from adaserve.core.clock import TickClock
 from adaserve.logits import target_probs
 from adaserve.models.loader import load_model
 from adaserve.paths import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -39,6 +40,7 @@ def run(model, draft, policy, prompts, sp, profile=None, **kw):
         policy=policy,
         kv_cache_bytes=kw.pop("kv_cache_bytes", 32 << 20),
         profile=profile,
+        clock=TickClock(0.001),  # the budgeted policies' decisions never follow machine speed
         **kw,
     )
     outs = llm.generate(prompts, sp)
