@@ -58,45 +58,36 @@ def nnls(X: np.ndarray, y: np.ndarray, iters: int = 100) -> np.ndarray:
     return b
 
 
+def _counts(tr) -> dict:
+    """The iteration's work, from its ``StepTrace``: the draft's catch-up and frontier
+    tokens per step, speculating requests, drafted and verified candidates, tokens and
+    context of the verification pass."""
+    steps: dict[int, int] = {}
+    for d, w in tr.spec.values():
+        for t in range(d - 1):
+            steps[t] = steps.get(t, 0) + w
+    return {
+        "catchup": tr.draft_catchup,
+        "steps": [steps[t] for t in sorted(steps)],
+        "n_spec": len(tr.spec),
+        "spec_steps": sum(d for d, _ in tr.spec.values()),
+        "drafted": tr.drafted,
+        "prefill_tokens": sum(tr.prefill.values()),
+        "kv": tr.kv_tokens,
+        "requests": len(tr.prefill) + len(tr.decode),
+        "verified": sum(tr.tree_nodes.values()),
+        "v_tokens": tr.tokens,
+    }
+
+
 class Recorder:
-    """Wraps one engine's phases and collects one row per iteration."""
+    """Collects one row per engine iteration from its step traces."""
 
     def __init__(self, engine):
         self.engine = engine
         self.rows: list[dict] = []
         self.cur: dict = {}
-        self._wrap_engine()
-
-    def _wrap_engine(self) -> None:
-        e = self.engine
-        spec_fn, verify_fn = e._speculate, e._verify_forward
-
-        def speculate(spec, plan):
-            c = self.cur
-            c["catchup"] = sum(len(r.tokens) - r.draft_cached for r, _ in spec)
-            steps: dict[int, int] = {}
-            for _, (d, w) in spec:
-                for t in range(d - 1):
-                    steps[t] = steps.get(t, 0) + w
-            c["steps"] = [steps[t] for t in sorted(steps)]
-            c["n_spec"] = len(spec)
-            c["spec_steps"] = sum(d for _, (d, _) in spec)
-            out = spec_fn(spec, plan)
-            c["drafted"] = sum(o.tree.num_candidates for o in out.values())
-            return out
-
-        def verify(batch, subtrees):
-            c = self.cur
-            c["prefill_tokens"] = sum(n for _, n in batch.prefill)
-            c["kv"] = sum(r.num_cached + n for r, n in batch.prefill)
-            c["kv"] += sum(len(r.tokens) for r in batch.decode)
-            c["requests"] = len(batch.prefill) + len(batch.decode)
-            c["verified"] = sum(len(t.tokens) - 1 for t in subtrees.values())
-            c["v_tokens"] = c["prefill_tokens"] + sum(len(t.tokens) for t in subtrees.values())
-            return verify_fn(batch, subtrees)
-
-        e._speculate, e._verify_forward = speculate, verify
-        e.on_step = self._on_step
+        engine.on_step = self._on_step
 
     def wrap_policy(self) -> None:
         pol = self.engine.policy
@@ -115,9 +106,8 @@ class Recorder:
             setattr(pol, name, timed)
 
     def _on_step(self, engine, trace) -> None:
-        c, self.cur = self.cur, {}
-        if "v_tokens" not in c:
-            return
+        c = _counts(trace)
+        c["policy_ms"], self.cur = self.cur.get("policy_ms", 0.0), {}
         steps = c["steps"] if c.get("n_spec") else None
         ms = forward_ms(engine.hw, c["v_tokens"], c["kv"], c.get("catchup", 0), steps)
         target_ms = forward_ms(engine.hw, c["v_tokens"], c["kv"], 0, None)

@@ -53,6 +53,21 @@ class RequestRecord:
     degraded: bool = False
     steps: int | None = None  # decode iterations (None: derived from the counts)
 
+    @classmethod
+    def failed(cls, item, slo, err: str, shed: bool) -> RequestRecord:
+        """The record of work item ``item`` that got no answer: shed (admission) or an
+        error; ``slo`` (or None) gives its targets."""
+        return cls(
+            idx=item.idx,
+            cls=item.cls,
+            arrival_s=item.arrival_s,
+            tpot_target_ms=slo.tpot_ms if slo else None,
+            ttft_target_ms=slo.ttft_ms if slo else None,
+            prompt_tokens=item.prompt_len,
+            shed=shed,
+            error=err,
+        )
+
     @property
     def completed(self) -> bool:
         return not self.shed and self.error is None and self.finish_reason in COMPLETE_REASONS

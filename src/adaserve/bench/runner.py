@@ -208,18 +208,7 @@ def run_in_process(
             bar.update(1)
 
     def fail(item: WorkItem, slo: SLO | None, err: str, shed: bool) -> None:
-        records.append(
-            RequestRecord(
-                idx=item.idx,
-                cls=item.cls,
-                arrival_s=item.arrival_s,
-                tpot_target_ms=slo.tpot_ms if slo else None,
-                ttft_target_ms=slo.ttft_ms if slo else None,
-                prompt_tokens=item.prompt_len,
-                shed=shed,
-                error=err,
-            )
-        )
+        records.append(RequestRecord.failed(item, slo, err, shed))
         if bar is not None:
             bar.update(1)
 

@@ -26,6 +26,8 @@ class StepTrace:
     tokens:      tokens in the verification pass (prefill + roots + candidates)
     kv_tokens:   context tokens the pass attends (cached + new, per request)
     draft_tokens / draft_passes: tokens the draft processed and its forward passes
+    draft_catchup: tokens the draft cached before drafting (its first pass)
+    drafted:     candidate nodes the draft produced (before selection)
     """
 
     plan: Plan
@@ -44,6 +46,8 @@ class StepTrace:
     kv_tokens: int = 0
     draft_tokens: int = 0
     draft_passes: int = 0
+    draft_catchup: int = 0
+    drafted: int = 0
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0

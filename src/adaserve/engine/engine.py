@@ -101,6 +101,7 @@ class Engine:
         )
         self.calibrator = self._new_calibrator()
         self._faults = Faults()
+        self._catchup = 0  # tokens the draft caught up on in this step (for the trace)
         self._ids = itertools.count()
         self.last_trace: StepTrace | None = None
         self.on_step: Callable[[Engine, StepTrace], None] | None = None
@@ -148,6 +149,7 @@ class Engine:
 
     def _speculate(self, batch: Batch) -> dict[int, DraftOutput]:
         """Draft a tree per speculating request; the calibrator sets each node's f."""
+        self._catchup = sum(len(r.tokens) - r.draft_cached for r, _ in batch.spec)
         drafts = self.runner.draft_trees(batch.spec, self._faults.draft_noise)
         for r, _ in batch.spec:
             tree = drafts[r.rid].tree
@@ -183,8 +185,9 @@ class Engine:
         tr.accepted = accepted
         prefill = sum(n for _, n in batch.prefill)
         tr.tokens = prefill + sum(len(t.tokens) for t in trees.values())
+        drafted = sum(d.tree.num_candidates for d in drafts.values())
+        tr.drafted, tr.draft_catchup = drafted, self._catchup if drafts else 0
         if self.policy.uses_draft and self.runner.draft is not None:
-            drafted = sum(d.tree.num_candidates for d in drafts.values())
             tr.draft_tokens = drafted + prefill + generated
             depth = max((d for d, _ in plan.shapes.values()), default=0)
             tr.draft_passes = depth + 1 if depth else 0

@@ -192,6 +192,8 @@ class PassOutcome:
     tokens: int
     draft_tokens: int
     draft_passes: int
+    draft_catchup: int = 0
+    drafted: int = 0
 
 
 class _Run:
@@ -263,18 +265,7 @@ class _Run:
             r.easy_share = float(self.acc.request_shares(1, self.rng_req)[0])
 
     def _fail(self, it: WorkItem, slo: SLO, err: str, shed: bool) -> None:
-        self.records.append(
-            RequestRecord(
-                idx=it.idx,
-                cls=it.cls,
-                arrival_s=it.arrival_s,
-                tpot_target_ms=slo.tpot_ms,
-                ttft_target_ms=slo.ttft_ms,
-                prompt_tokens=it.prompt_len,
-                shed=shed,
-                error=err,
-            )
-        )
+        self.records.append(RequestRecord.failed(it, slo, err, shed))
 
     def _collect(self, r: SimRequest) -> None:
         self.records.append(
@@ -396,6 +387,8 @@ class _Run:
         tr.tokens = out.tokens
         tr.draft_tokens = out.draft_tokens
         tr.draft_passes = out.draft_passes
+        tr.draft_catchup = out.draft_catchup
+        tr.drafted = out.drafted
         return tr
 
     def _execute(self, view: BatchView, plan: Plan, batch: Batch, sel_s: float) -> PassOutcome:
@@ -498,6 +491,8 @@ class _Run:
             tokens=v_tokens,
             draft_tokens=catchup + spec_nodes,
             draft_passes=(len(steps) + 1) if batch.spec else 0,
+            draft_catchup=catchup,
+            drafted=sum(tb.lay.n * len(reqs) for reqs, tb in batches),
         )
 
     # ------------------------------------------------------------------ bookkeeping
