@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 
 import httpx
 import numpy as np
 import openai
 import pytest
+from conftest import VOCAB
 from server_fixtures import (
     LiveServer,
     engine_config,
@@ -228,6 +230,10 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"prompt": "x", "min_p": 1.5}, 400, "min_p"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    # stop_token_ids are token ids: integers in [0, vocab)
+    ({"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids[0]"),
+    ({"prompt": "x", "stop_token_ids": [5, 2**70]}, 400, "stop_token_ids[1]"),
+    ({"prompt": "x", "stop_token_ids": [5, VOCAB]}, 400, "stop_token_ids"),
 ]
 
 
@@ -246,6 +252,11 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3}, 400, None),
     ({"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [VOCAB]},
+        400,
+        "stop_token_ids",
+    ),
 ]
 
 
@@ -277,6 +288,77 @@ def test_malformed_bodies_and_headers(srv):
              "model_not_found")  # fmt: skip
         _err(h.get("/v1/nothing-here"), 404)
         _err(h.get("/v1/completions"), 405)
+
+
+@pytest.mark.parametrize("header", ["x-slo-ttft-ms", "x-slo-tpot-ms"])
+def test_slo_headers_must_be_plain_decimal_numbers(srv, header):
+    """``x-slo-ttft-ms: 1_000`` was read as 1000 (Python's float syntax)."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    with srv.http() as h:
+        for v in ("1_000", "1e3", "+5", "-5", "inf", "Infinity", "nan", "0x10", "5ms", "1e10",
+                  "0", "."):  # fmt: skip
+            _err(h.post("/v1/completions", json=body, headers={header: v}), 400, header,
+                 "invalid_value")  # fmt: skip
+        for v, want in (("120000", 120000), ("2500.5", 2500.5), (".5", 0.5), ("7.", 7)):
+            r = h.post("/v1/completions", json=body, headers={header: v})
+            assert r.status_code == 200, r.text
+            key = header.removeprefix("x-slo-").replace("-ms", "_target_ms")
+            assert r.json()["metrics"][key] == want
+
+
+def test_model_is_the_served_id_not_the_checkpoint_path(srv):
+    """The checkpoint's absolute path was accepted as ``model`` (confirming it)."""
+    path = srv.state.loop.info.model_dir
+    with srv.http() as h:
+        body = {"model": path, "prompt": "x", "max_tokens": 1}
+        _err(h.post("/v1/completions", json=body), 404, "model", "model_not_found")
+        msgs = [{"role": "user", "content": "x"}]
+        body = {"model": path, "messages": msgs, "max_tokens": 1}
+        _err(h.post("/v1/chat/completions", json=body), 404, "model", "model_not_found")
+        assert h.post("/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                "max_tokens": 1}).status_code == 200  # fmt: skip
+
+
+def test_head_health_answers_like_get(srv):
+    """Load balancers probe with HEAD: it was 405."""
+    with srv.http() as h:
+        r = h.head("/health")
+        assert r.status_code == 200 and r.content == b""
+        assert h.get("/health").json()["status"] == "ok"
+
+
+def _raw(srv, data: bytes) -> tuple[int, dict, bytes]:
+    """Send raw bytes, read the whole answer: (status, headers, body)."""
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+        s.sendall(data)
+        buf = b""
+        while chunk := s.recv(65536):
+            buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, body
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"GET /health HTTP/1.1\r\nHost: x\r\nX-Bad: a\x00b\r\n\r\n",  # NUL in a value
+        b"GET /health HTTP/1.1\r\nHost: x\r\nBad Name: v\r\n\r\n",  # space in a name
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: zz\r\n\r\n",
+        b"NOT AN HTTP REQUEST\r\n\r\n",
+    ],
+)
+def test_requests_uvicorn_cannot_parse_get_openai_json(srv, data):
+    """Errors raised below the app (bad header bytes) were plain text."""
+    status, headers, body = _raw(srv, data)
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert int(headers["content-length"]) == len(body)
+    e = json.loads(body)["error"]
+    assert e["type"] == "invalid_request_error" and e["code"] == "invalid_http" and e["message"]
+    # and the server goes on serving
+    with srv.http() as h:
+        assert h.get("/health").status_code == 200
 
 
 def test_prompt_longer_than_context(srv, tok):

@@ -79,6 +79,16 @@ def test_sigterm_drains_then_cancels_and_exits_zero(tmp_path_factory, tmp_path):
         time.sleep(0.3)
         t_sig = time.monotonic()
         proc.send_signal(signal.SIGTERM)
+        # while draining, a request on a new connection gets the documented 503 (the
+        # listener stays open while requests are in flight), and /health says draining
+        time.sleep(0.5)
+        with httpx.Client(base_url=url, timeout=10) as h:
+            r = h.post("/v1/completions", json={"model": "m", "prompt": "c", "max_tokens": 1})
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "server_shutdown"
+            assert int(r.headers["retry-after"]) >= 1
+            assert h.get("/health").json()["status"] == "draining"
+            assert h.head("/health").status_code == 503
         # the in-flight stream is cut after the grace period with a clear error
         with pytest.raises(openai.APIError) as ei:
             for _ in long:

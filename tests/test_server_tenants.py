@@ -121,6 +121,70 @@ def test_forbidden_class_is_403_or_downgraded(srv):
     )
 
 
+# every SLO input a client controls, each with the strictest values it can send
+ESCAPES = [
+    ({"slo": {"max_queue_ms": 1}}, {}),
+    ({"slo": {"deadline_ms": 1}}, {}),
+    ({"slo": {"tpot_ms": 0.01, "ttft_ms": 1, "max_queue_ms": 1, "deadline_ms": 1}}, {}),
+    ({"slo_class": "batch", "slo": {"max_queue_ms": 1, "deadline_ms": 1}}, {}),
+    ({"slo_class": "chat", "slo": {"max_queue_ms": 1}}, {}),
+    ({"slo_class": "interactive", "slo": {"max_queue_ms": 1}}, {}),
+    ({"priority": -5, "slo": {"max_queue_ms": 1}}, {}),
+    ({"service_tier": "priority", "slo": {"max_queue_ms": 1}}, {}),
+    ({"slo": {"max_queue_ms": 1}}, {"x-slo-ttft-ms": "1", "x-slo-tpot-ms": "0.01"}),
+    ({}, {"x-slo-ttft-ms": "1", "x-slo-tpot-ms": "0.01"}),
+]
+
+
+@pytest.mark.parametrize("key,allowed", [("sk-cheap-secret", ["batch"]),
+                                         ("sk-acme-secret", ["chat", "batch"])])  # fmt: skip
+@pytest.mark.parametrize("body,headers", ESCAPES)
+def test_no_slo_input_beats_the_strictest_allowed_class(srv, monkeypatch, key, allowed, body,
+                                                        headers):  # fmt: skip
+    """Queue jump: a batch-only tenant sending ``max_queue_ms: 1`` was served before
+    every queued request of stricter tenants. No field, header, class, priority or tier
+    may give a tenant a target stricter than its strictest allowed class's."""
+    submitted = []
+    submit = srv.state.loop.submit
+
+    async def spy(h):
+        submitted.append(h.slo)
+        return await submit(h)
+
+    monkeypatch.setattr(srv.state.loop, "submit", spy)
+    slos = [srv.state.loop.class_slos[c] for c in allowed]
+    try:
+        _ask(srv, key, max_tokens=1, extra_body=body, extra_headers=headers)
+    except openai.PermissionDeniedError:
+        assert not submitted  # refused outright: no escape
+        return
+    (slo,) = submitted
+    assert slo.cls in allowed
+    for k in ("tpot_ms", "ttft_ms", "max_queue_ms", "deadline_ms"):
+        given = [getattr(s, k) for s in slos if getattr(s, k) is not None]
+        got = getattr(slo, k)
+        if not given:  # no allowed class sets this target: none may be had
+            assert got is None, (k, got)
+        else:
+            assert got is None or got >= min(given) * (1 - 1e-9), (k, got, min(given))
+
+
+def test_scoring_request_bills_no_output_tokens(srv):
+    """``max_tokens: 0`` with ``echo`` reports 0 completion tokens: bill and count 0."""
+    c = srv.client("sk-acme-secret")
+    before = c.get("/slo/report", cast_to=object)["tenants"].get("acme", {"classes": {}})
+    r = _ask(srv, "sk-acme-secret", prompt="score this text", max_tokens=0, echo=True,
+             logprobs=1)  # fmt: skip
+    assert r.usage.completion_tokens == 0 and r.choices[0].text == "score this text"
+    m = r.model_extra["metrics"]
+    assert (m["charge"], m["output_tokens"]) == (0, 0)
+    after = c.get("/slo/report", cast_to=object)["tenants"]["acme"]["classes"]["chat"]
+    prev = before["classes"].get("chat", {"requests": 0, "completion_tokens": 0, "charge": 0})
+    assert after["requests"] == prev["requests"] + 1
+    assert after["completion_tokens"] == prev["completion_tokens"]
+    assert after["charge"] == pytest.approx(prev["charge"])
+
+
 def test_requests_per_minute_quota_is_429_with_retry_after(srv):
     _ask(srv, "sk-limited-secret")
     _ask(srv, "sk-limited-secret")
@@ -299,6 +363,12 @@ def test_slo_precedence_table():
     assert (c.cls.name, c.slo.tpot_ms) == ("batch", 50)
     c = _resolve(tenant=Tenant("t", free_targets=True), slo_class="batch", slo={"tpot_ms": 15})
     assert (c.cls.name, c.slo.tpot_ms) == ("batch", 15)
+    # every target is capped: raised to the class's, dropped where the class sets none
+    c = _resolve(slo_class="batch", slo={"max_queue_ms": 1, "deadline_ms": 1})
+    assert (c.slo.max_queue_ms, c.slo.deadline_ms) == (30000, None)
+    c = _resolve(slo_class="batch", slo={"max_queue_ms": 60000})
+    assert c.slo.max_queue_ms == 60000
+    assert _resolve(slo={"max_queue_ms": 1}).slo.max_queue_ms is None  # chat sets none
 
 
 def test_slo_rejections():

@@ -272,9 +272,10 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
         rep["model"] = state.model_name
         return JSON(_jsonable(rep))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        """200 when serving; 503 while draining or when the engine thread is down."""
+        """200 when serving; 503 while draining or when the engine thread is down (HEAD,
+        as load balancers probe: the same status, no body)."""
         if not state.loop.alive:
             return JSON({"status": "unavailable"}, status_code=503)
         if state.draining:

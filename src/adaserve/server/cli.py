@@ -2,20 +2,23 @@
 
 Start-up order: read the TOML config, build the engine on its thread (a bad checkpoint
 fails here, with one line, before any port is bound), then serve with uvicorn. On
-SIGINT/SIGTERM the listener closes, new requests get 503, in-flight requests get
-``shutdown_grace_s`` to finish and are then cancelled with a ``server_shutdown`` error;
-the process exits 0. A second SIGINT forces the exit.
+SIGINT/SIGTERM new requests get 503 (the listener stays open while requests are in
+flight, then closes), in-flight requests get ``shutdown_grace_s`` to finish and are
+then cancelled with a ``server_shutdown`` error; the process exits 0. A second
+SIGINT forces the exit.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import logging
 import signal
 import sys
 import threading
+import time
 
 from adaserve.config import EngineConfig
 from adaserve.errors import AdaServeError, InvalidRequestError
@@ -112,7 +115,15 @@ def _server_class():
             super().handle_exit(sig, frame)
 
         async def shutdown(self, sockets=None) -> None:
-            self.state.begin_drain()
+            st = self.state
+            st.begin_drain()
+            # the listener stays open while requests are in flight, so that new ones
+            # (new connections too) get the 503 of the drain, not a refused connection
+            deadline = time.monotonic() + st.cfg.shutdown_grace_s + 1.0
+            idle = 0
+            while idle < 2 and not self.force_exit and time.monotonic() < deadline:
+                idle = idle + 1 if st.loop.in_flight == 0 else 0
+                await asyncio.sleep(0.05)
             await super().shutdown(sockets)
 
         @contextlib.contextmanager
@@ -132,8 +143,39 @@ def _server_class():
     return Server
 
 
+def _http_protocol():
+    """uvicorn's HTTP protocol, answering the requests it cannot parse itself (bad
+    header bytes, a malformed request line or header) with an OpenAI-shaped JSON 400
+    rather than plain text."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    from adaserve.server.errors import ApiError
+    from adaserve.server.render import dumps
+
+    class Protocol(AutoHTTPProtocol):
+        def send_400_response(self, msg: str) -> None:
+            cycle = getattr(self, "cycle", None)
+            if cycle is not None and cycle.response_started and not cycle.response_complete:
+                self.transport.close()  # a response is under way: nothing can be added
+                return
+            err = ApiError(400, msg or "Invalid HTTP request received.", code="invalid_http")
+            body = dumps(err.body()).encode("ascii")
+            head = [b"HTTP/1.1 400 Bad Request\r\n"]
+            head += [n + b": " + v + b"\r\n" for n, v in self.server_state.default_headers]
+            head += [
+                b"content-type: application/json\r\n",
+                b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
+                b"connection: close\r\n\r\n",
+            ]
+            self.transport.write(b"".join(head) + body)
+            self.transport.close()
+
+    return Protocol
+
+
 def make_server(app, cfg: ServerConfig, log_level: str = "info", sockets=None):
-    """A uvicorn server (with graceful drain) for an app made by ``create_app``."""
+    """A uvicorn server (with graceful drain, and JSON errors for requests uvicorn
+    cannot parse) for an app made by ``create_app``."""
     import uvicorn
 
     config = uvicorn.Config(
@@ -143,6 +185,7 @@ def make_server(app, cfg: ServerConfig, log_level: str = "info", sockets=None):
         log_level=log_level,
         timeout_graceful_shutdown=cfg.shutdown_grace_s + 5.0,
         lifespan="on",
+        http=_http_protocol(),
     )
     return _server_class()(config, app.state.adaserve)
 

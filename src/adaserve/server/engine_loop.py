@@ -105,7 +105,9 @@ class Handle:
     request asked for logprobs, else None; ``prompt_logprobs`` the prompt's, on the first
     tuple of a request that asked for them); with ``want_tokens`` False only the final
     tuple is sent. ``ctx`` is opaque data
-    for the finish callback (tenant, class, price).
+    for the finish callback (tenant, class, price). ``drop_output``: the request only
+    scores its prompt (``max_tokens=0``); the token the engine must generate is not
+    part of its ``Final``, so it is neither delivered nor counted nor billed.
     """
 
     def __init__(
@@ -118,8 +120,10 @@ class Handle:
         index: int = 0,
         want_tokens: bool = True,
         ctx: Any = None,
+        drop_output: bool = False,
     ):
         self.prompt_ids = prompt_ids
+        self.drop_output = drop_output
         self.params = params
         self.slo = slo
         self.sink = sink
@@ -197,6 +201,11 @@ class EngineLoop:
     def drain(self, grace_s: float) -> None:
         """Refuse new requests now; abort those still running after ``grace_s``."""
         self._inbox.put(("drain", time.monotonic() + grace_s))
+
+    @property
+    def in_flight(self) -> int:
+        """Requests the engine thread holds (queued commands not yet counted)."""
+        return len(self._tracked)
 
     # ------------------------------------------------------------------ async API
     async def submit(self, h: Handle):
@@ -388,16 +397,20 @@ class EngineLoop:
         except Exception:
             log.exception("request_metrics failed")
             metrics = {"slo_class": r.slo.cls, "slo_attained": False}
+        output_ids, logprobs = list(r.output_ids), r.logprobs
+        if h.drop_output:
+            text, output_ids, logprobs = "", [], ()
+            metrics["output_tokens"] = 0
         final = Final(
             reason=r.finish_reason or "abort",
             text=text,
-            output_ids=list(r.output_ids),
+            output_ids=output_ids,
             prompt_tokens=len(r.prompt_ids),
             metrics=_clean(metrics),
             token_times=tuple(r.token_times),
             arrival=r.arrival,
             finished_at=r.finished_at or time.perf_counter(),
-            logprobs=tuple(r.logprobs) if r.params.logprobs is not None else None,
+            logprobs=tuple(logprobs) if r.params.logprobs is not None else None,
             prompt_logprobs=(
                 tuple(r.prompt_logprobs) if r.params.prompt_logprobs is not None else None
             ),

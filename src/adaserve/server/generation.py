@@ -92,6 +92,7 @@ async def generate(
                         index=i * n + j,
                         want_tokens=body.stream,
                         ctx=ctx,
+                        drop_output=score_only,
                     )
                 )
         results = await asyncio.gather(
@@ -148,11 +149,9 @@ async def collect(state: ServerState, request: Request, job: Job, meta: Meta):
     for i in range(k):
         f = finals[i]
         text = f.text or ""
-        fr = finish_reason(f)
+        # max_tokens=0: the one token generated is not in the Final (Handle.drop_output)
+        fr = "length" if meta.score_only else finish_reason(f)
         out_ids, out_lps = f.output_ids, f.logprobs
-        if meta.score_only:  # max_tokens=0: the one token generated is dropped
-            text, fr, out_ids = "", "length", []
-            out_lps = None if out_lps is None else ()
         lp = ep.logprobs(tok, out_ids, out_lps)
         if lp is not None and meta.echo is not None and f.prompt_logprobs is not None:
             ids = job.handles[i].prompt_ids
@@ -160,7 +159,7 @@ async def collect(state: ServerState, request: Request, job: Job, meta: Meta):
         if meta.echo is not None:
             text = meta.echo_of(i, k) + text
         choices.append(ep.choice(i, text, lp, fr, RequestMetrics.of(f.metrics)))
-    completion_tokens = 0 if meta.score_only else sum(f.completion_tokens for f in finals.values())
+    completion_tokens = sum(f.completion_tokens for f in finals.values())
     return JSON(
         ep.response(
             id=meta.id,

@@ -15,7 +15,7 @@ Response models are what the handlers build and dump (``render.dumps``).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
@@ -61,7 +61,9 @@ class _Sampling(_TopLevel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32)]] | None = Field(
+        None, max_length=64, description="token ids in [0, vocab size)"
+    )
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     ignore_eos: bool = False
     presence_penalty: float | None = Field(None, ge=-2, le=2)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from adaserve.errors import InvalidRequestError
 from adaserve.server.config import Tenant
 from adaserve.server.errors import ApiError
+from adaserve.server.protocol import MAX_SLO_MS
 from adaserve.slo import SLO, SLOClass
 
 SLO_HEADERS = {"ttft_ms": "x-slo-ttft-ms", "tpot_ms": "x-slo-tpot-ms"}
+# every target a client can set (body ``slo`` fields; the first two also as headers)
+TARGETS = ("tpot_ms", "ttft_ms", "max_queue_ms", "deadline_ms")
 
 
 @dataclass(frozen=True)
@@ -24,17 +28,38 @@ class SLOChoice:
     source: str = "default"  # which input decided the class
 
 
+# a plain decimal number: no sign, exponent, digit separators, inf/nan or non-ASCII
+# digits (all of which Python's float() would take)
+_DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)", re.ASCII)
+
+
 def _parse_header_ms(headers: Mapping[str, str], name: str) -> float | None:
     raw = headers.get(name)
     if raw is None:
         return None
-    try:
-        v = float(raw.strip())
-    except ValueError:
-        v = math.nan
-    if not (0 < v <= 1e9):  # also rejects nan and inf
-        raise ApiError(400, f"header {name} must be a positive number of milliseconds", param=name)
+    raw = raw.strip(" \t")
+    v = float(raw) if _DECIMAL.fullmatch(raw) else math.nan
+    if not (0 < v <= MAX_SLO_MS):  # also rejects nan
+        raise ApiError(
+            400,
+            f"header {name} must be a positive decimal number of milliseconds (at most 1e9)",
+            param=name,
+            code="invalid_value",
+        )
     return v
+
+
+def capped(explicit: Mapping[str, float], base: SLO) -> dict[str, float]:
+    """Explicit targets no stricter than the class's, field by field (every target a
+    client can send: a smaller value is served sooner): one stricter than the class's
+    is raised to it, and one the class does not set is dropped (no target is the
+    loosest: the class promises nothing there)."""
+    out = {}
+    for k in TARGETS:
+        want, have = explicit.get(k), getattr(base, k)
+        if want is not None and have is not None:
+            out[k] = max(want, have)
+    return out
 
 
 def _satisfies(target: SLO, want: Mapping[str, float]) -> bool:
@@ -67,8 +92,8 @@ def resolve_slo(
     Class: ``slo_class`` > ``priority`` > ``service_tier`` > (when none of these is
     given) the loosest class that meets the explicit targets, if the default does not >
     the tenant's default > the server's default. Targets: body ``slo`` > ``x-slo-*``
-    headers > the class's own, capped at the class's strictness unless the tenant has
-    ``free_targets`` (open mode does). A class the tenant may not use is refused (403)
+    headers > the class's own, every one capped at the class's strictness (``capped``)
+    unless the tenant has ``free_targets`` (open mode does). A class the tenant may not use is refused (403)
     or downgraded (targets then capped at the new class).
     """
     by_name = {c.name: c for c in classes}
@@ -142,14 +167,10 @@ def resolve_slo(
         degraded_from, cls = cls.name, target
 
     # a tenant gets at most its class's strictness, unless it may set free targets
-    if degraded_from is not None or not tenant.free_targets:
-        base = class_slos[cls.name]
-        for k in ("tpot_ms", "ttft_ms"):
-            have = getattr(base, k)
-            if k in explicit and have is not None:
-                explicit[k] = max(explicit[k], have)
-
     base = class_slos[cls.name]
+    if degraded_from is not None or not tenant.free_targets:
+        explicit = capped(explicit, base)
+
     try:
         final = SLO(
             tpot_ms=explicit.get("tpot_ms", base.tpot_ms),

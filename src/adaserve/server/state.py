@@ -41,6 +41,8 @@ class ServerState:
         self.loop = loop
         self.cfg = cfg
         self.model_name = model_name
+        # only the served id: the checkpoint's path is not a name a client may use (nor
+        # learn from the answer)
         self.served_names = {model_name}
         self.tenants = TenantRegistry(cfg.tenants)
         self.quotas = QuotaBook(cfg.tenants)
@@ -60,7 +62,6 @@ class ServerState:
         await asyncio.to_thread(self.loop.start)
         info = self.loop.info
         check_against_classes(self.cfg, info.classes)
-        self.served_names.add(info.model_dir)
         if self.tenants.open_mode:
             log.warning(
                 "no API keys configured: open local mode, every request is accepted "

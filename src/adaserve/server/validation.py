@@ -33,6 +33,8 @@ def check_body(state: ServerState, body) -> None:
             param="model",
             code="model_not_found",
         )
+    if body.stop_token_ids:
+        in_vocab(state, body.stop_token_ids, "stop_token_ids")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -71,6 +73,11 @@ async def encode(state: ServerState, text: str, param: str) -> list[int]:
 def check_ids(state: ServerState, ids: list[int], param: str) -> list[int]:
     if not ids:
         raise ApiError(400, f"{param} is empty", param=param)
+    return in_vocab(state, ids, param)
+
+
+def in_vocab(state: ServerState, ids: list[int], param: str) -> list[int]:
+    """``ids`` when every one is a token id of the model (400 naming ``param`` else)."""
     V = state.loop.info.vocab_size
     if not all(0 <= t < V for t in ids):
         raise ApiError(400, f"token ids must be integers in [0, {V})", param=param)
