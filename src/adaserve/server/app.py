@@ -272,7 +272,7 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
         rep["model"] = state.model_name
         return JSON(_jsonable(rep))
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
     async def health():
         """200 when serving; 503 while draining or when the engine thread is down (HEAD,
         as load balancers probe: the same status, no body)."""
@@ -281,6 +281,8 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
         if state.draining:
             return JSON({"status": "draining"}, status_code=503)
         return JSON({"status": "ok", "model": state.model_name})
+
+    app.add_api_route("/health", health, methods=["HEAD"], operation_id="health_head")
 
     @app.get("/metrics")
     async def metrics():
