@@ -269,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="serve the shipped pair and drive a mixed-SLO workload")
     d.add_argument("--duration", type=float, default=20.0)
     d.add_argument("--port", type=int, default=0)
+    d.add_argument(
+        "--baseline",
+        default="ar-chunked",
+        help="the policy served beside adaserve, same workload and targets (default "
+        "ar-chunked: vLLM's continuous batching with chunked prefill, no speculation)",
+    )
     d.set_defaults(func=lambda a: _delegate("adaserve.bench.demo", "run")(a))
     return p
 

@@ -1,5 +1,6 @@
-"""``adaserve demo`` (``make demo``): serve the shipped pair, drive a short mixed-SLO
-workload against it over HTTP, print the per-class table, stop the server."""
+"""``adaserve demo`` (``make demo``): serve the shipped pair with ``adaserve`` and then
+with a baseline policy, drive the same short mixed-SLO workload (same arrivals, prompts
+and targets) against each over HTTP, print one per-class table of both."""
 
 from __future__ import annotations
 
@@ -91,61 +92,73 @@ def run(args) -> int:
     from adaserve.bench.runner import class_slos, measure_unloaded_tpot, run_http
     from adaserve.bench.tables import format_class_table
     from adaserve.bench.workload import build_workload
+    from adaserve.sched.registry import make_policy
     from adaserve.tokenizer import load_tokenizer
 
     duration = float(getattr(args, "duration", 20.0) or 20.0)
+    baseline = getattr(args, "baseline", None) or "ar-chunked"
+    make_policy(baseline)  # a clear error for an unknown name, before any server starts
+    policies = ["adaserve"] + ([baseline] if baseline != "adaserve" else [])
     host = "127.0.0.1"
-    port = int(getattr(args, "port", 0) or 0) or free_port(host)
-    base_url = f"http://{host}:{port}"
     out = Path(getattr(args, "out", None) or tempfile.mkdtemp(prefix="adaserve-demo-"))
     out.mkdir(parents=True, exist_ok=True)
-    log_path = out / "server.log"
-    cmd = [sys.executable, "-m", "adaserve", "serve", "--host", host, "--port", str(port)]
     model, draft = getattr(args, "model", None), getattr(args, "draft", None)
-    if model:  # not on the ``adaserve demo`` command line; for tests and experiments
-        cmd += ["--model", str(model)] + (["--draft", str(draft)] if draft else [])
-    print(f"starting the server: {' '.join(cmd[2:])} (log: {log_path})", file=sys.stderr)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-        )
-    try:
+    mdir = Path(model) if model else paths.DEFAULT_TARGET
+    tok = load_tokenizer(mdir) if mdir.is_dir() else None
+    results, records, config = {}, {}, None
+    for policy in policies:
+        port = int(getattr(args, "port", 0) or 0) or free_port(host)
+        base_url = f"http://{host}:{port}"
+        cmd = [sys.executable, "-m", "adaserve", "serve", "--host", host, "--port", str(port)]
+        cmd += ["--policy", policy]
+        if model:  # not on the ``adaserve demo`` command line; for tests and experiments
+            cmd += ["--model", str(model)] + (["--draft", str(draft)] if draft else [])
+        log_path = out / f"server-{policy.replace(':', '_')}.log"
+        print(f"starting the server: {' '.join(cmd[2:])} (log: {log_path})", file=sys.stderr)
+        with log_path.open("w") as log:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
         try:
-            wait_healthy(base_url, proc, HEALTH_TIMEOUT_S)
-        except AdaServeError as e:
-            raise AdaServeError(f"{e}\n--- server log tail ---\n{_tail(log_path)}") from None
-        tpot = measure_unloaded_tpot(base_url)
-        spec = demo_workload(duration, tpot)
-        mdir = Path(model) if model else paths.DEFAULT_TARGET
-        tok = load_tokenizer(mdir) if mdir.is_dir() else None
-        items = build_workload(spec, tokenizer=tok, vocab_size=_vocab_of(mdir))
-        slos = class_slos(sorted({i.cls for i in items}), spec.slo_scale, unloaded_tpot_ms=tpot)
-        print(
-            f"unloaded TPOT {tpot:.1f} ms; sending {len(items)} requests over {duration:g} s "
-            f"({spec.request_rate:.2f} req/s, mix interactive/chat/batch 60/20/20)",
-            file=sys.stderr,
-        )
-        t0 = time.perf_counter()
-        records = run_http(base_url, items, spec, slos=slos)
-        ends = [r.finish_s for r in records if r.finish_s is not None]
-        dur = max(ends) if ends else time.perf_counter() - t0
-        result = {
-            "config": {
-                **spec.to_dict(),
-                "mode": "http",
-                "base_url": base_url,
-                "policies": ["server"],
-                "unloaded_tpot_ms": tpot,
-                "slo_targets": {
-                    k: {"tpot_ms": v.tpot_ms, "ttft_ms": v.ttft_ms} for k, v in slos.items()
-                },
-                "strict_class": "interactive",
-            },
-            "results": {"server": summarize(records, dur)},
-        }
-        write_report(out, result, "serve", records={"server": records})
-        print(format_class_table(result))
-        print(f"\nresults in {out}", file=sys.stderr)
-    finally:
-        stop_server(proc)
+            try:
+                wait_healthy(base_url, proc, HEALTH_TIMEOUT_S)
+            except AdaServeError as e:
+                raise AdaServeError(f"{e}\n--- server log tail ---\n{_tail(log_path)}") from None
+            if config is None:  # one workload and one set of targets for every policy
+                tpot = measure_unloaded_tpot(base_url)
+                spec = demo_workload(duration, tpot)
+                items = build_workload(spec, tokenizer=tok, vocab_size=_vocab_of(mdir))
+                slos = class_slos(
+                    sorted({i.cls for i in items}), spec.slo_scale, unloaded_tpot_ms=tpot
+                )
+                config = {
+                    **spec.to_dict(),
+                    "mode": "http",
+                    "policies": policies,
+                    "unloaded_tpot_ms": tpot,
+                    "slo_targets": {
+                        k: {"tpot_ms": v.tpot_ms, "ttft_ms": v.ttft_ms} for k, v in slos.items()
+                    },
+                    "strict_class": "interactive",
+                }
+                print(
+                    f"unloaded TPOT {tpot:.1f} ms; sending {len(items)} requests over "
+                    f"{duration:g} s ({spec.request_rate:.2f} req/s, mix "
+                    "interactive/chat/batch 60/20/20) to each policy",
+                    file=sys.stderr,
+                )
+            t0 = time.perf_counter()
+            recs = run_http(base_url, items, spec, slos=slos)
+            ends = [r.finish_s for r in recs if r.finish_s is not None]
+            dur = max(ends) if ends else time.perf_counter() - t0
+            results[policy], records[policy] = summarize(recs, dur), recs
+        finally:
+            stop_server(proc)
+    result = {"config": config, "results": results}
+    write_report(out, result, "serve", records=records)
+    print(format_class_table(result))
+    print(f"\nresults in {out}", file=sys.stderr)
     return 0
