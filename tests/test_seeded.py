@@ -151,3 +151,32 @@ def test_seeded_output_under_concurrent_clients_on_a_live_server(tmp_path_factor
         assert n3[0].text == idle and len({ch.text for ch in n3}) == 3
     finally:
         srv.stop()
+
+
+def test_race_noise_is_exponential_independent_and_keyed_only():
+    """The noise rows: Exp(1) (Kolmogorov-Smirnov on U = exp(-E)), uncorrelated from
+    position to position and token to token, and each row a function of its key only
+    (any batch, order or chunking gives the same numbers)."""
+    import numpy as np
+    import torch
+
+    from adaserve.logits import noise_key, race_noise
+
+    keys = [noise_key(s, o) for s in range(16) for o in range(64)]  # [1024]
+    e = race_noise(keys, 1000, "cpu").double()
+    assert torch.isfinite(e).all() and (e > 0).all()
+    u = np.sort(np.exp(-e.numpy()).ravel())
+    n = len(u)
+    assert np.abs(u - (np.arange(1, n + 1) - 0.5) / n).max() < 1.63 / np.sqrt(n)  # alpha 0.01
+    assert abs(float(e.mean()) - 1) < 0.005 and abs(float(e.var()) - 1) < 0.01
+    a = e.numpy()
+    assert abs(np.corrcoef(a[:-1].ravel(), a[1:].ravel())[0, 1]) < 0.005  # next position
+    assert abs(np.corrcoef(a[:, :-1].ravel(), a[:, 1:].ravel())[0, 1]) < 0.005  # next token
+    # the winner of a race with equal p is uniform over the vocabulary
+    wins = np.bincount(a.argmin(-1) % 10, minlength=10)
+    assert ((wins - 102.4) ** 2 / 102.4).sum() < 27.9  # chi-square df 9, alpha 0.001
+    pick = list(range(len(keys) - 1, -1, -7))
+    again = race_noise([keys[i] for i in pick] + [noise_key(99, 0)], 1000, "cpu")
+    assert torch.equal(again[:-1], e[pick].float())
+    if torch.cuda.is_available():  # integer hashing: the same numbers on the GPU
+        assert torch.allclose(race_noise(keys[:8], 1000, "cuda").cpu(), e[:8].float())

@@ -65,27 +65,53 @@ def noise_key(seed: int, index: int) -> int:
     return _splitmix64(_splitmix64(seed & _M64) ^ (index & _M64))
 
 
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32) and a 32-bit constant c, by 16-bit
+    halves of c (no int64 product overflows)."""
+    hi = x * (c >> 16)
+    hi.bitwise_and_(0xFFFF).bitwise_left_shift_(16)
+    return hi.add_(x * (c & 0xFFFF)).bitwise_and_(_M32)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash with low bias (Wellons' "lowbias32")."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x ^= x >> 15
+    x = _mul32(x, 0x846CA68B)
+    x ^= x >> 16
+    return x
+
+
 def race_noise(keys: Sequence[int], vocab: int, device: torch.device | str) -> torch.Tensor:
-    """[K, vocab] float32 exponential variates E = -log(U), row k i.i.d. and a function
-    of ``keys[k]`` only (not of the other rows, the batch or the device's RNG state).
+    """[K, vocab] float32 exponential variates E = -log(U), row k i.i.d. over the
+    vocabulary and a function of ``keys[k]`` only: not of the other rows, the batch,
+    any generator's state or the device (the same numbers on CPU and GPU).
 
     Seeded sampling draws the token of a distribution p as ``argmax_x p(x) / E(x)``
     (the exponential race, i.e. the Gumbel-max trick: ``log p - log E`` is ``log p``
-    plus standard Gumbel noise), an exact sample of p for E i.i.d. Exp(1). U is
-    float64: uniforms of a row come from a generator seeded with the key (CUDA's
-    Philox takes all 64 bits; the CPU generator keeps 32, so there U is the sum modulo
-    1 of two streams, one per half of the key)."""
+    plus standard Gumbel noise), an exact sample of p for E i.i.d. Exp(1).
+
+    U is a counter-based hash of (key, token id): two 32-bit words, each two keyed
+    rounds of ``_mix32`` under 64 bits of key material, make its 53 bits (float64,
+    in (0, 1)). All integer work is int64 with no overflow; rows are hashed in chunks
+    that stay in cache on a CPU and are few launches on a GPU."""
     device = torch.device(device)
     out = torch.empty(len(keys), vocab, dtype=torch.float32, device=device)
-    g = torch.Generator(device=device)
-    u = torch.empty(vocab, dtype=torch.float64, device=device)
-    v = torch.empty_like(u) if device.type == "cpu" else None
-    for k, key in enumerate(keys):
-        if v is None:
-            u.uniform_(generator=g.manual_seed(key & _M64))
-        else:
-            u.uniform_(generator=g.manual_seed(key & _M32))
-            v.uniform_(generator=g.manual_seed((key & _M64) >> 32))
-            u.add_(v).frac_()
-        out[k] = u.log_().neg_()  # U = 0 gives E = inf: that token never wins
+    words = []
+    for k in keys:
+        k2 = _splitmix64(k & _M64)
+        words.append([k & _M32, (k & _M64) >> 32, k2 & _M32, k2 >> 32])
+    if not keys:
+        return out
+    kw = torch.tensor(words, dtype=torch.int64, device=device)  # [K, 4]
+    x = torch.arange(vocab, dtype=torch.int64, device=device)[None]  # [1, V]
+    rows = max(1, (1 << (16 if device.type == "cpu" else 24)) // max(vocab, 1))
+    for a in range(0, len(keys), rows):
+        k = kw[a : a + rows]
+        hi = _mix32(_mix32(x ^ k[:, 0:1]) ^ k[:, 1:2])
+        lo = _mix32(_mix32(x ^ k[:, 2:3]) ^ k[:, 3:4])
+        v = hi.bitwise_left_shift_(21).bitwise_or_(lo.bitwise_right_shift_(11))  # [0, 2**53)
+        u = v.double().add_(0.5).mul_(2.0**-53)
+        out[a : a + rows] = u.log_().neg_()
     return out
