@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import pytest
 from conftest import random_prompts
+from test_spec import run  # an engine on a fake clock, its outputs
 
 from adaserve import LLM, SamplingParams
-from adaserve.core.clock import TickClock
 
 POLICIES = ["spec-chain:4", "spec-tree", "spec-tree:3x2", "adaserve", "dyn-tree", "smartspec"]
 
@@ -25,19 +25,6 @@ def profile_file(tmp_path_factory):
     cheap = {"tokens": [1, 64, 256, 1024], "latency_ms": [10.0, 11.0, 14.0, 30.0]}
     p.write_text(json.dumps({"verify": cheap, "draft_step_ms": 0.2}))
     return str(p)
-
-
-def engine(target, draft, policy, profile=None, **kw) -> LLM:
-    return LLM(
-        model=str(target),
-        draft=str(draft) if draft else None,
-        no_draft=draft is None,
-        policy=policy,
-        kv_cache_bytes=kw.pop("kv_cache_bytes", 32 << 20),
-        profile=profile,
-        clock=TickClock(0.001),
-        **kw,
-    )
 
 
 def generate(llm: LLM, prompts, params) -> list[list[int]]:
@@ -61,12 +48,12 @@ def test_seeded_output_is_the_same_under_every_policy_and_draft(tiny_pair, profi
     target, draft, _ = tiny_pair
     prompts = random_prompts(24, seed=31, lo=2, hi=40)
     params = seeded_params(len(prompts))
-    ref = generate(engine(target, None, "ar"), prompts, params)
+    ref, _ = run(target, None, "ar", prompts, params)
     assert len({tuple(r) for r in ref}) == len(ref)
     d = target if which == "self" else draft
     for pol in POLICIES:
-        llm = engine(target, d, pol, profile_file)
-        assert generate(llm, prompts, params) == ref, pol
+        got, llm = run(target, d, pol, prompts, params, profile_file)
+        assert got == ref, pol
         c = llm.engine.counters
         assert c.spec_draft_tokens > 0, f"{pol} never speculated"
         if which == "self":
@@ -79,7 +66,7 @@ def test_seeded_output_alone_equals_output_in_a_loaded_batch(tiny_pair, profile_
     target, draft, _ = tiny_pair
     mine = random_prompts(6, seed=32, lo=3, hi=30)
     mine_p = seeded_params(len(mine), max_tokens=24)
-    llm = engine(target, draft, "adaserve", profile_file)
+    _, llm = run(target, draft, "adaserve", mine[:1], mine_p[:1], profile_file)
     alone = [generate(llm, [p], [sp])[0] for p, sp in zip(mine, mine_p)]
     others = random_prompts(60, seed=33, lo=2, hi=70)
     others_p = [
@@ -95,9 +82,8 @@ def test_seeded_output_alone_equals_output_in_a_loaded_batch(tiny_pair, profile_
         ("adaserve", {}),
         ("spec-tree:4x2", {"kv_cache_bytes": 640 * 16 * 40, "max_prefill_tokens": 32}),
     ]:
-        big = engine(target, draft, pol, profile_file, **kw)
-        got = generate(big, prompts, params)[30:36]
-        assert got == alone, pol
+        got, big = run(target, draft, pol, prompts, params, profile_file, **kw)
+        assert got[30:36] == alone, pol
     assert big.engine.counters.preemptions > 0  # the recompute path was taken
     # another seed gives other tokens
     other = [replace(sp, seed=sp.seed + 7) for sp in mine_p]
@@ -110,8 +96,7 @@ def test_seeded_choices_of_n_match_single_requests(tiny_pair, profile_file):
     target, draft, _ = tiny_pair
     prompt = random_prompts(1, seed=34)[0]
     sp = SamplingParams(temperature=1.0, max_tokens=20, seed=77)
-    llm = engine(target, draft, "spec-tree", profile_file)
-    one = generate(llm, [prompt], [sp])[0]
+    (one,), llm = run(target, draft, "spec-tree", [prompt], [sp], profile_file)
     second = generate(llm, [prompt], [replace(sp, seed=78)])[0]
     three = generate(llm, [prompt] * 3, [replace(sp, seed=77 + j) for j in range(3)])
     assert three[0] == one and three[1] == second and len({tuple(x) for x in three}) == 3
