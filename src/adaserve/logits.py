@@ -65,21 +65,15 @@ def noise_key(seed: int, index: int) -> int:
     return _splitmix64(_splitmix64(seed & _M64) ^ (index & _M64))
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for int64 x in [0, 2**32) and a 32-bit constant c, by 16-bit
-    halves of c (no int64 product overflows)."""
-    hi = x * (c >> 16)
-    hi.bitwise_and_(0xFFFF).bitwise_left_shift_(16)
-    return hi.add_(x * (c & 0xFFFF)).bitwise_and_(_M32)
-
-
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijective 32-bit integer hash with low bias (Wellons' "lowbias32")."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
+    """A bijective 32-bit integer hash of int64 x in [0, 2**32) (in place): the
+    "prospector32" of Wellons' hash-prospector (xorshift-multiply, 2 rounds). Its
+    multipliers are below 2**31, so no int64 product overflows."""
     x ^= x >> 15
-    x = _mul32(x, 0x846CA68B)
-    x ^= x >> 16
+    x.mul_(0x2C1B3C6D).bitwise_and_(_M32)
+    x ^= x >> 12
+    x.mul_(0x297A2D39).bitwise_and_(_M32)
+    x ^= x >> 15
     return x
 
 
@@ -109,8 +103,8 @@ def race_noise(keys: Sequence[int], vocab: int, device: torch.device | str) -> t
     rows = max(1, (1 << (16 if device.type == "cpu" else 24)) // max(vocab, 1))
     for a in range(0, len(keys), rows):
         k = kw[a : a + rows]
-        hi = _mix32(_mix32(x ^ k[:, 0:1]) ^ k[:, 1:2])
-        lo = _mix32(_mix32(x ^ k[:, 2:3]) ^ k[:, 3:4])
+        hi = _mix32(_mix32(x ^ k[:, 0:1]).bitwise_xor_(k[:, 1:2]))
+        lo = _mix32(_mix32(x ^ k[:, 2:3]).bitwise_xor_(k[:, 3:4]))
         v = hi.bitwise_left_shift_(21).bitwise_or_(lo.bitwise_right_shift_(11))  # [0, 2**53)
         u = v.double().add_(0.5).mul_(2.0**-53)
         out[a : a + rows] = u.log_().neg_()

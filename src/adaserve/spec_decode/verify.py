@@ -37,10 +37,10 @@ is decided at once (sibling rank by sibling rank, all nodes together), and the w
 from each root then follows the accepted child of each node (``max_depth`` gathers).
 Nodes the walk never reaches are decided too, with uniforms nothing else uses, so
 the visited nodes see fresh, independent uniforms: the same law as the one-node-at-
-a-time walk, hence lossless. Randomness: an unseeded stochastic request with n nodes draws
-``torch.rand(n, float64)`` from its own generator, once a step: entry 0 (the root's)
-is the uniform of its bonus/recovered draw (by inverse CDF, in float64), entry c >= 1
-the uniform that accepts or rejects node c. Its result therefore depends only on its
+a-time walk, hence lossless. Randomness: an unseeded stochastic request with n nodes
+draws ``torch.rand(n, float64)`` from its own generator, once a step: entry 0 (the
+root's) is the uniform of its bonus/recovered draw (by inverse CDF, in float64), entry
+c >= 1 the uniform that accepts or rejects node c. Its result therefore depends only on its
 tree, its logits rows and its generator, not on the other requests in the batch; the
 same generator state gives the same tokens. Greedy requests draw nothing; seeded ones
 draw from ``race_noise`` only, one row per depth of their tree.
