@@ -11,9 +11,13 @@ from dataclasses import replace
 
 import pytest
 from conftest import random_prompts
+from server_fixtures import LiveServer, engine_config, model_pair, server_test_env
 from test_spec import run  # an engine on a fake clock, its outputs
 
 from adaserve import LLM, SamplingParams
+
+# one torch thread and an empty adaserve cache (no stored hardware profile)
+_env = pytest.fixture(scope="module", autouse=True)(server_test_env)
 
 POLICIES = ["spec-chain:4", "spec-tree", "spec-tree:3x2", "adaserve", "dyn-tree", "smartspec"]
 
@@ -106,8 +110,6 @@ def test_seeded_output_under_concurrent_clients_on_a_live_server(tmp_path_factor
     """Over HTTP with real timing (the adaptive policy's trees follow the load): the
     same seeded request, idle and while other clients stream, 8 of 8 identical; choice
     0 of ``n = 3`` equals ``n = 1``."""
-    from server_fixtures import LiveServer, engine_config, model_pair
-
     target, draft = model_pair(tmp_path_factory)
     srv = LiveServer(engine_config(target, draft, policy="adaserve"))
     try:
