@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import chi_square_rejects, random_prompts, save_tiny
+from conftest import chi_square, chi_square_rejects, random_prompts, save_tiny
 
 from adaserve import LLM, SamplingParams
 from adaserve.core.clock import TickClock
-from adaserve.logits import target_probs
+from adaserve.logits import make_generator, target_probs
 from adaserve.models.loader import load_model
 from adaserve.paths import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -162,7 +162,14 @@ def exact_joint(model_dir, prompt, sp) -> np.ndarray:
     return (p1[:, None] * p2).double().numpy()
 
 
-def sample_joint(target, draft, policy, prompt, sp, n, draft_sample=False) -> np.ndarray:
+def sample_joint(
+    target, draft, policy, prompt, sp, n, draft_sample=False, seeded=False
+) -> np.ndarray:
+    """Counts of the first two tokens of n requests for ``prompt`` through the engine.
+
+    seeded: request i has ``seed=i`` (the position-keyed noise of seeded sampling);
+    else no seed (the residual method), the generators still fixed (0..n-1) so that
+    the test is reproducible."""
     llm = LLM(
         model=str(target),
         draft=str(draft),
@@ -171,9 +178,17 @@ def sample_joint(target, draft, policy, prompt, sp, n, draft_sample=False) -> np
         max_num_seqs=512,
         draft_sample=draft_sample,
     )
+    if not seeded:
+        runner = llm.engine.runner
+        fixed = iter(range(n))
+        runner.generator = lambda seed: make_generator(next(fixed), runner.device)
     params = [
         SamplingParams(
-            temperature=sp.temperature, top_p=sp.top_p, min_p=sp.min_p, max_tokens=2, seed=i
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            min_p=sp.min_p,
+            max_tokens=2,
+            seed=i if seeded else None,
         )
         for i in range(n)
     ]
@@ -190,17 +205,21 @@ PROMPT = [3, 7, 1, 4]
 
 
 @pytest.mark.parametrize(
-    "temperature, top_p, draft_sample, min_p",
+    "temperature, top_p, draft_sample, min_p, seeded",
     [
-        (1.0, 1.0, False, 0.0),
-        (1.0, 0.8, False, 0.0),
-        (1.0, 1.0, True, 0.0),
-        (1.5, 0.9, True, 0.0),
-        (1.5, 1.0, True, 0.05),
+        (1.0, 1.0, False, 0.0, False),
+        (1.0, 0.8, False, 0.0, False),
+        (1.0, 1.0, True, 0.0, False),
+        (1.5, 0.9, True, 0.0, False),
+        (1.5, 1.0, True, 0.05, False),
+        # seeded sampling (one seed a request): the position-keyed noise verified greedily
+        (1.0, 1.0, False, 0.0, True),
+        (1.0, 0.8, True, 0.0, True),
+        (1.5, 1.0, True, 0.05, True),
     ],
 )
 def test_speculative_sampling_matches_target_distribution(
-    small_pair, temperature, top_p, draft_sample, min_p
+    small_pair, temperature, top_p, draft_sample, min_p, seeded
 ):
     target, draft = small_pair
     sp = SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p)
@@ -208,8 +227,12 @@ def test_speculative_sampling_matches_target_distribution(
     if min_p:  # it does cut tokens here
         plain = exact_joint(target, PROMPT, SamplingParams(temperature=temperature, top_p=top_p))
         assert (probs == 0).sum() > (plain == 0).sum()
-    counts = sample_joint(target, draft, "spec-tree:3x3", PROMPT, sp, N_SAMPLES, draft_sample)
-    assert not chi_square_rejects(counts, probs)
+    counts = sample_joint(
+        target, draft, "spec-tree:3x3", PROMPT, sp, N_SAMPLES, draft_sample, seeded
+    )
+    stat, df, p = chi_square(counts, probs)
+    print(f"chi2={stat:.1f} df={df} p={p:.3f}")
+    assert not chi_square_rejects(counts, probs), (stat, df, p)
 
 
 def test_broken_verifier_fails_the_distribution_test(small_pair, monkeypatch):
@@ -230,6 +253,23 @@ def test_broken_verifier_fails_the_distribution_test(small_pair, monkeypatch):
     probs = exact_joint(target, PROMPT, sp)
     counts = sample_joint(target, draft, "spec-tree:3x3", PROMPT, sp, N_SAMPLES)
     assert chi_square_rejects(counts, probs)
+
+
+def test_seeded_noise_shared_by_positions_fails_the_distribution_test(small_pair, monkeypatch):
+    """Negative control of seeded sampling: one noise row for every output position
+    (keyed by the seed alone) gives each token the right marginal but not the joint:
+    the noise must be independent from position to position."""
+    import adaserve.spec_decode.batch as vb
+    from adaserve.logits import noise_key
+
+    monkeypatch.setattr(vb, "noise_key", lambda seed, index: noise_key(seed, 0))
+    target, draft = small_pair
+    sp = SamplingParams(temperature=1.0)
+    probs = exact_joint(target, PROMPT, sp)
+    counts = sample_joint(target, draft, "spec-tree:3x3", PROMPT, sp, N_SAMPLES, seeded=True)
+    stat, df, p = chi_square(counts, probs)
+    print(f"chi2={stat:.1f} df={df} p={p:.3g}")
+    assert chi_square_rejects(counts, probs), (stat, df, p)
 
 
 def resized_copy(src, dst, vocab: int, seed: int = 0):

@@ -4,6 +4,8 @@ request itself, and the result reaches the host in one copy."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -294,12 +296,13 @@ def exact_joint(sp: SamplingParams) -> np.ndarray:
     return (p1[:, None] * p2).double().numpy()
 
 
-def sample_joint(sp: SamplingParams, sampled: bool, with_q: bool) -> np.ndarray:
+def sample_joint(sp: SamplingParams, sampled: bool, with_q: bool, seeded=False) -> np.ndarray:
     """Counts of the first two tokens of N_REQ requests: one batched verification of
     a depth-2 tree each, then (for those that gained one token) a root-only step.
 
     sampled: children drawn i.i.d. from the draft distribution q (else its top-k);
-    with_q:  verify against q (the right pairing is with_q == sampled)."""
+    with_q:  verify against q (the right pairing is with_q == sampled);
+    seeded:  request i has ``seed=i`` (position-keyed noise; q is then unused)."""
     draft_gen = gen(12345)
     trees, qs, rows = [], [], []
     cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -328,9 +331,11 @@ def sample_joint(sp: SamplingParams, sampled: bool, with_q: bool) -> np.ndarray:
         rows.append(torch.stack([at(p)[0] for p in prefixes]))
         qs.append({n: at(prefixes[n])[1] for n in set(SHAPE)} if with_q else None)
     gens = [gen(i) for i in range(N_REQ)]
-    res = verify(VerifyBatch.build(trees, [sp] * N_REQ, gens, draft_q=qs), torch.cat(rows))
-    assert sum(res.num_accepted) > 0.4 * N_REQ  # speculation did its part
-    assert sum(n == 2 for n in res.num_accepted) > 0.1 * N_REQ
+    ps = [replace(sp, seed=i) for i in range(N_REQ)] if seeded else [sp] * N_REQ
+    res = verify(VerifyBatch.build(trees, ps, gens, draft_q=qs), torch.cat(rows))
+    # speculation did its part (seeded: the mass of the children, q does not help)
+    assert sum(res.num_accepted) > (0.3 if seeded else 0.4) * N_REQ
+    assert sum(n == 2 for n in res.num_accepted) > 0.05 * N_REQ
     counts = np.zeros((V_SMALL, V_SMALL))
     again = [i for i, n in enumerate(res.new_tokens) if len(n) == 1]
     for n in res.new_tokens:
@@ -339,7 +344,10 @@ def sample_joint(sp: SamplingParams, sampled: bool, with_q: bool) -> np.ndarray:
     if again:  # their second token: a root-only step, the same generators going on
         x1 = [res.new_tokens[i][0] for i in again]
         b = VerifyBatch.build(
-            [CandidateTree.root_only(x) for x in x1], [sp] * len(again), [gens[i] for i in again]
+            [CandidateTree.root_only(x) for x in x1],
+            [ps[i] for i in again],
+            [gens[i] for i in again],
+            out_index=[1] * len(again),  # their second output token
         )
         res2 = verify(b, torch.stack([target_logits(PROMPT + (x,)) for x in x1]))
         for x, x2 in zip(x1, res2.bonus):
@@ -379,3 +387,102 @@ def test_q_acceptance_of_top_k_children_fails_the_distribution_test():
     stat, df, p = chi_square(counts, probs)
     print(f"chi2={stat:.1f} df={df} p={p:.3g}")
     assert chi_square_rejects(counts, probs), (stat, df, p)
+
+
+# ---------------------------------------------------------------- seeded sampling
+@pytest.mark.parametrize(
+    "temperature, top_p, top_k, min_p, sampled",
+    [
+        (1.0, 1.0, 0, 0.0, False),
+        (1.2, 0.9, 6, 0.0, False),
+        (1.5, 1.0, 0, 0.05, True),
+    ],
+)
+def test_batched_seeded_verification_matches_the_target_distribution(
+    temperature, top_p, top_k, min_p, sampled
+):
+    """Seeded requests (one seed each) verified against the perturbed argmax: the
+    first two tokens have the target's joint distribution."""
+    sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+    probs = exact_joint(sp)
+    counts = sample_joint(sp, sampled, with_q=sampled, seeded=True)
+    stat, df, p = chi_square(counts, probs)
+    print(f"chi2={stat:.1f} df={df} p={p:.3f}")
+    assert not chi_square_rejects(counts, probs), (stat, df, p)
+
+
+def seeded_chain(sp: SamplingParams, n: int) -> list[int]:
+    """Non-speculative seeded sampling with the stand-in model: token o is
+    ``argmax p / E`` with the noise of ``noise_key(seed, o)``."""
+    from adaserve.logits import noise_key, race_noise
+
+    prefix = PROMPT
+    for o in range(n):
+        p = target_probs(target_logits(prefix)[None], sp)[0]
+        e = race_noise([noise_key(sp.seed, o)], V_SMALL, "cpu")[0]
+        prefix += (int((p / e).argmax()),)
+    return list(prefix[len(PROMPT) :])
+
+
+def test_seeded_tokens_do_not_depend_on_the_tree():
+    """Whatever the trees (random shapes and tokens, the chain itself, nothing) and the
+    batch, a seeded request's tokens are those of seeded sampling without speculation."""
+    rng = np.random.default_rng(13)
+    sp = SamplingParams(temperature=1.0, top_p=0.95)
+    n_out = 8
+    want = {s: seeded_chain(replace(sp, seed=s), n_out) for s in range(12)}
+    greedy_hit = 0
+    for trial in range(6):
+        # 12 seeded requests, each decoding from its own progress, plus unseeded ones
+        state = {s: [] for s in want}
+        while any(len(v) < n_out for v in state.values()):
+            trees, params, gens, rows, outs = [], [], [], [], []
+            for s, got in state.items():
+                if len(got) >= n_out:
+                    continue
+                prefix = PROMPT + tuple(got)
+                kind = rng.integers(0, 3)
+                if kind == 0:  # the right chain continued by random tokens
+                    k = int(rng.integers(1, 5))
+                    chain = want[s][len(got) : len(got) + k]
+                    t = make_tree([prefix[-1]] + chain, [0] + list(range(len(chain))))
+                elif kind == 1:
+                    t = random_tree(rng, V_SMALL, int(rng.integers(2, 12)))
+                    t.tokens[0] = prefix[-1]
+                else:
+                    t = CandidateTree.root_only(prefix[-1])
+                pre = [prefix]
+                for i in range(1, len(t.tokens)):
+                    pre.append(pre[int(t.parents[i])] + (int(t.tokens[i]),))
+                trees.append(t)
+                params.append(replace(sp, seed=s))
+                gens.append(gen(int(rng.integers(1 << 30))))  # unused by seeded requests
+                rows.append(torch.stack([target_logits(x) for x in pre]))
+                outs.append(len(got))
+            for i in range(int(rng.integers(0, 4))):  # unseeded and greedy neighbours
+                t = random_tree(rng, V_SMALL, int(rng.integers(1, 8)))
+                trees.append(t)
+                params.append(HOT if i % 2 else GREEDY)
+                gens.append(gen(i))
+                rows.append(torch.randn(len(t.tokens), V_SMALL, generator=gen(99 + i)))
+                outs.append(int(rng.integers(0, 50)))
+            order = rng.permutation(len(trees))
+            pick = [int(i) for i in order]
+            res = verify(
+                VerifyBatch.build(
+                    [trees[i] for i in pick],
+                    [params[i] for i in pick],
+                    [gens[i] for i in pick],
+                    out_index=[outs[i] for i in pick],
+                ),
+                torch.cat([rows[i] for i in pick]),
+            )
+            for j, i in enumerate(pick):
+                if params[i].seed is not None:
+                    state[params[i].seed] += res.new_tokens[j]
+                    greedy_hit += res.num_accepted[j]
+        for s, got in state.items():
+            assert got[:n_out] == want[s], (trial, s)
+    assert greedy_hit > 50  # speculation accepted tokens along the way
+    # and the noise is the seed's: other seeds give other tokens
+    assert len({tuple(v) for v in want.values()}) == len(want)

@@ -1,7 +1,9 @@
-"""Target-distribution processing of logits (temperature, top-k, top-p) and
-per-request random generators."""
+"""Target-distribution processing of logits (temperature, top-k, top-p), per-request
+random generators, and the position-keyed noise of seeded sampling."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -42,3 +44,68 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     else:
         g.manual_seed(seed)
     return g
+
+
+# ---------------------------------------------------------------- seeded sampling
+_M32 = (1 << 32) - 1
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def noise_key(seed: int, index: int) -> int:
+    """The 64-bit key of the sampling noise of output token ``index`` (0: the first
+    generated token) of a request seeded with ``seed``: a function of the two only
+    (seeds are taken modulo 2**64)."""
+    return _splitmix64(_splitmix64(seed & _M64) ^ (index & _M64))
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash of int64 x in [0, 2**32) (in place): the
+    "prospector32" of Wellons' hash-prospector (xorshift-multiply, 2 rounds). Its
+    multipliers are below 2**31, so no int64 product overflows."""
+    x ^= x >> 15
+    x.mul_(0x2C1B3C6D).bitwise_and_(_M32)
+    x ^= x >> 12
+    x.mul_(0x297A2D39).bitwise_and_(_M32)
+    x ^= x >> 15
+    return x
+
+
+def race_noise(keys: Sequence[int], vocab: int, device: torch.device | str) -> torch.Tensor:
+    """[K, vocab] float32 exponential variates E = -log(U), row k i.i.d. over the
+    vocabulary and a function of ``keys[k]`` only: not of the other rows, the batch,
+    any generator's state or the device (the same numbers on CPU and GPU).
+
+    Seeded sampling draws the token of a distribution p as ``argmax_x p(x) / E(x)``
+    (the exponential race, i.e. the Gumbel-max trick: ``log p - log E`` is ``log p``
+    plus standard Gumbel noise), an exact sample of p for E i.i.d. Exp(1).
+
+    U is a counter-based hash of (key, token id): two 32-bit words, each two keyed
+    rounds of ``_mix32`` under 64 bits of key material, make its 53 bits (float64,
+    in (0, 1)). All integer work is int64 with no overflow; rows are hashed in chunks
+    that stay in cache on a CPU and are few launches on a GPU."""
+    device = torch.device(device)
+    out = torch.empty(len(keys), vocab, dtype=torch.float32, device=device)
+    words = []
+    for k in keys:
+        k2 = _splitmix64(k & _M64)
+        words.append([k & _M32, (k & _M64) >> 32, k2 & _M32, k2 >> 32])
+    if not keys:
+        return out
+    kw = torch.tensor(words, dtype=torch.int64, device=device)  # [K, 4]
+    x = torch.arange(vocab, dtype=torch.int64, device=device)[None]  # [1, V]
+    rows = max(1, (1 << (16 if device.type == "cpu" else 24)) // max(vocab, 1))
+    for a in range(0, len(keys), rows):
+        k = kw[a : a + rows]
+        hi = _mix32(_mix32(x ^ k[:, 0:1]).bitwise_xor_(k[:, 1:2]))
+        lo = _mix32(_mix32(x ^ k[:, 2:3]).bitwise_xor_(k[:, 3:4]))
+        v = hi.bitwise_left_shift_(21).bitwise_or_(lo.bitwise_right_shift_(11))  # [0, 2**53)
+        u = v.double().add_(0.5).mul_(2.0**-53)
+        out[a : a + rows] = u.log_().neg_()
+    return out

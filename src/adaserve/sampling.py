@@ -20,6 +20,9 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely (0 = off)
     max_tokens: int = 16
+    # seeded sampling: the token at output index o is drawn with noise keyed by
+    # (seed, o) only (``adaserve.logits.race_noise``), so the output does not depend
+    # on the policy, the trees, the batch or the load; None = the request's generator
     seed: int | None = None
     stop: tuple[str, ...] | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)

@@ -231,6 +231,8 @@ class ModelRunner:
             device=self.device,
             first_rows=first_rows,
             draft_q=q_rows,
+            # every root predicts the token after the request's committed ones
+            out_index=[len(r.tokens) - r.prompt_len for r in vreqs],
         )
         meta = AttnMetadata.build(seqs, self.device, self.target.cfg.sliding_window)
         hidden = self.target(

@@ -7,9 +7,10 @@ position in that flat layout, which is also the row of the verifier's logits
 ``[N, V]``; a *local* one is an index into the request's own ``CandidateTree``.
 
 Everything structural (who is whose child, which siblings are tried in which order,
-which requests are greedy) is known on the host from the trees, so ``build`` turns it
-into index tensors once; ``verify`` then only launches device work and copies one
-result tensor back (see ``adaserve.spec_decode.verify``).
+which requests are greedy or seeded, which noise each seeded node uses) is known on
+the host from the trees, so ``build`` turns it into index tensors once; ``verify``
+then only launches device work and copies one result tensor back (see
+``adaserve.spec_decode.verify``).
 
 Use in the engine: ``ModelRunner.verify_forward`` builds the batch while it lays out
 the forward (a prefill that completes its prompt is a root-only request at its last
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from adaserve.core.tree import CandidateTree
+from adaserve.logits import noise_key
 from adaserve.sampling import SamplingParams
 
 
@@ -56,16 +58,23 @@ class VerifyBatch:
       parents:     [N] int64, global index of each node's parent (a root: itself)
       max_depth:   depth of the deepest candidate in the batch (0: all root-only)
       greedy:      [R] bool, the request decodes greedily (argmax of the raw logits)
+      seeded:      [R] bool, stochastic with ``params.seed``: its token at output index
+                   o is ``argmax p / E`` with the noise E of ``noise_key(seed, o)``
+                   (``logits.race_noise``), so it is verified like a greedy request
+                   against that argmax (see ``adaserve.spec_decode.verify``)
       params:      [R] sampling params (temperature / top_k / top_p / min_p are applied
                    by ``target_probs``; greedy requests ignore them)
       generators:  [R] the request's own generator (None: torch's default generator);
-                   only stochastic requests draw from it
-      use_q:       [R] bool, stochastic and verified against draft q rows (sampled
-                   drafts); False: deterministic-draft residual method
+                   only unseeded stochastic requests draw from it
+      use_q:       [R] bool, unseeded stochastic and verified against draft q rows
+                   (sampled drafts); False: deterministic-draft residual method
       prob_groups: [(params, [M] int64 global node indices)], the stochastic nodes
-                   grouped by identical processing params (one ``target_probs`` each)
-      sibling_steps: stochastic edges by sibling rank j = 0, 1, ..., each rank split
-                   by ``with_q``; the verifier tries rank j before rank j + 1
+                   (seeded ones too) grouped by identical processing params (one
+                   ``target_probs`` each)
+      sibling_steps: unseeded stochastic edges by sibling rank j = 0, 1, ..., each rank
+                   split by ``with_q``; the verifier tries rank j before rank j + 1
+      noise_keys:  [K] the noise keys of the seeded requests' positions: request r's
+                   node at depth d predicts output index ``out_index[r] + d``
     Device side (``device``):
       tokens:      [N] int64, node tokens
       hidden_rows: [N] int64, row of each node in the target forward's hidden states
@@ -73,9 +82,12 @@ class VerifyBatch:
                    were sampled from (zero rows for nodes without one); None when no
                    request has q rows
       roots:       [R] int64, global index of each request's root (cu_nodes[:-1])
-      stochastic:  [R_s] int64, indices of the stochastic requests
-      greedy_parent, greedy_child: [E_g] int64, the edges of greedy requests' trees
-                   (global indices; empty tensors when there are none)
+      stochastic:  [R_s] int64, indices of the unseeded stochastic requests (residual
+                   method: their bonus is an inverse-CDF draw)
+      seeded_nodes: [M_s] int64, global indices of the seeded requests' nodes
+      noise_rows:  [M_s] int64, the row of ``race_noise(noise_keys)`` each one uses
+      argmax_parent, argmax_child: [E_g] int64, the edges of greedy and seeded
+                   requests' trees (global indices; empty tensors when there are none)
     """
 
     cu_nodes: np.ndarray
@@ -83,18 +95,22 @@ class VerifyBatch:
     parents: np.ndarray
     max_depth: int
     greedy: list[bool]
+    seeded: list[bool]
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
     use_q: list[bool]
     prob_groups: list[tuple[SamplingParams, torch.Tensor]]
     sibling_steps: list[SiblingStep]
+    noise_keys: list[int]
     tokens: torch.Tensor
     hidden_rows: torch.Tensor
     draft_q: torch.Tensor | None
     roots: torch.Tensor
     stochastic: torch.Tensor
-    greedy_parent: torch.Tensor
-    greedy_child: torch.Tensor
+    seeded_nodes: torch.Tensor
+    noise_rows: torch.Tensor
+    argmax_parent: torch.Tensor
+    argmax_child: torch.Tensor
     device: torch.device
 
     @property
@@ -115,6 +131,7 @@ class VerifyBatch:
         device: torch.device | str = "cpu",
         first_rows: Sequence[int] | None = None,
         draft_q: Sequence[dict[int, torch.Tensor] | None] | None = None,
+        out_index: Sequence[int] | None = None,
     ) -> VerifyBatch:
         """Flatten the requests' trees (host work plus a few host-to-device copies).
 
@@ -125,13 +142,19 @@ class VerifyBatch:
                     its other nodes following it; None: rows 0..N-1 in node order
         draft_q:    [R] ``DraftOutput.q_rows`` (draft node index -> [V] draft
                     distribution) or None; indexed through ``tree.origin`` when the
-                    tree is a subtree of the drafted one. Used for stochastic requests.
+                    tree is a subtree of the drafted one. Used for unseeded stochastic
+                    requests.
+        out_index:  [R] output index (0: the first generated token) of the token each
+                    request's root predicts: ``len(tokens) - prompt_len`` before the
+                    step; None: 0 for all. Keys the noise of seeded requests.
         """
         R = len(trees)
         lens = {len(params), len(generators)}
-        lens |= {len(x) for x in (first_rows, draft_q) if x is not None}
+        lens |= {len(x) for x in (first_rows, draft_q, out_index) if x is not None}
         if lens - {R}:
-            raise ValueError("trees, params, generators, first_rows, draft_q differ in length")
+            raise ValueError(
+                "trees, params, generators, first_rows, draft_q, out_index differ in length"
+            )
         device = torch.device(device)
         sizes = np.array([len(t.tokens) for t in trees], dtype=np.int64)
         if (sizes < 1).any():
@@ -150,13 +173,15 @@ class VerifyBatch:
             raise ValueError("a tree is not rooted at node 0 with parents before children")
         max_depth = max((int(np.max(t.depth)) for t in trees), default=0)
         greedy = [p.greedy for p in params]
+        seeded = [not p.greedy and p.seed is not None for p in params]
+        argmax_req = np.array([g or s for g, s in zip(greedy, seeded)], dtype=bool)
 
         use_q = [False] * R
         q_at: list[int] = []
         q_rows: list[torch.Tensor] = []
         for r, t in enumerate(trees):
             qr = draft_q[r] if draft_q is not None else None
-            if greedy[r] or not qr or sizes[r] == 1:
+            if argmax_req[r] or not qr or sizes[r] == 1:
                 continue
             origin = t.origin if t.origin is not None else np.arange(sizes[r])
             for local in np.unique(np.asarray(t.parents)[1:]):  # the nodes with children
@@ -176,7 +201,7 @@ class VerifyBatch:
         rank = np.empty_like(child)
         rank[order] = np.arange(len(sp)) - np.repeat(start, np.diff(np.r_[start, len(sp)]))
         req_of_edge = np.searchsorted(cu, child, side="right") - 1
-        edge_greedy = np.asarray(greedy, dtype=bool)[req_of_edge]
+        edge_argmax = argmax_req[req_of_edge]
         edge_q = np.asarray(use_q, dtype=bool)[req_of_edge]
 
         def t64(a) -> torch.Tensor:
@@ -185,7 +210,7 @@ class VerifyBatch:
         steps = []
         for j in range(int(rank.max()) + 1 if len(rank) else 0):
             for with_q in (False, True):
-                sel = (rank == j) & ~edge_greedy & (edge_q == with_q)
+                sel = (rank == j) & ~edge_argmax & (edge_q == with_q)
                 if sel.any():
                     steps.append(SiblingStep(t64(par[sel]), t64(child[sel]), with_q))
 
@@ -195,6 +220,17 @@ class VerifyBatch:
                 key = (p.temperature, p.top_k, p.top_p, p.min_p)
                 groups.setdefault(key, (p, []))[1].append(np.arange(cu[r], cu[r + 1]))
         prob_groups = [(p, t64(cat(nodes))) for p, nodes in groups.values()]
+
+        # seeded requests: one noise row per (request, depth), keyed by the output index
+        keys: list[int] = []
+        s_nodes, s_rows = [], []
+        for r, t in enumerate(trees):
+            if seeded[r]:
+                o = int(out_index[r]) if out_index is not None else 0
+                depth = np.asarray(t.depth, dtype=np.int64)
+                s_nodes.append(np.arange(cu[r], cu[r + 1]))
+                s_rows.append(len(keys) + depth)
+                keys += [noise_key(params[r].seed, o + d) for d in range(int(depth.max()) + 1)]
 
         q = None
         if q_rows:
@@ -210,18 +246,22 @@ class VerifyBatch:
             parents=parents,
             max_depth=max_depth,
             greedy=greedy,
+            seeded=seeded,
             params=list(params),
             generators=list(generators),
             use_q=use_q,
             prob_groups=prob_groups,
             sibling_steps=steps,
+            noise_keys=keys,
             tokens=t64(tokens),
             hidden_rows=t64(hidden),
             draft_q=q,
             roots=t64(cu[:-1]),
-            stochastic=t64([r for r in range(R) if not greedy[r]]),
-            greedy_parent=t64(par[edge_greedy]),
-            greedy_child=t64(child[edge_greedy]),
+            stochastic=t64([r for r in range(R) if not argmax_req[r]]),
+            seeded_nodes=t64(cat(s_nodes) if s_nodes else []),
+            noise_rows=t64(cat(s_rows) if s_rows else []),
+            argmax_parent=t64(par[edge_argmax]),
+            argmax_child=t64(child[edge_argmax]),
             device=device,
         )
 

@@ -95,7 +95,8 @@ def expand(
     """Grow a candidate tree of depth d and width w for each request (shapes[i] = (d, w)).
 
     ``sample``: draw children i.i.d. from q for requests that do not decode greedily
-    (otherwise children are the draft's top-w).
+    and have no seed (otherwise children are the draft's top-w: seeded requests are
+    verified against a perturbed argmax, not against q).
     ``vocab_size``: the target's vocabulary when it differs from the draft's (Qwen2.5's
     0.5B has 151,936 rows, its larger siblings 152,064: padding past the same 151,665
     tokens). Draft distributions are then over the target's ids (no mass on ids the
@@ -186,7 +187,9 @@ def _add_children(logits, grows, frontier, active, reqs, shapes, sample: bool) -
         g, w = grows[i], shapes[i][1]
         n = len(frontier[i])
         g.level_start = len(g.tokens)
-        if not sample or reqs[i].params.greedy:
+        # seeded requests are verified against the target's perturbed argmax, not q:
+        # their best children are the draft's most likely ones, as for greedy ones
+        if not sample or reqs[i].params.greedy or reqs[i].params.seed is not None:
             for node in frontier[i]:
                 for k in range(w):
                     g.add(node, idx[row][k], vals[row][k], k)

@@ -20,18 +20,30 @@ renormalise; when every child is rejected, draw from p. Stochastic, sampled draf
 on rejection ``p := normalise(max(0, p - q))`` (SpecInfer's multi-step speculative
 sampling). Both give tokens distributed exactly as the processed target distribution.
 
+Seeded (stochastic with ``params.seed``): the token at output index o is
+``argmax_x p(x) / E_o(x)`` with p the processed target distribution at that context and
+``E_o = race_noise([noise_key(seed, o)])`` i.i.d. Exp(1) noise that depends on the seed
+and o only (the exponential race / Gumbel-max trick: an exact sample of p, since E_o
+is independent of the tokens before o). With the noise fixed the token is a function
+of the context, so the tree is verified like a greedy one against that perturbed
+argmax: accept the first child whose token is it, the bonus is it at the last
+accepted node. The tokens are exactly those of non-speculative seeded sampling, hence
+lossless and the same under any tree, policy, load or batch (up to the target's
+numerics: logits that move with the batch shape can flip a near tie, as for greedy).
+
 Batched (``verify``): the decision at a node depends only on that node's target row,
 its children, q and uniforms that belong to that node, so every node of every tree
 is decided at once (sibling rank by sibling rank, all nodes together), and the walk
 from each root then follows the accepted child of each node (``max_depth`` gathers).
 Nodes the walk never reaches are decided too, with uniforms nothing else uses, so
 the visited nodes see fresh, independent uniforms: the same law as the one-node-at-
-a-time walk, hence lossless. Randomness: a stochastic request with n nodes draws
-``torch.rand(n, float64)`` from its own generator, once a step: entry 0 (the root's)
-is the uniform of its bonus/recovered draw (by inverse CDF, in float64), entry c >= 1
-the uniform that accepts or rejects node c. Its result therefore depends only on its
+a-time walk, hence lossless. Randomness: an unseeded stochastic request with n nodes
+draws ``torch.rand(n, float64)`` from its own generator, once a step: entry 0 (the
+root's) is the uniform of its bonus/recovered draw (by inverse CDF, in float64), entry
+c >= 1 the uniform that accepts or rejects node c. Its result therefore depends only on its
 tree, its logits rows and its generator, not on the other requests in the batch; the
-same seed gives the same tokens. Greedy requests draw nothing.
+same generator state gives the same tokens. Greedy requests draw nothing; seeded ones
+draw from ``race_noise`` only, one row per depth of their tree.
 
 Host syncs: ``verify_device`` launches device work only (no ``.item()``, ``.tolist()``,
 boolean-mask indexing or data-dependent shapes); ``verify`` copies its one packed
@@ -44,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from adaserve.logits import target_probs
+from adaserve.logits import race_noise, target_probs
 from adaserve.spec_decode.batch import VerifyBatch
 
 
@@ -101,20 +113,30 @@ def verify_device(batch: VerifyBatch, logits: torch.Tensor) -> torch.Tensor:
     if logits.dim() != 2 or logits.shape[0] != N:
         raise ValueError(f"logits {tuple(logits.shape)} for a batch of {N} nodes")
     acc = torch.full((N,), -1, dtype=torch.long, device=dev)  # [N] accepted child, -1: none
-    argmax = logits.argmax(-1) if any(batch.greedy) else None  # [N]
-    if argmax is not None and batch.greedy_child.numel():
-        par, ch = batch.greedy_parent, batch.greedy_child
+    probs = None
+    if batch.prob_groups:
+        probs = torch.empty_like(logits, dtype=torch.float32)  # [N, V]; greedy rows unused
+        for params, idx in batch.prob_groups:
+            probs.index_copy_(0, idx, target_probs(logits.index_select(0, idx), params))
+    # [N] the token a child of a greedy or seeded node must be: the argmax of the raw
+    # logits, or of p / E for a seeded node (its position's noise row)
+    argmax = logits.argmax(-1) if any(batch.greedy) or any(batch.seeded) else None
+    if any(batch.seeded):
+        s = batch.seeded_nodes
+        race = race_noise(batch.noise_keys, logits.shape[-1], dev)  # [K, V]
+        score = probs.index_select(0, s) / race.index_select(0, batch.noise_rows)
+        argmax = argmax.index_copy(0, s, score.argmax(-1))
+    if argmax is not None and batch.argmax_child.numel():
+        par, ch = batch.argmax_parent, batch.argmax_child
         match = batch.tokens[ch] == argmax[par]
         # the first matching child in node order (children have increasing indices)
         first = acc.new_full((N,), N).scatter_reduce_(
             0, par, torch.where(match, ch, N), "amin", include_self=True
         )
         acc = torch.where(first < N, first, acc)
-    probs = u = None
-    if batch.prob_groups:
-        probs = torch.empty_like(logits, dtype=torch.float32)  # [N, V]; greedy rows unused
-        for params, idx in batch.prob_groups:
-            probs.index_copy_(0, idx, target_probs(logits.index_select(0, idx), params))
+    residual = batch.stochastic.numel() > 0  # unseeded stochastic requests (host metadata)
+    u = None
+    if residual:
         u = _uniforms(batch, dev)
         for step in batch.sibling_steps:
             _try_siblings(step, batch, probs, u, acc)
@@ -125,7 +147,7 @@ def verify_device(batch: VerifyBatch, logits: torch.Tensor) -> torch.Tensor:
         path[:, d] = nxt
         cur = torch.where(nxt >= 0, nxt, cur)
     bonus = argmax[cur] if argmax is not None else torch.zeros(R, dtype=torch.long, device=dev)
-    if probs is not None:
+    if residual:
         s = batch.stochastic
         last = cur.index_select(0, s)
         draw = _inverse_cdf(probs.index_select(0, last), u.index_select(0, batch.roots[s]))
@@ -135,12 +157,13 @@ def verify_device(batch: VerifyBatch, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _uniforms(batch: VerifyBatch, device) -> torch.Tensor:
-    """[N] float64: each stochastic request's nodes get ``torch.rand(n)`` from its own
-    generator (entry 0: its bonus draw; entry c: node c's acceptance); greedy: 0."""
+    """[N] float64: each unseeded stochastic request's nodes get ``torch.rand(n)`` from
+    its own generator (entry 0: its bonus draw; entry c: node c's acceptance); greedy
+    and seeded: 0."""
     u = torch.zeros(batch.num_nodes, dtype=torch.float64, device=device)
     cu = batch.cu_nodes
     for r, g in enumerate(batch.generators):
-        if not batch.greedy[r]:
+        if not batch.greedy[r] and not batch.seeded[r]:
             a, b = int(cu[r]), int(cu[r + 1])
             u[a:b] = torch.rand(b - a, generator=g, dtype=torch.float64, device=device)
     return u
