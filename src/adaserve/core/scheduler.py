@@ -107,10 +107,6 @@ class Scheduler:
         self._preempted: list[int] = []
 
     # ------------------------------------------------------------------ classes
-    def class_of(self, name: str) -> SLOClass | None:
-        """The SLO class called ``name``, or None for an ad-hoc class."""
-        return self._classes.get(name)
-
     def class_slo(self, name: str) -> SLO:
         """The SLO of class ``name``, multiples resolved against the unloaded TPOT."""
         return self.cfg.class_by_name(name).resolve(self._unloaded())
