@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -105,3 +106,19 @@ def chi_square_rejects(counts: np.ndarray, probs: np.ndarray, alpha_z: float = 3
         return True
     crit = df * (1 - 2 / (9 * df) + alpha_z * math.sqrt(2 / (9 * df))) ** 3
     return stat > crit
+
+
+@pytest.fixture(scope="module")
+def cheap_profile(tmp_path_factory):
+    """A reduced hardware profile (verification cost flat to 16 tokens, a cheap draft),
+    so that no test spends time profiling."""
+    p = tmp_path_factory.mktemp("prof") / "p.json"
+    p.write_text(
+        json.dumps(
+            {
+                "verify": {"tokens": [1, 16, 64, 256], "latency_ms": [10.0, 12.0, 20.0, 60.0]},
+                "draft_step_ms": 0.5,
+            }
+        )
+    )
+    return str(p)

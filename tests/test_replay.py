@@ -4,8 +4,6 @@ prefill-chunk, preemption and plan decisions at every step."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from conftest import random_prompts
 
@@ -15,21 +13,6 @@ from adaserve.core.clock import TickClock
 from adaserve.engine import build_engine
 from adaserve.sched.registry import make_policy
 from adaserve.sim.replay import RecordedRequest, decisions, replay
-
-
-@pytest.fixture(scope="module")
-def profile(tmp_path_factory):
-    p = tmp_path_factory.mktemp("prof") / "p.json"
-    p.write_text(
-        json.dumps(
-            {
-                "verify": {"tokens": [1, 16, 64, 256], "latency_ms": [10.0, 12.0, 20.0, 60.0]},
-                "draft_step_ms": 0.5,
-            }
-        )
-    )
-    return str(p)
-
 
 CLASSES = (
     SLO(tpot_ms=8.0, ttft_ms=60.0, cls="interactive"),
@@ -75,9 +58,9 @@ def record_run(target: str, policy: str, profile: str):
 
 
 @pytest.mark.parametrize("policy", ["adaserve", "spec-chain:3", "ar-chunked"])
-def test_simulator_replays_the_engine_decision_for_decision(tiny_pair, profile, policy):
+def test_simulator_replays_the_engine_decision_for_decision(tiny_pair, cheap_profile, policy):
     target, _, _ = tiny_pair
-    eng, requests, steps = record_run(str(target), policy, profile)
+    eng, requests, steps = record_run(str(target), policy, cheap_profile)
     # the run exercises what is compared: chunked prefill, preemption, several requests
     assert eng.counters.preemptions > 0
     assert any(len(s.prefill) > 1 or any(n < 24 for n in s.prefill.values()) for s in steps)
@@ -100,10 +83,10 @@ def test_simulator_replays_the_engine_decision_for_decision(tiny_pair, profile, 
     assert eng.counters.preemptions == sum(len(s.preempted) for s in got)
 
 
-def test_replay_detects_a_scheduler_that_differs(tiny_pair, profile):
+def test_replay_detects_a_scheduler_that_differs(tiny_pair, cheap_profile):
     """The comparison can fail: replayed with a smaller KV pool, decisions diverge."""
     target, _, _ = tiny_pair
-    eng, requests, steps = record_run(str(target), "ar-chunked", profile)
+    eng, requests, steps = record_run(str(target), "ar-chunked", cheap_profile)
     got = replay(
         eng.cfg,
         make_policy("ar-chunked"),

@@ -188,20 +188,6 @@ def test_selection_uses_calibrated_acceptance():
     assert list(pol.select(view, plan, {0: tree})[0]) == [0, 2]
 
 
-@pytest.fixture(scope="module")
-def cheap_profile(tmp_path_factory):
-    p = tmp_path_factory.mktemp("prof") / "p.json"
-    p.write_text(
-        json.dumps(
-            {
-                "verify": {"tokens": [1, 16, 64, 256], "latency_ms": [10.0, 12.0, 20.0, 60.0]},
-                "draft_step_ms": 0.5,
-            }
-        )
-    )
-    return str(p)
-
-
 def test_plan_gives_behind_strict_requests_deeper_trees_than_relaxed_ones():
     """Same batch, same acceptance, verification flat up to 64 tokens and steep past
     them: the strict requests (on their 5 ms target's pace, so behind the aim the

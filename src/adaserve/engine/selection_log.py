@@ -35,13 +35,12 @@ class SelectionLog:
             rv = by_id.get(rid)
             if rv is None or (len(t.tokens) == 1 and not plan.fallback):
                 continue
-            req = policy.explain(rv, plan).get("requirement")
             line = {
                 "ts": round(now, 4),
                 "request": hashlib.sha1(f"{self._salt}:{rid}".encode()).hexdigest()[:12],
                 "class": rv.cls,
                 "policy": policy.name,
-                "requirement": round(req, 3) if req is not None else None,
+                "requirement": policy.explain(rv, plan).get("requirement"),
                 "nodes": len(t.tokens) - 1,
                 "expected_accepted": round(float(t.f[1:].sum()), 3),
                 "accepted": accepted.get(rid, 0),
