@@ -34,7 +34,7 @@ from functools import lru_cache
 import numpy as np
 
 from adaserve.core.tree import CandidateTree
-from adaserve.sched import plan_kernel
+from adaserve.sched import composition, plan_kernel
 from adaserve.sched.base import BatchView, Plan, PlannerState, Policy, ReqView, chunk_prefills
 from adaserve.sched.correction import OnlineCorrection
 from adaserve.sched.typical_tree import curve_rows, depth_curve, gain_curve
@@ -66,6 +66,13 @@ class AdaptiveConfig:
     # (0 = the highest predicted rate; 0.03 was 2 points worse on the A100 preset at
     # 10 req/s and within noise on the CPU profile: docs/results/shape-choice.md)
     rate_tolerance: float = 0.0
+    # ``adaserve``: compose the pass (sched/composition.py): prefill of classes of rank
+    # >= defer_rank runs only into the on-pace decoders' slack until its latest start
+    # (a request without a TTFT target is treated as one of no_ttft_defer_ms)
+    compose: bool = True
+    defer_rank: int = 1
+    no_ttft_defer_ms: float = 30000.0
+    min_slack_tokens: int = 0  # soft prefill smaller than this waits (0: any slack is used)
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_depth <= 16 or not 1 <= self.max_width <= 8:
@@ -82,6 +89,10 @@ class AdaptiveConfig:
             raise ValueError("node_cap, prefill_chunk and max_budget must be positive")
         if self.degrade_after < 1:
             raise ValueError("degrade_after must be >= 1")
+        if self.defer_rank < 0 or not self.no_ttft_defer_ms > 0 or self.min_slack_tokens < 0:
+            raise ValueError(
+                "defer_rank and min_slack_tokens must be >= 0 and no_ttft_defer_ms positive"
+            )
 
 
 @dataclass
@@ -262,21 +273,26 @@ class BudgetedPolicy(Policy):
         """The iteration's plan: prefill chunks, per-request tree shapes under the
         budget B of the best-scoring shape, and its predicted iteration time."""
         c = self.cfg
-        prefill = chunk_prefills(view, c.prefill_chunk, self._prefill_key())
         dec = view.decoding
         hw = view.hw
-        if hw is None:
-            return Plan(prefill=prefill, fallback="no_profile" if dec else None)
-        if not dec:
-            return Plan(prefill=prefill)
+        if hw is None or not dec:
+            prefill = chunk_prefills(view, c.prefill_chunk, self._prefill_key())
+            return Plan(prefill=prefill, fallback="no_profile" if dec and hw is None else None)
         n = len(dec)
-        P = sum(prefill.values())
         kv = float(sum(r.context_len for r in view.requests))
         acc = self._acc(view)
         arr = _Arrays.of(dec)
         depths = tuple(d for d in DEPTHS if d <= c.max_depth)
         widths = self._widths(n)
-        best = self._best_shape(view, arr, depths, widths, P, kv, acc)
+
+        def shape(prefill: dict[int, int]) -> ShapeChoice:
+            return self._best_shape(view, arr, depths, widths, sum(prefill.values()), kv, acc)
+
+        if self._composes():
+            prefill, best = self._compose(view, arr, widths, acc, shape)
+        else:
+            prefill = chunk_prefills(view, c.prefill_chunk, self._prefill_key())
+            best = shape(prefill)
         d, w = best.depth, best.width
         plan = Plan(prefill=prefill, budget=best.budget, t_iter_ms=best.t_iter)
         if d > 0:
@@ -299,6 +315,66 @@ class BudgetedPolicy(Policy):
         """The requests whose requirement no tree can meet (a tuple of rids), after
         marking those to degrade in ``plan.degrade``. Default: none."""
         return ()
+
+    def _composes(self) -> bool:
+        """Whether the plan composes the pass (``_compose``). Default: no; prefill is
+        chunked in ``_prefill_key`` order whatever the decoders need."""
+        return False
+
+    def _reach(self, widths, acc) -> float:
+        """Expected accepted candidates of the largest tree any request may get."""
+        g = gain_curve(self.cfg.max_depth, max(widths), acc)
+        return float(g[min(self.cfg.node_cap, len(g) - 1)])
+
+    def _compose(self, view: BatchView, arr: _Arrays, widths, acc, shape):
+        """The pass's prefill and tree shape, composed (``sched/composition.py``):
+        firm prefill (strict classes, and requests at their latest start) first in
+        TTFT-deadline order; soft prefill only into the slack the on-pace decoders
+        leave under the plan made without it; then the trees re-planned around the
+        pass that results. ``shape(prefill)`` is the best shape for a prefill."""
+        c = self.cfg
+        pre = view.prefilling
+        if not pre:
+            return {}, shape({})
+        key = lambda r: composition.ttft_deadline(r, c.no_ttft_defer_ms)  # noqa: E731
+        strict = [r for r in sorted(pre, key=key) if r.rank < c.defer_rank]
+        first = composition.chunk_in_order(strict, c.prefill_chunk)
+        best = shape(first)
+        th = self.correction.theta
+        V = view.hw.verify_table(best.budget + c.prefill_chunk + 1)
+        speed, per_tok = 1.0 + float(th[1]), float(th[2])
+        room = c.prefill_chunk - sum(first.values())
+        # a pass that carries a full chunk: what each pass of a prefill will take
+        t_pass = best.t_iter + (V[best.budget + room] - V[best.budget]) * speed
+        t_pass += per_tok * room
+        split = composition.split_prefill(
+            pre,
+            chunk=c.prefill_chunk,
+            t_pass_ms=t_pass,
+            margin=c.slo_margin,
+            defer_rank=c.defer_rank,
+            no_ttft_ms=c.no_ttft_defer_ms,
+        )
+        firm = composition.chunk_in_order(split.firm, c.prefill_chunk)
+        if firm != first:
+            best = shape(firm)
+        room = c.prefill_chunk - sum(firm.values())
+        if not split.soft or room <= 0:
+            return firm, best
+        g = gain_curve(best.depth, best.width, acc)
+        gain = g[np.minimum(best.alloc, len(g) - 1)]
+        slope, base = self._coef(arr)
+        need = self._requirements(arr, best.t_iter)
+        cap = composition.pass_cap_ms(
+            need, gain, slope, base, arr.has_tpot, self._reach(widths, acc)
+        )
+        V = view.hw.verify_table(best.budget + room + 1)
+        x = composition.slack_tokens(V, best.budget, best.t_iter, cap, room, speed, per_tok)
+        if x < min(c.min_slack_tokens, sum(r.prefill_left for r in split.soft)):
+            return firm, best
+        soft = composition.chunk_in_order(split.soft, x)
+        prefill = {**firm, **soft}
+        return prefill, shape(prefill)
 
     def _best_shape(
         self, view, arr: _Arrays, ds: tuple[int, ...], widths, P, kv, acc
@@ -444,6 +520,10 @@ class AdaServePolicy(BudgetedPolicy):
     def _prefill_key(self) -> Callable[[ReqView], tuple]:
         """Earliest TTFT deadline first."""
         return _ttft_deadline
+
+    def _composes(self) -> bool:
+        """Compose the pass unless ``compose`` is off."""
+        return self.cfg.compose
 
     def admission_key(self, waiting: ReqView) -> tuple:
         """The admission sort key: past its max queue wait first, then the earliest
