@@ -56,6 +56,7 @@ def _check_metrics(m: dict) -> None:
     for k in (
         "requests",
         "attainment",
+        "tpot_attainment",
         "violations",
         "throughput_tok_s",
         "goodput_tok_s",

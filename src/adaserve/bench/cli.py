@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from adaserve.bench.capacity import annotate_sweep
 from adaserve.bench.energy import device_energy
 from adaserve.bench.metrics import shift_convergence, summarize
 from adaserve.bench.report import write_report
@@ -499,8 +500,12 @@ def _pooled(runs: list[tuple[dict, list, int]]) -> dict:
         {
             "seed": seed,
             "attainment": s["overall"]["attainment"],
+            "tpot_attainment": s["overall"]["tpot_attainment"],
             "goodput_tok_s": s["overall"]["goodput_tok_s"],
             "per_class_attainment": {c: m["attainment"] for c, m in s["per_class"].items()},
+            "per_class_tpot_attainment": {
+                c: m["tpot_attainment"] for c, m in s["per_class"].items()
+            },
         }
         for s, _, seed in runs
     ]
@@ -514,7 +519,11 @@ def _repeat_lines(results: dict) -> str:
         reps = s["overall"].get("repeats")
         if reps:
             att = " / ".join(f"{100 * r['attainment']:.1f}" for r in reps)
-            lines.append(f"  {pol}: attainment per run {att} %")
+            tpot = " / ".join(
+                "-" if r.get("tpot_attainment") is None else f"{100 * r['tpot_attainment']:.1f}"
+                for r in reps
+            )
+            lines.append(f"  {pol}: attainment per run {att} % (TPOT only {tpot} %)")
     return ("runs (in-order; pooled figures above):\n" + "\n".join(lines) + "\n") if lines else ""
 
 
@@ -582,7 +591,9 @@ def run_sweep(args, backend=None) -> int:
             config = config or result["config"]
         swept = {"rate": "request_rate", "strict-share": "class_mix", "slo-scale": "slo_scale"}
         config = {**(config or {}), swept[name]: "swept", "sweep": name, "values": list(values)}
-        sweep_result = {"config": config, "points": points}
+        # the same code path for the engine, HTTP and the simulator (``simulate
+        # --sweep``): capacity (rate sweeps) and the oracle's goodput share
+        sweep_result = annotate_sweep({"config": config, "points": points})
         write_report(out, sweep_result, "sweep", plots=not args.no_plots)
         print(f"== {name} ({out})\n" + format_class_table(sweep_result) + "\n")
     print(f"wrote {root}", file=sys.stderr)

@@ -4,10 +4,14 @@ A request *attains* its SLO when it completed (finish reason ``stop`` or ``lengt
 was not shed and had no error, its mean TPOT -- (finish - first token) / (output
 tokens - 1) -- is within its TPOT target and its TTFT within its TTFT target (targets
 that are None are not checked). Shed and failed requests count as violations.
+``tpot_attained`` judges the TPOT target only: completed and mean TPOT within target,
+TTFT ignored (a request that waited too long for its first token but then decoded
+fast enough is TPOT-attained but not attained).
 
 Summary ``M`` (overall and per class), see ``summarize``::
 
     requests, completed, shed, errors, attained, violations, attainment (0-1),
+    tpot_attained, tpot_attainment (0-1; TPOT target only),
     throughput_tok_s, goodput_tok_s, request_throughput_rps, request_goodput_rps,
     input_tokens, output_tokens,
     ttft_ms / tpot_ms / itl_ms / e2e_ms: {"mean", "p50", "p95", "p99"} (None if empty),
@@ -96,12 +100,21 @@ class RequestRecord:
         return (self.finish_s - self.arrival_s) * 1000.0
 
     @property
-    def attained(self) -> bool:
+    def tpot_attained(self) -> bool:
+        """Completed with mean TPOT within its target (TTFT not checked)."""
         if not self.completed:
             return False
-        tpot, ttft = self.tpot_ms, self.ttft_ms
-        if self.tpot_target_ms is not None and tpot is not None and tpot > self.tpot_target_ms:
+        tpot = self.tpot_ms
+        return not (
+            self.tpot_target_ms is not None and tpot is not None and tpot > self.tpot_target_ms
+        )
+
+    @property
+    def attained(self) -> bool:
+        """Completed with mean TPOT and TTFT within their targets (the SLO)."""
+        if not self.tpot_attained:
             return False
+        ttft = self.ttft_ms
         return not (
             self.ttft_target_ms is not None and ttft is not None and ttft > self.ttft_target_ms
         )
@@ -117,7 +130,11 @@ class RequestRecord:
         d = {name: getattr(self, name) for name in self.__dataclass_fields__}
         d["token_times_s"] = list(self.token_times_s)
         d.update(
-            ttft_ms=self.ttft_ms, tpot_ms=self.tpot_ms, e2e_ms=self.e2e_ms, attained=self.attained
+            ttft_ms=self.ttft_ms,
+            tpot_ms=self.tpot_ms,
+            e2e_ms=self.e2e_ms,
+            attained=self.attained,
+            tpot_attained=self.tpot_attained,
         )
         return d
 
@@ -158,6 +175,7 @@ def record_flops(r: RequestRecord, ft: float, fd: float) -> tuple[float, float]:
 def _metrics(records: list[RequestRecord], duration_s: float, flops) -> dict:
     done = [r for r in records if r.completed]
     good = [r for r in done if r.attained]
+    tpot_good = sum(1 for r in done if r.tpot_attained)
     n = len(records)
     dur = duration_s if duration_s and duration_s > 0 else float("nan")
     out_tok = sum(r.output_tokens for r in done)
@@ -175,6 +193,8 @@ def _metrics(records: list[RequestRecord], duration_s: float, flops) -> dict:
         "attained": len(good),
         "violations": n - len(good),
         "attainment": len(good) / n if n else None,
+        "tpot_attained": tpot_good,
+        "tpot_attainment": tpot_good / n if n else None,
         "throughput_tok_s": _finite(out_tok / dur),
         "goodput_tok_s": _finite(good_tok / dur),
         "request_throughput_rps": _finite(len(done) / dur),

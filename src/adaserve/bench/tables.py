@@ -1,13 +1,20 @@
 """Text formatting of benchmark results: numbers, Markdown and terminal tables.
 
-The per-class terminal table (``format_class_table``, also the sweep's table), the
-helpers the Markdown summary and the plots share (class order, sweep policies) and the
-trace attribution every output carries when the Azure trace was used.
+The per-class terminal table (``format_class_table``, also the sweep's table with the
+SLO capacity and oracle share), the helpers the Markdown summary and the plots share
+(class order, sweep policies, capacity rows) and the trace attribution every output
+carries when the Azure trace was used.
+
+Two attainment columns everywhere: ``SLO ok %`` (completed, mean TPOT and TTFT within
+their targets: ``attainment``) and ``TPOT ok %`` (TPOT target only, TTFT ignored:
+``tpot_attainment``).
 """
 
 from __future__ import annotations
 
 import math
+
+from adaserve.bench.capacity import is_baseline, slo_capacity
 
 AZURE_ATTRIBUTION = (
     "Arrivals: Azure LLM inference trace 2023 (CC-BY 4.0), Patel et al., "
@@ -37,12 +44,17 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _text_table(header: list[str], rows: list[list[str]]) -> str:
+def _text_table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
+    """Aligned columns: the first ``left`` flush left, the others right."""
     w = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    out = ["  ".join(h.rjust(w[i]) if i else h.ljust(w[i]) for i, h in enumerate(header))]
-    out.append("  ".join("-" * x for x in w))
-    for r in rows:
-        out.append("  ".join(c.rjust(w[i]) if i else c.ljust(w[i]) for i, c in enumerate(r)))
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            c.ljust(w[i]) if i < left else c.rjust(w[i]) for i, c in enumerate(cells)
+        ).rstrip()
+
+    out = [line(header), "  ".join("-" * x for x in w)]
+    out += [line(r) for r in rows]
     return "\n".join(out)
 
 
@@ -65,6 +77,7 @@ def _class_rows(m_by_name: list[tuple[str, dict]]) -> list[list[str]]:
                 name,
                 str(m.get("requests", 0)),
                 _pct(m.get("attainment")),
+                _pct(m.get("tpot_attainment")),
                 str(m.get("violations", 0)),
                 _f(m.get("ttft_ms", {}).get("p50"), "{:.0f}"),
                 _f(m.get("ttft_ms", {}).get("p99"), "{:.0f}"),
@@ -80,7 +93,8 @@ def _class_rows(m_by_name: list[tuple[str, dict]]) -> list[list[str]]:
 CLASS_HEADER = [
     "class",
     "reqs",
-    "attain %",
+    "SLO ok %",
+    "TPOT ok %",
     "viol",
     "TTFT p50",
     "TTFT p99",
@@ -106,23 +120,88 @@ def format_class_table(result: dict) -> str:
 
 
 def _format_sweep_table(result: dict) -> str:
+    """One row per point and policy: overall and per-class attainment (SLO / TPOT only),
+    goodput and, with an oracle, its share of the oracle's; then the SLO capacity."""
     pts = result.get("points", [])
-    pols = []
-    for p in pts:
-        for k in p["results"]:
-            if k not in pols:
-                pols.append(k)
+    pols = _sweep_policies(pts)
+    classes = _class_order([p["results"] for p in pts])
+    ref = result.get("goodput_reference")
     xname = result.get("config", {}).get("sweep", "x")
-    header = [xname] + [f"{p} attain%" for p in pols] + [f"{p} goodput" for p in pols]
+    header = [xname, "policy", "SLO ok %", "TPOT ok %"]
+    header += [f"{c} SLO/TPOT ok %" for c in classes] + ["goodput tok/s"]
+    if ref:
+        header.append(f"% of {ref} goodput")
     rows = []
     for p in pts:
-        r = p["results"]
-        rows.append(
-            [_f(p["x"], "{:g}")]
-            + [_pct(r[q]["overall"].get("attainment")) if q in r else "-" for q in pols]
-            + [_f(r[q]["overall"].get("goodput_tok_s")) if q in r else "-" for q in pols]
-        )
-    return _text_table(header, rows)
+        for q in pols:
+            r = p["results"].get(q)
+            if r is None:
+                continue
+            o = r["overall"]
+            row = [_f(p["x"], "{:g}"), q, _pct(o.get("attainment")), _pct(o.get("tpot_attainment"))]
+            for c in classes:
+                m = r.get("per_class", {}).get(c)
+                row.append(
+                    f"{_pct(m.get('attainment'))} / {_pct(m.get('tpot_attainment'))}" if m else "-"
+                )
+            row.append(_f(o.get("goodput_tok_s")))
+            if ref:
+                row.append(_pct((p.get("goodput_share") or {}).get(q)))
+            rows.append(row)
+    out = _text_table(header, rows, left=2)
+    cap = sweep_capacity(result)
+    if cap:
+        out += "\n\n" + capacity_title(cap) + ":\n" + _text_table(*capacity_table(cap))
+    return out
+
+
+def sweep_capacity(result: dict) -> dict | None:
+    """The sweep's ``capacity`` (computed from its points when an older result lacks it);
+    None for sweeps that are not over the request rate."""
+    if result.get("config", {}).get("sweep") != "rate" or not result.get("points"):
+        return None
+    return result.get("capacity") or slo_capacity(result["points"])
+
+
+def capacity_title(cap: dict) -> str:
+    """One line saying what the capacity table shows."""
+    pct = f"{100 * cap['threshold']:g}%"
+    strict = cap.get("strict_class")
+    of_strict = f" and >= {pct} of {strict} (strictest TPOT target)" if strict else ""
+    return (
+        f"SLO capacity (req/s): highest swept rate with >= {pct} of all requests"
+        f"{of_strict} within their SLO"
+    )
+
+
+def _capacity_cell(d: dict) -> str:
+    cap = d["capacity_rps"]
+    if cap is None:
+        return f"< {d['lowest_rate']:g}"
+    return f"≥ {cap:g}" if d["at_highest"] else f"{cap:g}"
+
+
+def _ratio_cell(d: dict) -> str:
+    r = d.get("ratio_to_best_baseline")
+    if r is None:
+        return "-"
+    sign = {"at_least": "≥ ", "at_most": "≤ "}.get(d.get("ratio_bound"), "")
+    return f"{sign}{r:.2f}x"
+
+
+def capacity_table(cap: dict) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of the capacity table: one row per policy, the ratio to the best
+    baseline shown for ``adaserve`` variants."""
+    best = cap.get("best_baseline")
+    header = ["policy", "capacity req/s", "rates meeting both", f"vs best baseline ({best or '-'})"]
+    rows = []
+    for pol, d in cap["policies"].items():
+        ratio = "" if is_baseline(pol) or pol.startswith("oracle") else _ratio_cell(d)
+        if pol == best:
+            ratio = "(best baseline)"
+        rates = ", ".join(f"{x:g}" for x in d["qualifying_rates"]) or "none"
+        rows.append([pol, _capacity_cell(d), rates, ratio])
+    return header, rows
 
 
 def _sweep_policies(pts: list[dict]) -> list[str]:
