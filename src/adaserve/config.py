@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from adaserve.core.config import SchedulerConfig
 from adaserve.errors import InvalidRequestError
+from adaserve.sched.drift import DriftConfig
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,11 @@ class EngineConfig(SchedulerConfig):
     draft_sample:        sampled drafts (q-based verification) for non-greedy requests
     random_weights:      model directories need only config.json; weights are random
                          (profiling model shapes without their checkpoints)
+    reprofile_on_drift:  re-measure the hardware profile (at an idle moment) when the
+                         median measured / profiled iteration time over
+                         ``drift_window`` iterations leaves [``drift_low``,
+                         ``drift_high``], at most once per ``drift_min_interval_s``
+                         (see ``adaserve.sched.drift``)
     """
 
     model: str | None = None
@@ -39,6 +45,11 @@ class EngineConfig(SchedulerConfig):
     auto_profile: bool = True  # measure the pair on first start when no profile is cached
     selection_log: str | None = None
     random_weights: bool = False
+    reprofile_on_drift: bool = True
+    drift_window: int = 64
+    drift_low: float = 0.5
+    drift_high: float = 2.0
+    drift_min_interval_s: float = 600.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -50,5 +61,20 @@ class EngineConfig(SchedulerConfig):
             raise InvalidRequestError(
                 "gpu_memory_utilization must be in (0, 1]", "gpu_memory_utilization"
             )
+        try:
+            _ = self.drift_config  # validates the drift_* fields
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "drift") from None
         if self.device not in ("cpu",) and not self.device.startswith("cuda"):
             raise InvalidRequestError(f"unsupported device {self.device!r}", "device")
+
+    @property
+    def drift_config(self) -> DriftConfig:
+        """The drift monitor's settings (``reprofile_on_drift``, ``drift_*``)."""
+        return DriftConfig(
+            enabled=self.reprofile_on_drift,
+            window=self.drift_window,
+            low=self.drift_low,
+            high=self.drift_high,
+            min_interval_s=self.drift_min_interval_s,
+        )

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import statistics
+import sys
 import time
 
 from adaserve.bench.metrics import RequestRecord
@@ -453,8 +454,38 @@ async def _measure_unloaded(client, model, n: int) -> float:
     return float(statistics.median(vals))
 
 
+async def _reported_unloaded(client) -> float | None:
+    """The unloaded TPOT an adaserve server resolves its class targets with (its
+    ``/v1/slo/report``: the profile's, ``sched.hardware.unloaded_tpot_ms``); None from
+    a server that reports none (a peer such as vLLM)."""
+    try:
+        r = await client.get("/v1/slo/report")
+        if r.status_code != 200:
+            return None
+        v = (r.json().get("engine") or {}).get("unloaded_tpot_ms")
+    except Exception:
+        return None
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e9:
+        return float(v)
+    return None
+
+
+async def _unloaded_of(client, model, n: int) -> float:
+    """The server's own unloaded TPOT when it reports one (so that the benchmark
+    judges with the targets the server schedules for), else the probe's."""
+    v = await _reported_unloaded(client)
+    if v is not None:
+        print(f"bench: unloaded TPOT {v:.3f} ms (reported by the server)", file=sys.stderr)
+        return v
+    v = await _measure_unloaded(client, model, n)
+    print(f"bench: unloaded TPOT {v:.3f} ms (probed: {n} single requests)", file=sys.stderr)
+    return v
+
+
 def measure_unloaded_tpot(base_url: str, n: int = 3, api_key: str | None = None) -> float:
-    """Median TPOT of ``n`` single 32-token requests sent one after another."""
+    """The unloaded TPOT class targets multiply: the one an adaserve server reports
+    (its profile's), else the median TPOT of ``n`` single 32-token requests sent one
+    after another (a server that reports none)."""
     import httpx
 
     async def go():
@@ -462,7 +493,7 @@ def measure_unloaded_tpot(base_url: str, n: int = 3, api_key: str | None = None)
             base_url=base_url, timeout=httpx.Timeout(600.0), headers=_auth_headers(api_key)
         ) as client:
             model = await _get_model(client)
-            return await _measure_unloaded(client, model, n)
+            return await _unloaded_of(client, model, n)
 
     return asyncio.run(go())
 
@@ -509,7 +540,7 @@ def run_http(
             if slos is None:
                 tpot = unloaded_tpot_ms
                 if tpot is None:
-                    tpot = await _measure_unloaded(client, model, 3)
+                    tpot = await _unloaded_of(client, model, 3)
                 slos = class_slos(
                     sorted({it.cls for it in items}), spec.slo_scale, unloaded_tpot_ms=tpot
                 )

@@ -32,6 +32,7 @@ from adaserve.request import Request
 from adaserve.sampling import SamplingParams
 from adaserve.sched.base import Policy
 from adaserve.sched.calibration import Calibrator
+from adaserve.sched.drift import DriftMonitor, predicted_step_ms
 from adaserve.sched.registry import make_policy
 from adaserve.slo import SLO
 from adaserve.spec_decode.draft import DraftOutput
@@ -106,6 +107,7 @@ class Engine:
         self.last_trace: StepTrace | None = None
         self.on_step: Callable[[Engine, StepTrace], None] | None = None
         self._sel_log = SelectionLog(cfg.selection_log) if cfg.selection_log else None
+        self.drift = DriftMonitor(cfg.drift_config)  # measured vs profiled step times
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[Request]:
@@ -135,6 +137,12 @@ class Engine:
         trace = sched.end_step(batch, now)
         self._fill_trace(trace, plan, batch, trees, accepted, drafts, generated)
         self.policy.feedback(plan, trace.duration_s * 1000)
+        if self.hw is not None and self.drift.observe(
+            predicted_step_ms(self.hw, trace), trace.duration_s * 1000, now
+        ):
+            from adaserve.profile import log_drift
+
+            log_drift(self)
         self.last_trace = trace
         if self._sel_log is not None:
             self._sel_log.write(self.policy, view, plan, trees, accepted)
@@ -315,6 +323,17 @@ class Engine:
         if self.hw is not None:
             return self.hw.unloaded_tpot_ms()
         return self.runner.estimate_tpot_ms()
+
+    def reprofile_if_drifted(self) -> bool:
+        """Re-measure the hardware profile (and update its cache) when the drift
+        monitor asks for it and no request is in flight; True when it did."""
+        if not self.drift.pending or self.has_work() or self.hw is None:
+            return False
+        from adaserve.profile import remeasure
+
+        self.set_hardware(remeasure(self))
+        self.drift.remeasured(self.clock.now())
+        return True
 
     def output_text(self, r: Request) -> str | None:
         """The request's output text (None without a tokenizer)."""

@@ -31,6 +31,27 @@ from pathlib import Path
 import numpy as np
 
 SCHEMA = "adaserve.profile/1"
+# The context an "unloaded" request decodes at: class targets given as multiples of
+# the unloaded TPOT (``SLOClass.tpot_x``) are multiples of ``unloaded_tpot_ms``.
+UNLOADED_KV_TOKENS = 256.0
+
+
+def unloaded_tpot_ms(profile) -> float:
+    """The unloaded TPOT (ms): the one definition the server, the benchmark, the demo
+    and the simulator resolve class targets with.
+
+    ``profile`` is a ``HardwareModel`` or a profile's parsed JSON. It is one request
+    decoding alone without speculation at ``UNLOADED_KV_TOKENS`` of context: the
+    profiled one-token verification plus the host overhead of an iteration. A profile
+    dict that records ``"unloaded_tpot_ms"`` (one rescaled to another machine speed by
+    ``benchmarks/fit_host_overhead.py``, which stores the original profile's value of
+    this function) gives that value, so that its targets stay the engine's."""
+    if isinstance(profile, dict):
+        rec = profile.get("unloaded_tpot_ms")
+        if rec is not None:
+            return float(rec)
+        profile = HardwareModel.from_dict(profile)
+    return float(profile.verify_latency(1, UNLOADED_KV_TOKENS) + profile.overhead_ms)
 
 
 @dataclass(frozen=True)
@@ -114,9 +135,10 @@ class HardwareModel:
         step = self.draft_latency(max(draft_tokens_per_step, 1.0))
         return first + (draft_depth - 1) * step + draft_depth * draft_requests * self.draft_host_ms
 
-    def unloaded_tpot_ms(self, kv_tokens: float = 256.0) -> float:
-        """Per-token latency (ms) of one request decoding alone, without speculation."""
-        return float(self.verify_latency(1, kv_tokens) + self.overhead_ms)
+    def unloaded_tpot_ms(self) -> float:
+        """Per-token latency (ms) of one request decoding alone, without speculation
+        (the module's ``unloaded_tpot_ms``: the one definition)."""
+        return unloaded_tpot_ms(self)
 
     # ------------------------------------------------------------------ I/O
     @classmethod

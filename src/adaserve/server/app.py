@@ -259,6 +259,7 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
             usage=state.usage.by_tenant(only),
             engine={
                 "policy": info.policy,
+                "unloaded_tpot_ms": state.loop.unloaded_tpot_ms,
                 "running": snap.running,
                 "waiting": snap.waiting,
                 "kv_usage": snap.kv_usage,

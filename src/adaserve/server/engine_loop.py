@@ -174,6 +174,7 @@ class EngineLoop:
         self.info: EngineInfo | None = None
         self.snapshot = EngineSnapshot()
         self.class_slos: dict[str, SLO] = {}
+        self.unloaded_tpot_ms: float | None = None  # what the class targets multiply
         self._class_slos_at = 0.0
         self._owns_engine = isinstance(source, EngineConfig)
         self._drain_deadline: float | None = None
@@ -274,6 +275,7 @@ class EngineLoop:
         while True:
             cmds = []
             if not e.has_work():
+                self._idle_reprofile()
                 timeout = None
                 if self._drain_deadline is not None:
                     timeout = max(0.0, self._drain_deadline - time.monotonic()) + 0.01
@@ -432,12 +434,26 @@ class EngineLoop:
             time=time.time(),
         )
 
+    def _idle_reprofile(self) -> None:
+        """At an idle moment: re-measure the hardware profile when the engine's drift
+        monitor asks for it (``Engine.reprofile_if_drifted``); class targets follow."""
+        redo = getattr(self.engine, "reprofile_if_drifted", None)
+        if redo is None:
+            return
+        try:
+            if redo():
+                self._refresh_class_slos(force=True)
+        except Exception:  # a failed re-measurement keeps the old profile
+            log.exception("re-measuring the hardware profile failed; keeping the old one")
+
     def _refresh_class_slos(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._class_slos_at < 10.0:
             return
         self._class_slos_at = now
         self.class_slos = {c.name: self.engine.class_slo(c.name) for c in self.engine.cfg.classes}
+        unloaded = getattr(self.engine, "unloaded_tpot_ms", None)
+        self.unloaded_tpot_ms = float(unloaded()) if unloaded is not None else None
 
     def _fail_pending(self) -> None:
         """After the loop ends: answer queued adds and unfinished handles."""

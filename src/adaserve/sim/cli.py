@@ -113,7 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------- models
 def hardware_from_args(args):
     """(HardwareModel, info dict, Deployment | None) from ``--profile`` or ``--preset``."""
-    from adaserve.sched.hardware import HardwareModel
+    from adaserve.sched.hardware import HardwareModel, unloaded_tpot_ms
     from adaserve.sim import presets
 
     if args.profile and args.preset:
@@ -122,6 +122,7 @@ def hardware_from_args(args):
         try:
             raw = json.loads(Path(args.profile).read_text())
             hw = HardwareModel.from_dict(raw, source=str(args.profile))
+            unloaded = unloaded_tpot_ms(raw)
         except (OSError, json.JSONDecodeError) as e:
             raise AdaServeError(f"cannot read profile {args.profile}: {e}") from None
         except (KeyError, TypeError, ValueError) as e:
@@ -131,9 +132,10 @@ def hardware_from_args(args):
         )
         info = {
             "host_overhead": raw.get("host_overhead"),
-            # the class targets' base when the profile was rescaled to another machine
-            # speed (benchmarks/fit_host_overhead.py): the engine's, from the original
-            "unloaded_tpot_ms": raw.get("unloaded_tpot_ms"),
+            # the class targets' base, by the engine's definition (a profile rescaled to
+            # another machine speed by benchmarks/fit_host_overhead.py records the
+            # original's, which the engine resolved its targets with)
+            "unloaded_tpot_ms": unloaded,
             "hardware": "profile",
             "profile": str(args.profile),
             "device": raw.get("device", "unknown"),
