@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from adaserve.core.config import SchedulerConfig
 from adaserve.errors import InvalidRequestError
+from adaserve.sched.registry import check_servable
 
 
 @dataclass(frozen=True)
@@ -52,3 +53,4 @@ class EngineConfig(SchedulerConfig):
             )
         if self.device not in ("cpu",) and not self.device.startswith("cuda"):
             raise InvalidRequestError(f"unsupported device {self.device!r}", "device")
+        check_servable(self.policy)  # clairvoyant policies are simulator only

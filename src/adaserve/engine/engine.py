@@ -32,7 +32,7 @@ from adaserve.request import Request
 from adaserve.sampling import SamplingParams
 from adaserve.sched.base import Policy
 from adaserve.sched.calibration import Calibrator
-from adaserve.sched.registry import make_policy
+from adaserve.sched.registry import check_servable, make_policy
 from adaserve.slo import SLO
 from adaserve.spec_decode.draft import DraftOutput
 
@@ -80,6 +80,7 @@ class Engine:
 
     def __init__(self, cfg: EngineConfig | None = None, clock: Clock | None = None, **overrides):
         cfg = cfg or EngineConfig(**overrides)
+        check_servable(cfg.policy)  # before any model loads
         self.cfg = cfg
         self.clock = clock or WallClock()
         self.runner = ModelRunner(cfg)
@@ -235,7 +236,9 @@ class Engine:
 
     # ------------------------------------------------------------------ policy, stats
     def set_policy(self, policy: str | Policy) -> None:
-        """Schedule with ``policy`` (a name or a policy object) from the next step."""
+        """Schedule with ``policy`` (a name or a policy object) from the next step;
+        a clairvoyant (simulator-only) policy is an InvalidRequestError."""
+        check_servable(policy)
         self.scheduler.set_policy(make_policy(policy) if isinstance(policy, str) else policy)
 
     def set_hardware(self, hw) -> None:
