@@ -38,6 +38,7 @@ def _preset_sim() -> tuple[Simulator, tuple]:
 
 
 def _run(sim, classes, policy, items):
+    """(records, timeline) of ``policy`` on ``items`` against the classes' SLOs."""
     slos = class_slos(
         sorted({it.cls for it in items}), 1.0, unloaded_tpot_ms=sim.unloaded_tpot_ms(),
         classes=classes,
@@ -107,6 +108,7 @@ def test_oracle_verifies_only_the_path_and_accepts_what_the_full_tree_would():
 
 
 def test_select_returns_exactly_the_revealed_nodes_and_needs_them():
+    """select verifies exactly what ``reveal`` gave, once; without it, a clear error."""
     pol = OraclePolicy(2, 2)
     tree = CandidateTree(
         tokens=np.arange(7), parents=np.array([0, 0, 0, 1, 1, 2, 2]),
@@ -149,6 +151,7 @@ def test_prefill_is_fcfs_chunks_and_one_replaceable_decision():
 
 # ---------------------------------------------------------------------- names
 def test_registry_names_and_malformed_forms():
+    """oracle, oracle:DxW are names; other forms are the registry's usual error."""
     assert "oracle[:DxW]" in POLICY_NAMES
     for name, shape in (("oracle", (4, 4)), ("oracle:4x4", (4, 4)), ("oracle:3x2", (3, 2))):
         p = make_policy(name)
@@ -181,6 +184,8 @@ def test_the_engine_side_refuses_the_oracle():
 
 
 def test_serve_and_cli_exit_2_with_a_clear_message(capsys):
+    """``serve --policy``, ``generate --policy`` and ``bench serve --policies`` with an
+    oracle exit 2 with 'simulator only', before any model loads."""
     from adaserve.cli import main
     from adaserve.server.cli import add_arguments, run
 
@@ -195,6 +200,7 @@ def test_serve_and_cli_exit_2_with_a_clear_message(capsys):
 
 
 def test_simulate_runs_the_oracle_beside_other_policies(tmp_path, capsys):
+    """``adaserve simulate --policies dyn-tree,oracle,oracle:3x2`` reports all three."""
     from adaserve.cli import main
 
     out = tmp_path / "o"
