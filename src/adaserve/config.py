@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from adaserve.core.config import SchedulerConfig
 from adaserve.errors import InvalidRequestError
 from adaserve.sched.drift import DriftConfig
+from adaserve.sched.registry import check_servable
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class EngineConfig(SchedulerConfig):
             raise InvalidRequestError(str(e), "drift") from None
         if self.device not in ("cpu",) and not self.device.startswith("cuda"):
             raise InvalidRequestError(f"unsupported device {self.device!r}", "device")
+        check_servable(self.policy)  # clairvoyant policies are simulator only
 
     @property
     def drift_config(self) -> DriftConfig:

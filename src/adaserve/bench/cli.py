@@ -327,6 +327,10 @@ class _InProcess:
         self.classes = self.cfg.classes
         self.factory = EngineFactory(self.cfg)
         self.policies = _policies(args.policies)
+        from adaserve.sched.registry import check_servable
+
+        for p in self.policies:  # before the models load
+            check_servable(p)
         self.engine = self.factory(self.policies[0])
         self.energy = _energy_model(args)
 

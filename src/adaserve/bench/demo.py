@@ -92,12 +92,13 @@ def run(args) -> int:
     from adaserve.bench.runner import class_slos, measure_unloaded_tpot, run_http
     from adaserve.bench.tables import format_class_table
     from adaserve.bench.workload import build_workload
-    from adaserve.sched.registry import make_policy
+    from adaserve.sched.registry import check_servable, make_policy
     from adaserve.tokenizer import load_tokenizer
 
     duration = float(getattr(args, "duration", 20.0) or 20.0)
     baseline = getattr(args, "baseline", None) or "ar-chunked"
     make_policy(baseline)  # a clear error for an unknown name, before any server starts
+    check_servable(baseline)  # and for a simulator-only one
     policies = ["adaserve"] + ([baseline] if baseline != "adaserve" else [])
     host = "127.0.0.1"
     out = Path(getattr(args, "out", None) or tempfile.mkdtemp(prefix="adaserve-demo-"))

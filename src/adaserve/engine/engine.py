@@ -33,7 +33,7 @@ from adaserve.sampling import SamplingParams
 from adaserve.sched.base import Policy
 from adaserve.sched.calibration import Calibrator
 from adaserve.sched.drift import DriftMonitor, predicted_step_ms
-from adaserve.sched.registry import make_policy
+from adaserve.sched.registry import check_servable, make_policy
 from adaserve.slo import SLO
 from adaserve.spec_decode.draft import DraftOutput
 
@@ -81,6 +81,7 @@ class Engine:
 
     def __init__(self, cfg: EngineConfig | None = None, clock: Clock | None = None, **overrides):
         cfg = cfg or EngineConfig(**overrides)
+        check_servable(cfg.policy)  # before any model loads
         self.cfg = cfg
         self.clock = clock or WallClock()
         self.runner = ModelRunner(cfg)
@@ -243,7 +244,9 @@ class Engine:
 
     # ------------------------------------------------------------------ policy, stats
     def set_policy(self, policy: str | Policy) -> None:
-        """Schedule with ``policy`` (a name or a policy object) from the next step."""
+        """Schedule with ``policy`` (a name or a policy object) from the next step;
+        a clairvoyant (simulator-only) policy is an InvalidRequestError."""
+        check_servable(policy)
         self.scheduler.set_policy(make_policy(policy) if isinstance(policy, str) else policy)
 
     def set_hardware(self, hw) -> None:

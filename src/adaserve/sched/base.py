@@ -119,10 +119,20 @@ class Policy(ABC):
 
     name: str = "policy"
     uses_draft: bool = True
+    # A clairvoyant policy is told the target's accepted path before ``select``
+    # (``reveal``): only the simulator knows it, so only the simulator runs one; the
+    # engine refuses it. Upper bounds, not servable policies.
+    clairvoyant: bool = False
 
     @abstractmethod
     def plan(self, view: BatchView) -> Plan:
         """The iteration's plan: prefill chunks, tree shapes and token budget."""
+
+    def reveal(self, paths: dict[int, np.ndarray]) -> None:
+        """Called (by the simulator, only on ``clairvoyant`` policies) just before
+        ``select`` with rid -> the sorted node indices (root first) of the target's path
+        that verifying the whole drafted tree would accept. Default: ignored."""
+        return None
 
     def select(
         self, view: BatchView, plan: Plan, trees: dict[int, CandidateTree]

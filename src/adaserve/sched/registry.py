@@ -15,7 +15,10 @@ POLICY_NAMES = (
     "spec-tree[:DxW[:N]]",
     "smartspec",
     "dyn-tree",
+    "oracle[:DxW]",
 )
+# clairvoyant upper bounds: the simulator runs them, the engine refuses them
+SIMULATOR_ONLY = ("oracle",)
 # adaserve, smartspec and dyn-tree take AdaptiveConfig overrides after the name:
 # "adaserve:max_depth=3:slo_margin=0.1"
 
@@ -38,6 +41,8 @@ def make_policy(name: str, **kwargs) -> Policy:
                 n = int(cap) if cap else None
             label = "spec-tree" if not arg else f"spec-tree:{arg}"
             return StaticSpecPolicy(label, d, w, n)
+        if head == "oracle":
+            return _oracle(arg)
         if head in ("adaserve", "smartspec", "dyn-tree"):
             from adaserve.sched.adaptive import make_adaptive
 
@@ -53,6 +58,39 @@ def make_policy(name: str, **kwargs) -> Policy:
     raise InvalidRequestError(
         f"unknown or malformed policy {name!r}; known: {', '.join(POLICY_NAMES)}", "policy"
     )
+
+
+def _oracle(arg: str) -> Policy:
+    """``oracle`` / ``oracle:DxW`` (ValueError for any other form)."""
+    from adaserve.sched.oracle import ORACLE_DEPTH, ORACLE_WIDTH, OraclePolicy
+
+    if not arg:
+        return OraclePolicy(ORACLE_DEPTH, ORACLE_WIDTH, name="oracle")
+    d, w = arg.lower().split("x")  # "4x4"; anything else (":compose" ...) is malformed
+    if not (d.isdigit() and w.isdigit()):
+        raise ValueError(arg)
+    return OraclePolicy(int(d), int(w))
+
+
+def simulator_only(name: str) -> bool:
+    """Whether the policy called ``name`` runs only in the simulator (clairvoyant)."""
+    return name.partition(":")[0].strip() in SIMULATOR_ONLY
+
+
+def check_servable(policy: str | Policy) -> None:
+    """Raise InvalidRequestError when ``policy`` (a name or a policy object) cannot run
+    on the engine: a clairvoyant policy needs the target's path before verification,
+    which only the simulator knows."""
+    if isinstance(policy, str):
+        bad, label = simulator_only(policy), policy
+    else:
+        bad, label = bool(policy.clairvoyant), policy.name
+    if bad:
+        raise InvalidRequestError(
+            f"policy {label!r} is clairvoyant (it is told the target's accepted path "
+            "before verifying): simulator only; run it with `adaserve simulate`",
+            "policy",
+        )
 
 
 def _overrides(name: str, arg: str) -> dict:

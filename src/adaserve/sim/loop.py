@@ -5,6 +5,7 @@ One event is one iteration of ``adaserve.engine.Engine.step``, mirrored without 
     arrivals -> admit (policy.admission_key, max_num_seqs, KV) -> plan (policy.plan)
     -> degrade -> reserve KV (preempting the newest request on exhaustion)
     -> speculate (synthetic beam trees, ``sim.acceptance``) -> calibrator f
+    -> [clairvoyant policies only: policy.reveal(the target's paths)]
     -> select (policy.select) -> tree KV slots -> verify (sampled acceptance)
     -> commit (accepted path + 1 bonus token, cut at max_tokens) -> policy.feedback
 
@@ -430,6 +431,7 @@ class _Run:
             for t in range(d - 1):
                 steps[t] += len(reqs) * w
         selected: dict[int, np.ndarray] = {}
+        full = self._reveal(batches) if trees and self.policy.clairvoyant else None
         if trees:
             t_sel = time.perf_counter()
             selected = self.policy.select(view, plan, trees)
@@ -469,14 +471,17 @@ class _Run:
             ms += sel_s * 1000.0
         # --- verify (sampled acceptance)
         accepted_n: dict[int, int] = {}
-        for reqs, tb in batches:
+        for g, (reqs, tb) in enumerate(batches):
             mask = np.zeros((len(reqs), tb.lay.n + 1), dtype=bool)
             for k, r in enumerate(reqs):
                 if sizes[r.rid] > 1:
                     mask[k, selected[r.rid]] = True
             mask[:, 0] = True
             length, on_path = accepted_paths(tb, mask)
-            observe_batch(self.cal, tb, mask, on_path)
+            if full is None:
+                observe_batch(self.cal, tb, mask, on_path)
+            else:  # the calibrator learns what the revealed full verification showed
+                observe_batch(self.cal, tb, *full[g])
             bonus = tb.regimes[np.arange(len(reqs)), length].tolist()
             for r, a, reg in zip(reqs, length.tolist(), bonus):
                 accepted_n[r.rid] = a
@@ -494,6 +499,21 @@ class _Run:
             draft_catchup=catchup,
             drafted=sum(tb.lay.n * len(reqs) for reqs, tb in batches),
         )
+
+    def _reveal(self, batches) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Tell a clairvoyant policy, before it selects, rid -> the nodes (root first)
+        the target accepts when every drafted node is verified; returns per tree batch
+        that full verification's (selected, on_path) masks."""
+        paths: dict[int, np.ndarray] = {}
+        full = []
+        for reqs, tb in batches:
+            everything = np.ones((len(reqs), tb.lay.n + 1), dtype=bool)
+            _, on_path = accepted_paths(tb, everything)
+            full.append((everything, on_path))
+            for k, r in enumerate(reqs):
+                paths[r.rid] = np.flatnonzero(on_path[k])
+        self.policy.reveal(paths)
+        return full
 
     # ------------------------------------------------------------------ bookkeeping
     def _info(self, wall: float) -> None:

@@ -68,7 +68,10 @@ def replay(
     has_draft: bool = True,
 ) -> list[StepTrace]:
     """The simulator's traces of ``steps`` replayed under ``policy`` (fresh, the same
-    kind as the recorded run's) with the recorded arrivals, times and outcomes."""
+    kind as the recorded run's) with the recorded arrivals, times and outcomes. A
+    clairvoyant policy is refused: a recording holds no target paths to reveal."""
+    if policy.clairvoyant:
+        raise ValueError(f"policy {policy.name!r} is clairvoyant: a replay has no target paths")
     base = {f.name: getattr(cfg, f.name) for f in fields(SchedulerConfig)}
     scfg = SimConfig(
         **{**base, "max_model_len": max_model_len},
