@@ -130,7 +130,7 @@ def test_feasible_requirements_are_met(seed, n):
 
 def test_infeasible_plan_takes_the_overload_path():
     pol = AdaServePolicy()
-    pol.cfg = type(pol.cfg)(degrade_after=3)
+    pol.cfg = type(pol.cfg)(degrade=True, degrade_after=3)
     # hopelessly behind strict requests (need far more than any tree gives)
     reqs = [req(i, 1.0, behind_ms=500.0) for i in range(4)] + [req(9, 1e5)]
     view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=10**6, hw=HW)
@@ -138,6 +138,11 @@ def test_infeasible_plan_takes_the_overload_path():
     assert set(plans[0].state.infeasible) == {0, 1, 2, 3}
     assert not plans[0].degrade
     assert set(plans[2].degrade) == {0, 1, 2, 3}
+    # off by default: the requests are still reported infeasible, nobody is degraded
+    pol = AdaServePolicy()
+    plans = [pol.plan(view) for _ in range(20)]
+    assert set(plans[-1].state.infeasible) == {0, 1, 2, 3}
+    assert not any(p.degrade for p in plans)
 
 
 def test_no_profile_falls_back_and_counts(tiny_pair, tmp_path, monkeypatch):

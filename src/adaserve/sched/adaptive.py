@@ -50,6 +50,11 @@ class AdaptiveConfig:
     max_width: int = 4
     node_cap: int = 48  # max candidates selected for one request
     prefill_chunk: int = 256
+    # ``adaserve``: move a request no tree can bring within its target (judged over its
+    # remaining output) to its class's looser class after degrade_after such plans in a
+    # row. Off: on the reference experiment it changed attainment by -1.1 to +0.3
+    # points at 2-4 req/s (docs/results/pass-composition.md)
+    degrade: bool = False
     degrade_after: int = 16  # consecutive infeasible iterations before degrading
     max_budget: int = 1024  # verification tokens per pass, hard ceiling
     # plan to beat each TPOT target by this fraction: iteration times on a shared CPU
@@ -559,15 +564,20 @@ class AdaServePolicy(BudgetedPolicy):
         # beyond reach: not even the biggest tree any request may get would meet the
         # requirement at this plan's pace (a plan that merely chose a smaller tree,
         # or a prediction a little pessimistic, is no reason to degrade anyone)
-        c = self.cfg
-        g = gain_curve(c.max_depth, max(widths), acc)
-        reach = g[min(c.node_cap, len(g) - 1)]
-        infeasible = tuple(arr.rid[arr.has_tpot & (best.need - 1.0 > reach + 1e-9)].tolist())
+        reach = self._reach(widths, acc)
+        # judged at the real target (no margin) over the whole remaining output: the
+        # pace A that brings the mean TPOT within target by the last token, A = L *
+        # t_iter / (tpot * (n_out + L - 1) - l_r), L = the tokens it may still produce
+        L = np.maximum(arr.left, 1.0)
+        slack = arr.tpot * (arr.n_out + L - 1.0) - arr.decode_ms
+        with np.errstate(divide="ignore", invalid="ignore"):
+            pace = np.where(slack > 0, L * best.t_iter / slack, np.inf)
+        infeasible = tuple(arr.rid[arr.has_tpot & (pace - 1.0 > reach + 1e-9)].tolist())
         bad = set(infeasible)
         for r in dec:
             s = self._infeasible_streak.get(r.rid, 0) + 1 if r.rid in bad else 0
             self._infeasible_streak[r.rid] = s
-            if s >= self.cfg.degrade_after:
+            if s >= self.cfg.degrade_after and self.cfg.degrade:
                 plan.degrade[r.rid] = "looser"
                 self._infeasible_streak[r.rid] = 0
         if len(self._infeasible_streak) > 4 * len(dec) + 64:
