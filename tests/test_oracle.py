@@ -152,12 +152,19 @@ def test_prefill_is_fcfs_chunks_and_one_replaceable_decision():
 # ---------------------------------------------------------------------- names
 def test_registry_names_and_malformed_forms():
     """oracle, oracle:DxW are names; other forms are the registry's usual error."""
-    assert "oracle[:DxW]" in POLICY_NAMES
-    for name, shape in (("oracle", (4, 4)), ("oracle:4x4", (4, 4)), ("oracle:3x2", (3, 2))):
+    assert "oracle[:DxW][:compose]" in POLICY_NAMES
+    for name, shape in (
+        ("oracle", (4, 4)),
+        ("oracle:4x4", (4, 4)),
+        ("oracle:3x2", (3, 2)),
+        ("oracle:compose", (4, 4)),
+        ("oracle:3x2:compose", (3, 2)),
+    ):
         p = make_policy(name)
         assert isinstance(p, OraclePolicy) and (p.depth, p.width) == shape
         assert p.clairvoyant and p.uses_draft and p.name == name
-    for bad in ("oracle:4", "oracle:0x4", "oracle:4x4x4", "oracle:ax2", "oracle:4x4:compose"):
+        assert (p.prefill_fn is not None) == name.endswith("compose")
+    for bad in ("oracle:4", "oracle:0x4", "oracle:4x4x4", "oracle:ax2", "oracle:4x4:fcfs"):
         with pytest.raises(InvalidRequestError, match="unknown or malformed"):
             make_policy(bad)
     assert not any(make_policy(p).clairvoyant for p in OTHERS)

@@ -98,3 +98,18 @@ class OraclePolicy(Policy):
             )
         paths, self._paths = self._paths, {}
         return {rid: paths[rid] for rid in trees}
+
+
+def composed_prefill() -> PrefillFn:
+    """A prefill function that composes the pass as ``adaserve`` does (firm prefill
+    first, relaxed prefill into the on-pace decoders' slack, ``sched/composition.py``):
+    the prefill of an ``adaserve`` plan for the same view. That plan prices its own
+    trees rather than the oracle's, so the slack it sees is adaserve's."""
+    from adaserve.sched.adaptive import AdaServePolicy
+
+    inner = AdaServePolicy()
+
+    def prefill(view: BatchView, shapes: dict[int, tuple[int, int]]) -> dict[int, int]:
+        return inner.plan(view).prefill
+
+    return prefill

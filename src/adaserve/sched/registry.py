@@ -15,7 +15,7 @@ POLICY_NAMES = (
     "spec-tree[:DxW[:N]]",
     "smartspec",
     "dyn-tree",
-    "oracle[:DxW]",
+    "oracle[:DxW][:compose]",
 )
 # clairvoyant upper bounds: the simulator runs them, the engine refuses them
 SIMULATOR_ONLY = ("oracle",)
@@ -61,15 +61,24 @@ def make_policy(name: str, **kwargs) -> Policy:
 
 
 def _oracle(arg: str) -> Policy:
-    """``oracle`` / ``oracle:DxW`` (ValueError for any other form)."""
-    from adaserve.sched.oracle import ORACLE_DEPTH, ORACLE_WIDTH, OraclePolicy
+    """``oracle`` / ``oracle:DxW`` / ``oracle[:DxW]:compose`` (ValueError for any other
+    form). ``compose``: the prefill of adaserve's pass composition instead of FCFS."""
+    from adaserve.sched.oracle import ORACLE_DEPTH, ORACLE_WIDTH, OraclePolicy, composed_prefill
 
-    if not arg:
-        return OraclePolicy(ORACLE_DEPTH, ORACLE_WIDTH, name="oracle")
-    d, w = arg.lower().split("x")  # "4x4"; anything else (":compose" ...) is malformed
-    if not (d.isdigit() and w.isdigit()):
+    parts = arg.lower().split(":") if arg else []
+    compose = bool(parts) and parts[-1] == "compose"
+    if compose:
+        parts = parts[:-1]
+    if len(parts) > 1:
         raise ValueError(arg)
-    return OraclePolicy(int(d), int(w))
+    d, w = ORACLE_DEPTH, ORACLE_WIDTH
+    if parts:
+        ds, _, ws = parts[0].partition("x")  # "4x4"
+        if not (ds.isdigit() and ws.isdigit()):
+            raise ValueError(arg)
+        d, w = int(ds), int(ws)
+    label = "oracle" + (f":{arg.lower()}" if arg else "")
+    return OraclePolicy(d, w, prefill=composed_prefill() if compose else None, name=label)
 
 
 def simulator_only(name: str) -> bool:
