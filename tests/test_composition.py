@@ -249,3 +249,26 @@ def test_looser_slo_without_targets():
     own = SLO(cls="interactive")
     assert looser_slo(own, own, SLO(tpot_ms=50.0, cls="chat")).tpot_ms == 50.0
     assert looser_slo(SLO(tpot_ms=7.0, cls="a"), SLO(cls="a"), SLO(cls="b")).tpot_ms == 7.0
+
+
+# ----------------------------------------------------------------- exploration
+
+
+def test_exploration_drafts_wide_trees_now_and_then():
+    """Chains teach the calibrator nothing about second-ranked children: every
+    explore_every-th plan drafts width-2 trees instead (adaserve only)."""
+    dec = [decoder(i, 30.6, behind_ms=-60.0) for i in range(4)]
+
+    def widths(pol, n=12):
+        return [plan_of(pol, dec).state.choice.width for _ in range(n)]
+
+    assert widths(AdaServePolicy(AdaptiveConfig(explore_every=4))) == [1, 1, 1, 2] * 3
+    assert set(widths(AdaServePolicy(AdaptiveConfig(explore_every=0)))) == {1}
+    assert set(widths(DynTreePolicy(AdaptiveConfig(explore_every=4)))) == {1}
+    # once second-ranked children are accepted often enough, wide trees are options
+    # on every plan (chosen by their predicted rate), not only on exploration plans
+    pol = AdaServePolicy(AdaptiveConfig(explore_every=0))
+    wide = BatchView(
+        now_ms=0.0, requests=dec, free_kv_slots=10**6, hw=GPU, acc_by_rank=(0.5, 0.3, 0.1)
+    )
+    assert pol._widths(len(dec)) == (1, 2) or pol.plan(wide) and pol._widths(len(dec)) == (1, 2)

@@ -77,6 +77,10 @@ class AdaptiveConfig:
     compose: bool = True
     defer_rank: int = 1
     no_ttft_defer_ms: float = 30000.0
+    # ``adaserve``: every explore_every-th plan that would consider chains only drafts
+    # width-2 trees instead, so the calibrator keeps learning how often second-ranked
+    # children are accepted (chains alone teach it nothing about them); 0 = never
+    explore_every: int = 256
     min_slack_tokens: int = 0  # soft prefill smaller than this waits (0: any slack is used)
 
     def __post_init__(self) -> None:
@@ -92,6 +96,8 @@ class AdaptiveConfig:
             raise ValueError("rate_tolerance must be in [0, 1)")
         if self.node_cap < 1 or self.prefill_chunk < 1 or self.max_budget < 1:
             raise ValueError("node_cap, prefill_chunk and max_budget must be positive")
+        if self.explore_every < 0:
+            raise ValueError("explore_every must be >= 0")
         if self.degrade_after < 1:
             raise ValueError("degrade_after must be >= 1")
         if self.defer_rank < 0 or not self.no_ttft_defer_ms > 0 or self.min_slack_tokens < 0:
@@ -191,6 +197,7 @@ class BudgetedPolicy(Policy):
         self.acc_by_rank: tuple[float, ...] = (0.6, 0.15, 0.07, 0.04)
         self._acc_seen: tuple = ()
         self.correction = OnlineCorrection()  # measured - profiled iteration time
+        self._plans = 0  # plans made with decoding requests (exploration's clock)
         _warm_up()
 
     # ------------------------------------------------------------------ helpers
@@ -289,6 +296,9 @@ class BudgetedPolicy(Policy):
         arr = _Arrays.of(dec)
         depths = tuple(d for d in DEPTHS if d <= c.max_depth)
         widths = self._widths(n)
+        self._plans += 1
+        if widths == (1,) and self._explores() and self._plans % c.explore_every == 0:
+            widths = (min(2, c.max_width),)  # an exploration plan (see explore_every)
 
         def shape(prefill: dict[int, int]) -> ShapeChoice:
             return self._best_shape(view, arr, depths, widths, sum(prefill.values()), kv, acc)
@@ -324,6 +334,11 @@ class BudgetedPolicy(Policy):
     def _composes(self) -> bool:
         """Whether the plan composes the pass (``_compose``). Default: no; prefill is
         chunked in ``_prefill_key`` order whatever the decoders need."""
+        return False
+
+    def _explores(self) -> bool:
+        """Whether some plans draft width-2 trees to learn rank-2 acceptance
+        (``explore_every``). Default: no."""
         return False
 
     def _reach(self, widths, acc) -> float:
@@ -529,6 +544,10 @@ class AdaServePolicy(BudgetedPolicy):
     def _composes(self) -> bool:
         """Compose the pass unless ``compose`` is off."""
         return self.cfg.compose
+
+    def _explores(self) -> bool:
+        """Explore wider trees unless ``explore_every`` is 0."""
+        return self.cfg.explore_every > 0
 
     def admission_key(self, waiting: ReqView) -> tuple:
         """The admission sort key: past its max queue wait first, then the earliest
