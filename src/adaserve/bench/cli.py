@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from adaserve.bench.capacity import annotate_sweep
 from adaserve.bench.energy import device_energy
 from adaserve.bench.metrics import shift_convergence, summarize
@@ -264,6 +266,59 @@ def _energy_model(args):
     )
 
 
+def class_energy(tl, records, energy) -> dict[str, dict]:
+    """CLASS (and ``"overall"``) -> {"energy_j", "energy_per_token_j"}: the energy of
+    the iterations' work attributed to each class (``RunRecorder``: each iteration's
+    FLOPs and bytes split across its requests by the tokens the target verified for
+    them) on ``energy`` (a ``DeviceEnergy``), per output token (every committed token is
+    one the target accepted; all the class's requests, finished or not, since their
+    work was spent)."""
+    by = tl.info.get("energy_by_class") or {}
+    toks: dict[str, int] = {}
+    for r in records:
+        toks[r.cls] = toks.get(r.cls, 0) + r.output_tokens
+    out: dict[str, dict] = {}
+    for cls in sorted(set(by) | set(toks)):
+        w = by.get(cls)
+        j = energy.joules(w["flops"], w["bytes_moved"]) if w else 0.0
+        n = toks.get(cls, 0)
+        out[cls] = {"energy_j": j, "energy_per_token_j": j / n if n else None}
+    tally = tl.info.get("energy_tally")
+    if tally is not None:
+        j, n = energy.joules(tally["flops"], tally["bytes_moved"]), sum(toks.values())
+        out["overall"] = {"energy_per_token_j": j / n if n else None}
+    return out
+
+
+def power_summary(tl, energy) -> dict | None:
+    """The run's power (W): ``measured`` -- each iteration's work on ``energy`` over
+    its duration (simulated or wall) -- and ``predicted`` -- each plan's predicted
+    energy over its predicted time (plans that predict none left out); ``mean_w`` is
+    energy over busy time, ``max_w`` the highest iteration. None without steps."""
+    s = tl.info.get("power_steps")
+    if s is None or not len(s["flops"]):
+        return None
+    j = (s["flops"] * energy.pj_per_flop + s["bytes"] * energy.pj_per_byte) * 1e-12
+    d = s["duration_s"]
+    ok = d > 0
+    out = {
+        "measured": {
+            "mean_w": float(j[ok].sum() / d[ok].sum()) if ok.any() else None,
+            "max_w": float((j[ok] / d[ok]).max()) if ok.any() else None,
+        },
+        "predicted": None,
+    }
+    pj, pt = s["pred_j"], s["pred_ms"] / 1000.0
+    q = np.isfinite(pj) & np.isfinite(pt) & (pt > 0)
+    if q.any():
+        out["predicted"] = {
+            "mean_w": float(pj[q].sum() / pt[q].sum()),
+            "max_w": float((pj[q] / pt[q]).max()),
+            "planned_iterations": int(q.sum()),
+        }
+    return out
+
+
 def _extra(tl, records, spec, strict: str, energy, window: float) -> dict:
     info = tl.info
     out_tok = sum(r.output_tokens for r in records if r.completed)
@@ -301,6 +356,7 @@ def _extra(tl, records, spec, strict: str, energy, window: float) -> dict:
         "energy_j": j,
         "energy_per_token_mj": j / out_tok * 1000.0 if out_tok else None,
     }
+    extra["power"] = power_summary(tl, energy)
     extra["shifts"] = shifts
     return extra
 
@@ -348,6 +404,7 @@ class _InProcess:
             tl.info["duration_s"],
             _extra(tl, records, spec, strict, self.energy, self.args.convergence_window),
             flops_per_token=(eng.flops_per_token_target, eng.flops_per_token_draft),
+            class_extra=class_energy(tl, records, self.energy),
         )
         return summary, records, tl, slos
 
@@ -499,7 +556,14 @@ def _pooled(runs: list[tuple[dict, list, int]]) -> dict:
     requests (throughputs over the summed durations), with each run's figures under
     ``overall.repeats``."""
     pooled = [r for _, recs, _ in runs for r in recs]
-    out = summarize(pooled, sum(s["overall"]["duration_s"] for s, _, _ in runs))
+    out = summarize(
+        pooled,
+        sum(s["overall"]["duration_s"] for s, _, _ in runs),
+        class_extra=_pooled_energy(runs),
+    )
+    power = _pooled_power([s["overall"] for s, _, _ in runs])
+    if power is not None:
+        out["overall"]["power"] = power
     out["overall"]["repeats"] = [
         {
             "seed": seed,
@@ -513,6 +577,47 @@ def _pooled(runs: list[tuple[dict, list, int]]) -> dict:
         }
         for s, _, seed in runs
     ]
+    return out
+
+
+def _pooled_energy(runs: list[tuple[dict, list, int]]) -> dict[str, dict]:
+    """``class_energy`` of pooled runs: each class's energy summed over the runs, per
+    output token of all their requests."""
+    j: dict[str, float] = {}
+    toks: dict[str, int] = {}
+    for s, recs, _ in runs:
+        for c, m in s["per_class"].items():
+            if m.get("energy_j") is not None:
+                j[c] = j.get(c, 0.0) + m["energy_j"]
+        for r in recs:
+            toks[r.cls] = toks.get(r.cls, 0) + r.output_tokens
+    out = {
+        c: {"energy_j": v, "energy_per_token_j": v / toks[c] if toks.get(c) else None}
+        for c, v in j.items()
+    }
+    if j:
+        n = sum(toks.values())
+        out["overall"] = {"energy_per_token_j": sum(j.values()) / n if n else None}
+    return out
+
+
+def _pooled_power(overalls: list[dict]) -> dict | None:
+    """``power_summary`` of pooled runs: means weighted by each run's busy time
+    (``model_time_s``; equal weights without it), the highest maximum."""
+    ps = [(o.get("power"), o.get("model_time_s") or 1.0) for o in overalls]
+    ps = [(p, w) for p, w in ps if p]
+    if not ps:
+        return None
+    out: dict = {}
+    for kind in ("measured", "predicted"):
+        xs = [(p[kind], w) for p, w in ps if p.get(kind) and p[kind].get("mean_w") is not None]
+        if not xs:
+            out[kind] = None
+            continue
+        out[kind] = {
+            "mean_w": sum(x["mean_w"] * w for x, w in xs) / sum(w for _, w in xs),
+            "max_w": max(x["max_w"] for x, _ in xs),
+        }
     return out
 
 

@@ -109,6 +109,7 @@ def _per_class_md(results: dict) -> str:
             "E2E p50",
             "E2E p99",
             "accept %",
+            "J/token",
         ]
         rows = []
         for pol, r in results.items():
@@ -135,6 +136,7 @@ def _per_class_md(results: dict) -> str:
                     _f(m["e2e_ms"]["p50"], "{:.0f}"),
                     _f(m["e2e_ms"]["p99"], "{:.0f}"),
                     _pct(m.get("acceptance_rate")),
+                    _f(m.get("energy_per_token_j"), "{:.3g}"),
                 ]
             )
         out.append(f"### {c} ({tgt})\n\n" + _md_table(header, rows))

@@ -237,12 +237,15 @@ def summarize(
     extra: dict | None = None,
     *,
     flops_per_token: tuple[float, float] | None = None,
+    class_extra: dict[str, dict] | None = None,
 ) -> dict:
     """``{"overall": M, "per_class": {CLASS: M}}``; ``extra`` is merged into overall.
 
     ``duration_s`` is the wall time the throughputs are divided by (the benchmark's
     duration). ``flops_per_token`` = (target, draft) FLOPs per token enables the
-    rejected-FLOPs share.
+    rejected-FLOPs share. ``class_extra`` {CLASS: {...}} is merged into that class's
+    M (and an ``"overall"`` entry into overall): e.g. ``energy_j`` and
+    ``energy_per_token_j`` (``bench.cli.class_energy``).
     """
     classes: dict[str, list[RequestRecord]] = {}
     for r in records:
@@ -251,12 +254,12 @@ def summarize(
     overall["duration_s"] = duration_s
     if extra:
         overall.update(extra)
-    return {
-        "overall": overall,
-        "per_class": {
-            c: _metrics(rs, duration_s, flops_per_token) for c, rs in sorted(classes.items())
-        },
-    }
+    per_class = {c: _metrics(rs, duration_s, flops_per_token) for c, rs in sorted(classes.items())}
+    for c, d in (class_extra or {}).items():
+        target = overall if c == "overall" else per_class.get(c)
+        if target is not None:
+            target.update(d)
+    return {"overall": overall, "per_class": per_class}
 
 
 # ---------------------------------------------------------------------- shifts

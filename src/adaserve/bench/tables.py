@@ -85,6 +85,7 @@ def _class_rows(m_by_name: list[tuple[str, dict]]) -> list[list[str]]:
                 _f(m.get("tpot_ms", {}).get("p99")),
                 _f(m.get("tpot_target_ms")) if name != "overall" else "",
                 _f(m.get("goodput_tok_s")),
+                _f(m.get("energy_per_token_j"), "{:.3g}"),
             ]
         )
     return rows
@@ -102,6 +103,7 @@ CLASS_HEADER = [
     "TPOT p99",
     "TPOT tgt",
     "goodput tok/s",
+    "J/token",
 ]
 
 

@@ -88,6 +88,7 @@ class Scheduler:
         unloaded_tpot_ms: Callable[[], float],
         hw=None,
         counters: Counters | None = None,
+        power=None,
     ):
         self.cfg = cfg
         self.policy = policy
@@ -95,6 +96,7 @@ class Scheduler:
         self.allocator = BlockAllocator(int(num_blocks), cfg.block_size)
         self.max_model_len = int(max_model_len)
         self.hw = hw
+        self.power = power  # sched.power.PowerModel, handed to policies in the view
         self.counters = counters if counters is not None else Counters()
         self._unloaded = unloaded_tpot_ms
         self._classes: dict[str, SLOClass] = {c.name: c for c in cfg.classes}
@@ -196,6 +198,10 @@ class Scheduler:
         """The hardware model used for admission and handed to policies."""
         self.hw = hw
 
+    def set_power(self, power) -> None:
+        """The power model (``sched.power.PowerModel`` or None) handed to policies."""
+        self.power = power
+
     def set_kv_reserved(self, fraction: float) -> None:
         """Hold back ``fraction`` of the KV pool (simulated memory pressure)."""
         self.allocator.reserved = int(fraction * self.allocator.num_blocks)
@@ -261,6 +267,7 @@ class Scheduler:
             hw=self.hw,
             num_waiting=len(self.waiting),
             acc_by_rank=tuple(acc_by_rank),
+            power=self.power,
         )
 
     def plan(self, view: BatchView) -> Plan:

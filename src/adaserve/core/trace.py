@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from adaserve.sched.base import Plan
 
 
@@ -117,7 +119,14 @@ class RunTimeline:
 
 class RunRecorder:
     """Turns step traces into timeline samples (every ``sample_every_s`` of clock time;
-    0 = every iteration) and the energy tally. ``t0`` is the run's start on the clock."""
+    0 = every iteration) and the energy tally. ``t0`` is the run's start on the clock.
+
+    Energy by class: each iteration's FLOPs and bytes are split across the requests of
+    its pass in proportion to the tokens the target verified for each (prefill tokens;
+    a decoding request's root plus its verified candidates), draft work and weight
+    reads included; ``info()["energy_by_class"]``. Power: every iteration's work and
+    duration, and the energy and time its plan predicted (``info()["power_steps"]``,
+    arrays, for ``bench.cli._power_summary``)."""
 
     def __init__(self, costs: ModelCosts, t0: float = 0.0, sample_every_s: float = 0.0):
         self.costs = costs
@@ -127,10 +136,13 @@ class RunRecorder:
         self.timeline = RunTimeline()
         self.energy = EnergyTally()
         self.peak_kv = 0.0
+        self.by_class: dict[str, list[float]] = {}  # class -> [flops, bytes]
+        self._steps: list[tuple[float, float, float, float, float]] = []
 
     def record(self, tr: StepTrace) -> None:
         """Account for one iteration."""
         c = self.costs
+        f0, b0 = self.energy.flops, self.energy.bytes_moved
         self.energy.add_iteration(
             target_tokens=tr.tokens,
             draft_tokens=tr.draft_tokens,
@@ -142,10 +154,40 @@ class RunRecorder:
             draft_weight_bytes=c.weight_bytes[1],
             kv_bytes_per_token=c.kv_bytes_per_token,
         )
+        df, db = self.energy.flops - f0, self.energy.bytes_moved - b0
+        self._attribute(tr, df, db)
+        p = tr.plan
+        pj = p.energy_j if p.energy_j is not None else float("nan")
+        pt = p.t_iter_ms if p.t_iter_ms is not None else float("nan")
+        self._steps.append((df, db, tr.duration_s, pj, pt))
         self.peak_kv = max(self.peak_kv, tr.kv_usage)
         if tr.t_end >= self._next:
             self._next = tr.t_end + self.sample_every_s
             self.timeline.samples.append(sample(tr, tr.t_end - self.t0))
+
+    def _attribute(self, tr: StepTrace, flops: float, moved: float) -> None:
+        """Split one iteration's work across its requests' classes by verified tokens."""
+        share: dict[str, float] = {}
+        for rid, n in tr.prefill.items():
+            cls = tr.classes.get(rid)
+            if cls is not None:
+                share[cls] = share.get(cls, 0.0) + n
+        for rid in tr.decode:
+            cls = tr.classes.get(rid)
+            if cls is not None:
+                share[cls] = share.get(cls, 0.0) + 1 + tr.tree_nodes.get(rid, 0)
+        tot = sum(share.values())
+        for cls, v in share.items():
+            acc = self.by_class.setdefault(cls, [0.0, 0.0])
+            acc[0] += flops * v / tot
+            acc[1] += moved * v / tot
+
+    def power_steps(self) -> dict:
+        """Per iteration: ``flops``, ``bytes``, ``duration_s``, the plan's predicted
+        ``pred_j`` and ``pred_ms`` (NaN where it predicted none), as numpy arrays."""
+        a = np.asarray(self._steps, dtype=float).reshape(-1, 5)
+        keys = ("flops", "bytes", "duration_s", "pred_j", "pred_ms")
+        return {k: a[:, i] for i, k in enumerate(keys)}
 
     def info(self, policy: str, counters, pool_bytes: float, slos: dict) -> dict:
         """The run-level facts both runners report: iterations, fallbacks, sheds,
@@ -165,6 +207,10 @@ class RunRecorder:
             "flops_per_token_target": ft[0],
             "flops_per_token_draft": ft[1],
             "energy_tally": {"flops": self.energy.flops, "bytes_moved": self.energy.bytes_moved},
+            "energy_by_class": {
+                k: {"flops": v[0], "bytes_moved": v[1]} for k, v in sorted(self.by_class.items())
+            },
+            "power_steps": self.power_steps(),
             "slo_targets": {
                 k: {"tpot_ms": v.tpot_ms, "ttft_ms": v.ttft_ms} for k, v in sorted(slos.items())
             },

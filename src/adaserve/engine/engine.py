@@ -33,6 +33,7 @@ from adaserve.sampling import SamplingParams
 from adaserve.sched.base import Policy
 from adaserve.sched.calibration import Calibrator
 from adaserve.sched.drift import DriftMonitor, predicted_step_ms
+from adaserve.sched.power import PowerModel
 from adaserve.sched.registry import check_servable, make_policy
 from adaserve.slo import SLO
 from adaserve.spec_decode.draft import DraftOutput
@@ -93,6 +94,7 @@ class Engine:
             run.num_blocks,
             max_model_len=run.max_model_len,
             unloaded_tpot_ms=self.unloaded_tpot_ms,
+            power=_power_model(run, cfg.device),
         )
         self.output = OutputProcessor(
             self.scheduler,
@@ -361,3 +363,23 @@ def build_engine(cfg: EngineConfig | None = None, clock: Clock | None = None, **
             raise ModelLoadError(str(e)) from None
         eng.reset_stats()
     return eng
+
+
+def _power_model(run: ModelRunner, device: str) -> PowerModel | None:
+    """The planners' power model from the models' parameter counts, dtype and KV bytes
+    on ``device``'s energy figures (``bench.energy``); None when the counts are unknown
+    (a policy with a power cap then plans without it, and says so)."""
+    from adaserve.bench.energy import device_energy
+
+    flops = (
+        getattr(run, "flops_per_token_target", 0.0),
+        getattr(run, "flops_per_token_draft", 0.0),
+    )
+    if not flops[0] > 0:
+        return None
+    try:
+        return PowerModel.of(
+            flops, run.weight_bytes, run.kv_bytes_per_slot, device_energy(str(device))
+        )
+    except (AttributeError, TypeError, ValueError):
+        return None

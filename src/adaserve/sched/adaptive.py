@@ -27,6 +27,8 @@ output tokens: A(r) = H * t_iter / (aim_r * (o_r + H - 1) - l_r), clipped to
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -82,6 +84,13 @@ class AdaptiveConfig:
     # children are accepted (chains alone teach it nothing about them); 0 = never
     explore_every: int = 256
     min_slack_tokens: int = 0  # soft prefill smaller than this waits (0: any slack is used)
+    # power as a constraint (sched/power.py; needs the view's PowerModel): shapes whose
+    # predicted power (W, the deployment's) exceeds power_cap_w, or whose predicted
+    # energy per expected accepted token (J) exceeds energy_per_token_j, are not
+    # options; depth 0 always is (a plan whose depth 0 exceeds them notes
+    # fallback="power_cap" / "energy_budget"). 0 = off
+    power_cap_w: float = 0.0
+    energy_per_token_j: float = 0.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_depth <= 16 or not 1 <= self.max_width <= 8:
@@ -104,6 +113,9 @@ class AdaptiveConfig:
             raise ValueError(
                 "defer_rank and min_slack_tokens must be >= 0 and no_ttft_defer_ms positive"
             )
+        for v in (self.power_cap_w, self.energy_per_token_j):
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError("power_cap_w and energy_per_token_j must be >= 0 (0 = off)")
 
 
 @dataclass
@@ -153,6 +165,8 @@ class ShapeChoice:
     rate:     predicted decode tokens per ms beyond the prefill chunk's time
     score:    weighted count of requirements met (``adaserve``; 0 otherwise)
     need:     the requirements A(r) at t_iter [n] (``adaserve``; None otherwise)
+    energy_j: predicted energy of the pass (J; None without a power model)
+    fallback: "power_cap" / "energy_budget" when even depth 0 breaks that constraint
     """
 
     depth: int
@@ -164,6 +178,8 @@ class ShapeChoice:
     score: float
     t_static: float
     need: np.ndarray | None = None
+    energy_j: float | None = None
+    fallback: str | None = None
 
     @property
     def features(self) -> list[float]:
@@ -310,6 +326,7 @@ class BudgetedPolicy(Policy):
             best = shape(prefill)
         d, w = best.depth, best.width
         plan = Plan(prefill=prefill, budget=best.budget, t_iter_ms=best.t_iter)
+        plan.energy_j, plan.fallback = best.energy_j, best.fallback
         if d > 0:
             # per-request shapes: a request drafts only as deep as its best k candidates
             # reach in the typical tree
@@ -402,9 +419,15 @@ class BudgetedPolicy(Policy):
         """The tree shape (depth in ``ds``, width in ``widths``) whose predicted outcome
         scores best (``_pick``), with that outcome; ``need`` only when ``slo_phase``."""
         evs = [self._evaluate_depths(view, arr, ds, w, P, kv, acc) for w in widths]
+        for ev in evs:  # a depth the power constraints leave no option at (rate -1)
+            if "met_w" in ev:
+                ev["met_w"] = np.where(ev["rate"] < 0, -1.0, ev["met_w"])
         m, r, i, j = self._pick(evs, len(ds))
         ev = evs[j]
+        energy = float(ev["energy_j"][i]) if "energy_j" in ev else None
         return ShapeChoice(
+            energy_j=energy,
+            fallback=self._power_fallback(energy, float(ev["t_iter"][i]), len(arr.rid), ds[i]),
             depth=ds[i],
             width=widths[j],
             budget=int(ev["budget"][i]),
@@ -415,6 +438,37 @@ class BudgetedPolicy(Policy):
             t_static=float(ev["static"][i]),
             need=ev["need"][i] if "need" in ev else None,
         )
+
+    def _power_limits(self, view) -> tuple[object | None, float, float]:
+        """(the view's PowerModel or None, power cap W, energy per token J): the
+        constraints off (0) without a power model, with a warning once."""
+        c = self.cfg
+        pm = getattr(view, "power", None)
+        if pm is None:
+            if (c.power_cap_w or c.energy_per_token_j) and not getattr(self, "_warned", False):
+                self._warned = True
+                warnings.warn(
+                    f"{self.name}: power_cap_w / energy_per_token_j set but the view carries "
+                    "no PowerModel (no FLOPs/bytes/energy figures for this deployment): "
+                    "the power constraints are off",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return None, 0.0, 0.0
+        return pm, float(c.power_cap_w), float(c.energy_per_token_j)
+
+    def _power_fallback(self, energy, t_ms: float, n: int, depth: int) -> str | None:
+        """ "power_cap" / "energy_budget" when the chosen shape is depth 0 and breaks
+        that constraint anyway (nothing cheaper to plan: the prefill is not trimmed, so
+        TTFT is not traded for watts), else None."""
+        c = self.cfg
+        if energy is None or depth > 0:
+            return None
+        if c.power_cap_w > 0 and energy * 1000.0 > c.power_cap_w * t_ms * (1 + 1e-9):
+            return "power_cap"
+        if c.energy_per_token_j > 0 and energy > c.energy_per_token_j * n * (1 + 1e-9):
+            return "energy_budget"
+        return None
 
     def _pick(self, evs: list[dict], D: int) -> tuple:
         """The (score, rate, depth index, width index) of the shape to take, from the
@@ -436,6 +490,7 @@ class BudgetedPolicy(Policy):
         [D, n] at t_iter."""
         c, hw = self.cfg, view.hw
         n, D = len(arr.rid), len(ds)
+        pm, cap_w, ept_j = self._power_limits(view)
         strict = self.slo_phase
         di = np.asarray(ds, dtype=np.int64)
         G, Gs, kmax, kfill = curve_rows(tuple(ds), w, acc, c.node_cap)
@@ -458,6 +513,10 @@ class BudgetedPolicy(Policy):
         # tokens per ms are below what a decode-only iteration achieves)
         t_pre = max(0.0, (V[tok0] - V[n]) * (1.0 + th[1]) + th[2] * P) if P else 0.0
         slope, base_r = self._coef(arr) if strict else (_EMPTY, _EMPTY)
+        e0, e_tok = (
+            pm.depth_coefficients(di, tok0, kv) if pm is not None else (np.zeros(D), np.zeros(D))
+        )
+        static_w = float(pm.static_w) if pm is not None else 0.0
         # the goodput phase adds nodes while the predicted rate improves, judged by
         # the rate: choosing it by the (myopic) SLO score instead starves throughput in
         # overload and lowers attainment (tests/test_sim.py; docs/results/shape-choice.md)
@@ -465,9 +524,11 @@ class BudgetedPolicy(Policy):
             slope, base_r, arr.has_tpot, arr.weight, G, Gs, kmax, kfill, di, V,
             base[:, 0], fixed[:, 0], float(th[1]), float(th[2]), int(tok0), int(w),
             int(view.free_kv_slots), int(c.max_budget), float(c.max_depth + 1), strict,
-            self.one_chain, _EXTRAS, float(t_pre),
+            self.one_chain, _EXTRAS, float(t_pre), e0, e_tok, static_w, cap_w, ept_j,
         )  # fmt: skip
         out = {"alloc": alloc, "budget": budget, "t_iter": t_iter, "static": static, "rate": rate}
+        if pm is not None:  # predicted J of each depth's best option
+            out["energy_j"] = e0 + e_tok * (budget - tok0) + static_w * t_iter * 1e-3
         if strict:
             out["met_w"], out["need"] = met_w, need
         return out

@@ -59,6 +59,7 @@ class BatchView:
     hw: object | None = None  # HardwareModel when a profile is available
     num_waiting: int = 0
     acc_by_rank: tuple[float, ...] = ()  # calibrated acceptance of a child by sibling rank
+    power: object | None = None  # sched.power.PowerModel when the deployment's is known
 
     @property
     def decoding(self) -> list[ReqView]:
@@ -94,6 +95,7 @@ class Plan:
     fallback:  reason string when the policy fell back to plain decoding
     degrade:   rid -> "looser": move the request to a looser class (overload)
     t_iter_ms: the iteration time the plan predicts (None when it predicts none)
+    energy_j:  the pass's predicted energy (J; None without a power model)
     state:     the planning policy's own state for ``select`` / ``feedback``
                (``PlannerState``; opaque to callers)
     """
@@ -105,6 +107,7 @@ class Plan:
     fallback: str | None = None
     degrade: dict[int, str] = field(default_factory=dict)
     t_iter_ms: float | None = None
+    energy_j: float | None = None
     state: PlannerState | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -29,6 +29,7 @@ def _t(st, tot, th1, th2, fixed):
 def evaluate_depths(
     slope, base_r, has_tpot, weight, G, Gs, kmax, kfill, di, V, base_d, fixed_d,
     th1, th2, tok0, w, free_slots, max_budget, hi, strict, smart, extras, t_pre,
+    e0, e_tok, static_w, cap_w, ept_j,
 ):  # fmt: skip
     """The predicted outcome of each depth (see ``BudgetedPolicy._evaluate_depths``).
 
@@ -37,6 +38,13 @@ def evaluate_depths(
     ``Gs`` [D, K+1], ``kmax``, ``kfill``, the depth ``di``, the profile's ms beyond the
     verified tokens ``base_d`` and the correction's fixed part ``fixed_d``. ``V``: the
     profile's verify ms by token count. ``extras`` [E]: goodput-phase node counts tried.
+
+    Power (``sched.power``): a pass at depth d with ``tot`` candidates lasting t ms
+    costs ``e0[d] + e_tok[d] * tot + static_w * t / 1000`` J. With ``cap_w`` > 0 an
+    option whose predicted power (J over t) exceeds it is not an option; with ``ept_j``
+    > 0 neither is one whose energy exceeds ``ept_j`` per expected accepted token (n
+    roots + expected gains). Depth 0 without candidates stays an option whatever it
+    costs (the plan's floor); a depth with no option left has rate -1.
 
     Returns alloc [D, n] (candidates per request), budget [D], t_iter [D], static [D]
     (the profile's part of t_iter), rate [D], met_w [D] and need [D, n] (A(r) at
@@ -125,6 +133,12 @@ def evaluate_depths(
                 ok = True
             st = V[tok0 + tot] + base_d[d]
             tt = _t(st, tot, th1, th2, fixed_d[d])
+            if ok and (cap_w > 0 or ept_j > 0) and (di[d] > 0 or tot > 0):
+                ej = e0[d] + e_tok[d] * tot + static_w * tt * 1e-3
+                if cap_w > 0 and ej > cap_w * tt * 1e-3:
+                    ok = False
+                if ept_j > 0 and ej > ept_j * (n + gots):
+                    ok = False
             r = (n + gots) / max(tt - t_pre, 0.1 * tt) if ok else -1.0
             if r > best_rate:
                 best_rate = r
@@ -165,4 +179,5 @@ def warm_up() -> None:
         evaluate_depths(
             f, f, np.ones(1, dtype=bool), f, G, Gs, kmax, kfill, i, V, f, f,
             0.0, 0.0, 1, 1, 10, 10, 2.0, strict, False, i, 0.0,
+            f, f, 0.0, 0.0, 0.0,
         )  # fmt: skip

@@ -108,6 +108,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--kv-slots", type=int, default=None, help="KV pool in token slots")
     s.add_argument("--max-model-len", type=int, default=None, help="context limit (tokens)")
     s.add_argument("--sim-seed", type=int, default=0, help="seed of the acceptance sampling")
+    s.add_argument(
+        "--power-cap-w",
+        type=float,
+        default=None,
+        help="power cap (W, the whole deployment) of the budgeted policies' plans: sets "
+        "their power_cap_w (sched/power.py; 0 = off)",
+    )
+    s.add_argument(
+        "--energy-per-token-j",
+        type=float,
+        default=None,
+        help="energy budget (J) per expected accepted token of a planned pass: sets the "
+        "budgeted policies' energy_per_token_j (0 = off)",
+    )
 
 
 # ---------------------------------------------------------------------- models
@@ -283,6 +297,7 @@ class SimBackend:
     def __init__(self, args):
         from adaserve.bench import cli as bench_cli
         from adaserve.bench.energy import device_energy
+        from adaserve.sched.power import PowerModel
         from adaserve.sim import presets
         from adaserve.sim.acceptance import AcceptanceModel
         from adaserve.sim.loop import SimConfig, Simulator
@@ -372,6 +387,14 @@ class SimBackend:
             )
         self.energy = device_energy(dev, args.energy_pj_per_flop, args.energy_pj_per_byte)
         self._ft_fd = (ft, fd)
+        kvb = self.hw.kv_bytes_target + self.hw.kv_bytes_draft
+        if ft > 0 or fd > 0:  # the planners' power model: the report's energy model
+            self.sim.power = PowerModel.of((ft, fd), wb, kvb, self.energy)
+        self.policies = with_power_limits(
+            self.policies,
+            getattr(args, "power_cap_w", None),
+            getattr(args, "energy_per_token_j", None),
+        )
 
     def workload(self, spec):
         from adaserve.bench.workload import build_workload
@@ -412,7 +435,13 @@ class SimBackend:
         )
         for k in ("simulated", "sim_wall_s", "selection_time_s", "selection_share"):
             extra[k] = tl.info.get(k)
-        summary = summarize(records, tl.info["duration_s"], extra, flops_per_token=self._ft_fd)
+        summary = summarize(
+            records,
+            tl.info["duration_s"],
+            extra,
+            flops_per_token=self._ft_fd,
+            class_extra=bench_cli.class_energy(tl, records, self.energy),
+        )
         return summary, records, tl, slos
 
     def config(self) -> dict:
@@ -434,6 +463,26 @@ class SimBackend:
             "unloaded_tpot_ms": self.sim.unloaded_tpot_ms(),
             "energy_model": self.energy.as_dict(),
         }
+
+
+BUDGETED = ("adaserve", "smartspec", "dyn-tree")
+
+
+def with_power_limits(policies: list[str], cap_w, ept_j) -> list[str]:
+    """``policies`` with ``:power_cap_w=X`` / ``:energy_per_token_j=Y`` appended to
+    the budgeted ones (``--power-cap-w`` / ``--energy-per-token-j``; None = not given;
+    a policy string that sets the key itself keeps its own)."""
+    out = []
+    for p in policies:
+        head = p.partition(":")[0]
+        if head in BUDGETED:
+            for key, v in (("power_cap_w", cap_w), ("energy_per_token_j", ept_j)):
+                if v is not None and f"{key}=" not in p:
+                    if not (math.isfinite(v) and v >= 0):
+                        raise AdaServeError(f"--{key.replace('_', '-')} must be >= 0")
+                    p = f"{p}:{key}={float(v)!r}"
+        out.append(p)
+    return out
 
 
 def _read_json(p: Path) -> dict:

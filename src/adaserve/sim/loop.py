@@ -147,8 +147,10 @@ class Simulator:
         cfg: SimConfig | None = None,
         seed_stats: str | None = None,
         unloaded_tpot_ms: float | None = None,
+        power=None,
     ):
         self.hw = hw
+        self.power = power  # sched.power.PowerModel for the planners' power constraints
         self.acc = acceptance
         self.cfg = cfg or SimConfig()
         self.seed_stats = seed_stats
@@ -231,6 +233,7 @@ class _Run:
             max_model_len=self.max_len,
             unloaded_tpot_ms=sim.unloaded_tpot_ms,
             hw=sim.hw,
+            power=sim.power,
         )
         self.counters = self.sched.counters
         self.kv_pressure = sorted(kv_pressure or [])
