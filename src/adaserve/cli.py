@@ -255,6 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--requests", type=int, default=256)
     sc.add_argument("--candidates", type=int, default=64)
     sc.add_argument("--iterations", type=int, default=200)
+    sc.add_argument(
+        "--prefilling",
+        type=int,
+        default=0,
+        help="of --requests, how many are relaxed prompts still prefilling (the pass "
+        "composition's work)",
+    )
     sc.add_argument("--json", action="store_true")
     sc.set_defaults(func=lambda a: _delegate("adaserve.bench.scheduler", "run")(a))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import numpy as np
@@ -54,6 +55,10 @@ def beam_tree(rng: np.random.Generator, n: int, width: int = 4) -> CandidateTree
 def run(args) -> int:
     rng = np.random.default_rng(0)
     n, m = args.requests, args.candidates
+    k = getattr(args, "prefilling", 0)
+    if not 0 <= k < n:
+        print(f"error: --prefilling must be in [0, --requests) (got {k})", file=sys.stderr)
+        return 2
     classes = [(30.0, 0), (50.0, 1), (150.0, 2)]
     reqs = []
     for i in range(n):
@@ -73,8 +78,11 @@ def run(args) -> int:
                 rank=rank,
             )
         )
+    for r in reqs[n - k :]:  # batch prompts, far from their TTFT deadline
+        r.prefill_left, r.n_out, r.decode_ms = int(rng.integers(500, 3000)), 0, 0.0
+        r.ttft_ms, r.waited_ms, r.rank, r.tpot_ms = 30000.0, 1000.0, 2, 150.0
     view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=10**7, hw=REFERENCE_HW)
-    trees = {i: beam_tree(rng, m) for i in range(n)}
+    trees = {i: beam_tree(rng, m) for i in range(n - k)}
     pol = AdaServePolicy()
     times, sizes = [], []
     plan_times = []
@@ -95,6 +103,7 @@ def run(args) -> int:
         "p50_ms": round(float(np.percentile(times, 50)), 3),
         "p99_ms": round(float(np.percentile(times, 99)), 3),
         "requests": n,
+        "prefilling": k,
         "candidates": m,
         "selected_nodes_mean": round(float(np.mean(sizes)), 1),
         "plan_p50_ms": round(float(np.percentile(plan_times, 50)), 3),
