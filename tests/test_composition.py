@@ -272,3 +272,50 @@ def test_exploration_drafts_wide_trees_now_and_then():
         now_ms=0.0, requests=dec, free_kv_slots=10**6, hw=GPU, acc_by_rank=(0.5, 0.3, 0.1)
     )
     assert pol._widths(len(dec)) == (1, 2) or pol.plan(wide) and pol._widths(len(dec)) == (1, 2)
+
+
+def test_relaxed_decoders_sit_out_for_a_strict_one_short_of_its_requirement():
+    """``sit_out``: a batch decoder far inside its target leaves the pass to a strict
+    decoder the plan leaves short; one near its target stays; the scheduler honours
+    the plan's ``skip``."""
+    strict = decoder(0, 30.6)  # at its target, so behind its aim: short at every depth
+    easy = decoder(1, 150.0, rank=2)
+    easy.decode_ms = 39 * 40.0  # mean TPOT 40 ms against 150
+    tight = decoder(2, 150.0, rank=2)  # exactly at its target
+    reqs = [strict, easy, tight]
+    on = AdaServePolicy(AdaptiveConfig(sit_out=True))
+    plan = plan_of(on, reqs)
+    assert plan.skip == {1}
+    assert 1 not in plan.shapes and 1 not in plan.state.arrays.rid.tolist()
+    assert plan_of(AdaServePolicy(), reqs).skip == set()  # off by default
+
+
+class _Decoding(_Seq):
+    __slots__ = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return 11  # its prompt and one output token
+
+
+class _Skipper(Policy):
+    name = "skipper"
+
+    def plan(self, view):
+        return Plan(skip={1})
+
+
+def test_the_scheduler_leaves_skipped_decoders_out_of_the_pass():
+    cfg = SchedulerConfig(classes=CLASSES, default_class=None)
+    sched = Scheduler(
+        cfg, _Skipper(), ManualClock(0.0), 64, max_model_len=1000, unloaded_tpot_ms=lambda: 10.0
+    )
+    reqs = [_Decoding(i, SLO(tpot_ms=30.0, cls="interactive"), 0.0) for i in (1, 2)]
+    for r in reqs:
+        sched.add(r)
+    sched.begin_step()
+    sched.admit()
+    for r in reqs:
+        r.num_cached = r.num_tokens - 1  # decoding: one new token to verify
+    batch = sched.reserve(sched.plan(sched.view()), can_draft=True)
+    assert [r.rid for r in batch.decode] == [2]

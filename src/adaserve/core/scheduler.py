@@ -309,6 +309,8 @@ class Scheduler:
                 if self._ensure(r, r.num_cached + n, may_preempt=True):
                     b.prefill.append((r, n))
                 continue
+            if r.rid in plan.skip:
+                continue  # sits this pass out (the policy's pass composition)
             if not self._ensure(r, r.num_tokens, may_preempt=True):
                 continue
             b.decode.append(r)

@@ -83,6 +83,11 @@ class AdaptiveConfig:
     # width-2 trees instead, so the calibrator keeps learning how often second-ranked
     # children are accepted (chains alone teach it nothing about them); 0 = never
     explore_every: int = 256
+    # ``adaserve``: relaxed decoders well inside their target sit a pass out while a
+    # strict decoder is short of its requirement (``_sit_out``). Off: on the reference
+    # experiment it cost 0.9 / 1.3 points at 2 / 3 req/s (the relaxed requests stay
+    # longer; docs/results/pass-composition.md)
+    sit_out: bool = False
     min_slack_tokens: int = 0  # soft prefill smaller than this waits (0: any slack is used)
     # power as a constraint (sched/power.py; needs the view's PowerModel): shapes whose
     # predicted power (W, the deployment's) exceeds power_cap_w, or whose predicted
@@ -319,13 +324,20 @@ class BudgetedPolicy(Policy):
         def shape(prefill: dict[int, int]) -> ShapeChoice:
             return self._best_shape(view, arr, depths, widths, sum(prefill.values()), kv, acc)
 
+        skip: set[int] = set()
         if self._composes():
             prefill, best = self._compose(view, arr, widths, acc, shape)
+            skip = self._sit_out(dec, arr, best, widths, acc)
+            if skip:  # re-plan the pass without them (``shape`` sees the new arr, kv)
+                dec = [r for r in dec if r.rid not in skip]
+                kv -= sum(r.context_len for r in view.decoding if r.rid in skip)
+                arr = _Arrays.of(dec)
+                prefill, best = self._compose(view, arr, widths, acc, shape)
         else:
             prefill = chunk_prefills(view, c.prefill_chunk, self._prefill_key())
             best = shape(prefill)
         d, w = best.depth, best.width
-        plan = Plan(prefill=prefill, budget=best.budget, t_iter_ms=best.t_iter)
+        plan = Plan(prefill=prefill, budget=best.budget, t_iter_ms=best.t_iter, skip=skip)
         plan.energy_j, plan.fallback = best.energy_j, best.fallback
         if d > 0:
             # per-request shapes: a request drafts only as deep as its best k candidates
@@ -357,6 +369,27 @@ class BudgetedPolicy(Policy):
         """Whether some plans draft width-2 trees to learn rank-2 acceptance
         (``explore_every``). Default: no."""
         return False
+
+    def _sit_out(self, dec, arr: _Arrays, best: ShapeChoice, widths, acc) -> set[int]:
+        """Relaxed decoders (rank >= ``defer_rank``) that sit this pass out so that strict
+        ones behind their requirement get a shorter pass: only while some strict decoder
+        the plan leaves short can still be helped, and only a relaxed decoder that stays
+        within its aim even after this pass and the next give it one token
+        (``decode_ms + 2 * t_iter <= aim * n_out``). Off with ``sit_out`` False."""
+        c = self.cfg
+        if not c.sit_out:
+            return set()
+        g = gain_curve(best.depth, best.width, acc)
+        gain = g[np.minimum(best.alloc, len(g) - 1)]
+        need = self._requirements(arr, best.t_iter)
+        ranks = np.array([r.rank for r in dec])
+        short = arr.has_tpot & (ranks < c.defer_rank) & (need > 1.0 + gain + 1e-9)
+        if not (short & (need - 1.0 <= self._reach(widths, acc) + 1e-9)).any():
+            return set()
+        aim = arr.tpot * (1.0 - c.slo_margin)
+        fine = arr.decode_ms + 2.0 * best.t_iter <= aim * arr.n_out
+        out = arr.has_tpot & (ranks >= c.defer_rank) & fine
+        return set(arr.rid[out].tolist())
 
     def _reach(self, widths, acc) -> float:
         """Expected accepted candidates of the largest tree any request may get."""
@@ -542,7 +575,7 @@ class BudgetedPolicy(Policy):
         if not rids:
             return {}
         R = len(rids)
-        n_dec = len(view.decoding)
+        n_dec = len(view.decoding) - len(plan.skip)
         P = sum(plan.prefill.values())
         left = max(0, min(plan.budget - n_dec - P, view.free_kv_slots))
         size_l = [len(trees[r].tokens) - 1 for r in rids]

@@ -95,6 +95,7 @@ class Plan:
     fallback:  reason string when the policy fell back to plain decoding
     degrade:   rid -> "looser": move the request to a looser class (overload)
     t_iter_ms: the iteration time the plan predicts (None when it predicts none)
+    skip:      rids of decoding requests that sit this pass out (no token this pass)
     energy_j:  the pass's predicted energy (J; None without a power model)
     state:     the planning policy's own state for ``select`` / ``feedback``
                (``PlannerState``; opaque to callers)
@@ -108,6 +109,7 @@ class Plan:
     degrade: dict[int, str] = field(default_factory=dict)
     t_iter_ms: float | None = None
     energy_j: float | None = None
+    skip: set[int] = field(default_factory=set)
     state: PlannerState | None = field(default=None, repr=False, compare=False)
 
     @property
