@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import chi_square, chi_square_rejects, random_prompts, save_tiny
 
-from adaserve import LLM, SamplingParams
+from adaserve import LLM, SLO, SamplingParams
 from adaserve.core.clock import TickClock
 from adaserve.logits import make_generator, target_probs
 from adaserve.models.loader import load_model
@@ -416,3 +416,34 @@ def test_min_p_keeps_tokens_at_least_min_p_times_the_likeliest():
     )
     with pytest.raises(Exception, match="min_p"):
         SamplingParams(min_p=1.5)
+
+
+def test_pass_composition_keeps_greedy_output(tiny_pair, profile_file):
+    """adaserve composing the pass (deferred relaxed prefill, decoders sitting passes
+    out, width-2 exploration plans) still gives the target's greedy output under a
+    mix of strict and relaxed requests."""
+    target, draft, _ = tiny_pair
+    prompts = random_prompts(24, seed=5, lo=20, hi=120)
+    sp = SamplingParams(max_tokens=24)
+    # strict targets the tiny engine runs just behind (under this tick clock), relaxed
+    # ones it runs far inside: the case in which relaxed decoders sit passes out
+    strict = SLO(tpot_ms=5.0, ttft_ms=2000.0, cls="interactive")
+    relaxed = SLO(tpot_ms=1e4, ttft_ms=30000.0, cls="batch")
+    slos = [strict if i % 3 else relaxed for i in range(len(prompts))]
+    ref, _ = run(target, None, "ar", prompts, sp)
+    llm = LLM(
+        model=str(target),
+        draft=str(draft),
+        policy="adaserve:sit_out=1:explore_every=3",
+        kv_cache_bytes=32 << 20,
+        profile=profile_file,
+        clock=TickClock(0.001),
+    )
+    pol = llm.engine.policy
+    plans = []
+    plan = pol.plan
+    pol.plan = lambda view: plans.append(plan(view)) or plans[-1]
+    got = [o.token_ids for o in llm.generate(prompts, sp, slo=slos)]
+    assert got == ref
+    assert any(p.skip for p in plans), "no decoder ever sat a pass out"
+    assert any(p.state and p.state.choice.width == 2 for p in plans)
