@@ -62,6 +62,13 @@ class AdaptiveConfig:
     # plan to beat each TPOT target by this fraction: iteration times on a shared CPU
     # (and acceptance) vary, and a plan aimed exactly at the target misses half the time
     slo_margin: float = 0.15
+    # margin_auto: once margin_warmup passes are measured, the margin is margin_floor
+    # plus twice the spread (std) of measured / predicted pass time, at most
+    # margin_max: as small as the prediction is good (docs/results/pass-composition.md)
+    margin_auto: bool = True
+    margin_floor: float = 0.0
+    margin_max: float = 0.3
+    margin_warmup: int = 32
     # consider trees wider than a chain only when the calibrated acceptance of a
     # second-ranked child reaches this (0 = always consider them)
     min_sibling_acceptance: float = 0.2
@@ -106,6 +113,8 @@ class AdaptiveConfig:
             raise ValueError("catch_up_tokens must be >= 0")
         if not 0.0 <= self.slo_margin < 0.9:
             raise ValueError("slo_margin must be in [0, 0.9)")
+        if not 0.0 <= self.margin_floor <= self.margin_max < 0.9 or self.margin_warmup < 1:
+            raise ValueError("need 0 <= margin_floor <= margin_max < 0.9 and margin_warmup >= 1")
         if not 0.0 <= self.rate_tolerance < 1.0:
             raise ValueError("rate_tolerance must be in [0, 1)")
         if self.node_cap < 1 or self.prefill_chunk < 1 or self.max_budget < 1:
@@ -219,6 +228,8 @@ class BudgetedPolicy(Policy):
         self._acc_seen: tuple = ()
         self.correction = OnlineCorrection()  # measured - profiled iteration time
         self._plans = 0  # plans made with decoding requests (exploration's clock)
+        # measured / predicted pass time - 1: count, running mean and mean square
+        self._err_n, self._err_mean, self._err_sq = 0, 0.0, 0.0
         _warm_up()
 
     # ------------------------------------------------------------------ helpers
@@ -271,7 +282,7 @@ class BudgetedPolicy(Policy):
         (and is infeasible). H = 0 is the paper's one-iteration form
         (l_r + t_iter) / aim - n_out + 1."""
         if a.coef is None:
-            aim = a.tpot * (1.0 - self.cfg.slo_margin)  # NaN without a target
+            aim = a.tpot * (1.0 - self.margin)  # NaN without a target
             has = a.has_tpot
             if self.cfg.catch_up_tokens == 0:
                 slope, base = 1.0 / aim, a.decode_ms / aim - a.n_out + 1.0
@@ -300,6 +311,23 @@ class BudgetedPolicy(Policy):
         if isinstance(state, BudgetedState) and measured_ms > 0:
             x, static = state.choice.features, state.choice.t_static
             self.correction.update(np.asarray(x, dtype=float), measured_ms - static)
+            if state.choice.t_iter > 0:
+                e = measured_ms / state.choice.t_iter - 1.0
+                k = self._err_n = self._err_n + 1
+                a = max(1.0 / k, 0.02)  # a running mean, then an EWMA over ~50 passes
+                self._err_mean += a * (e - self._err_mean)
+                self._err_sq += a * (e * e - self._err_sq)
+
+    @property
+    def margin(self) -> float:
+        """The fraction of each TPOT target the plans aim below: ``slo_margin``, or with
+        ``margin_auto`` (after ``margin_warmup`` measured passes) ``margin_floor`` plus
+        twice the spread of measured / predicted pass time, capped at ``margin_max``."""
+        c = self.cfg
+        if not c.margin_auto or self._err_n < c.margin_warmup:
+            return c.slo_margin
+        sd = math.sqrt(max(self._err_sq - self._err_mean**2, 0.0))
+        return min(c.margin_floor + 2.0 * sd, c.margin_max)
 
     # ------------------------------------------------------------------ plan
     def plan(self, view: BatchView) -> Plan:
@@ -386,7 +414,7 @@ class BudgetedPolicy(Policy):
         short = arr.has_tpot & (ranks < c.defer_rank) & (need > 1.0 + gain + 1e-9)
         if not (short & (need - 1.0 <= self._reach(widths, acc) + 1e-9)).any():
             return set()
-        aim = arr.tpot * (1.0 - c.slo_margin)
+        aim = arr.tpot * (1.0 - self.margin)
         fine = arr.decode_ms + 2.0 * best.t_iter <= aim * arr.n_out
         out = arr.has_tpot & (ranks >= c.defer_rank) & fine
         return set(arr.rid[out].tolist())
@@ -421,7 +449,7 @@ class BudgetedPolicy(Policy):
             pre,
             chunk=c.prefill_chunk,
             t_pass_ms=t_pass,
-            margin=c.slo_margin,
+            margin=self.margin,
             defer_rank=c.defer_rank,
             no_ttft_ms=c.no_ttft_defer_ms,
         )
