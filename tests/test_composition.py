@@ -319,3 +319,18 @@ def test_the_scheduler_leaves_skipped_decoders_out_of_the_pass():
         r.num_cached = r.num_tokens - 1  # decoding: one new token to verify
     batch = sched.reserve(sched.plan(sched.view()), can_draft=True)
     assert [r.rid for r in batch.decode] == [2]
+
+
+def test_a_lost_prompt_does_not_take_the_others_down_with_it():
+    """A relaxed prompt that misses its TTFT however it is served goes after the
+    others and does not make them urgent sooner; it still runs (firm, last)."""
+    kw = dict(chunk=256, t_pass_ms=100.0, margin=0.15, defer_rank=1, no_ttft_ms=30000.0)
+    lost = prompt(1, 4000, 29500.0)  # 16 passes left, 0.5 s to its deadline
+    fine = prompt(2, 1000, 28000.0)  # before its latest start (29.44 s)
+    split = composition.split_prefill([lost, fine], **kw)
+    assert [r.rid for r in split.firm] == [1] and [r.rid for r in split.soft] == [2]
+    # counted ahead of it, the lost prompt's 4000 tokens would make request 2 urgent
+    assert 28000.0 >= composition.latest_start_ms(30000.0, 5000, 256, 100.0, 0.15)
+    # a strict prompt is never lost: it is firm in deadline order as always
+    strict = prompt(3, 4000, 1900.0, ttft_ms=2000.0, rank=0)
+    assert [r.rid for r in composition.split_prefill([strict, fine], **kw).firm] == [3]

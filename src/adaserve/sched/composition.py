@@ -7,7 +7,8 @@ planner splits the prefilling requests in two before it plans any tree:
 * **firm** prefill runs now, in TTFT-deadline order, up to the chunk: requests of a
   strict class (rank below ``defer_rank``), and every request at or past its
   *latest start*, with those ahead of it in deadline order (earliest deadline first
-  prefills them first, so they must run too);
+  prefills them first, so they must run too); then relaxed requests that will miss
+  their TTFT whatever happens (*lost*: they would only make the others miss theirs);
 * **soft** prefill (a relaxed request with time to spare) runs only into the *slack*
   of the pass: the extra milliseconds the decoders that are on pace can absorb while
   still meeting their requirement A(r) with the trees the plan gives them.
@@ -71,8 +72,18 @@ def split_prefill(
     no_ttft_ms: float,
 ) -> PrefillSplit:
     """Firm and soft prefill (see the module docstring). A request without a TTFT
-    target is treated as one of ``no_ttft_ms``, so it cannot be deferred forever."""
-    order = sorted(prefilling, key=lambda r: ttft_deadline(r, no_ttft_ms))
+    target is treated as one of ``no_ttft_ms``, so it cannot be deferred forever.
+
+    A relaxed request that would miss its TTFT even if its prefill ran alone from now
+    on is *lost*: it neither counts in the tokens ahead of the others nor goes ahead
+    of them (earliest deadline first spends an overloaded pass on requests already
+    lost and so loses the next ones too); it is firm after every other firm request,
+    so it still finishes."""
+    order, lost = [], []
+    for r in sorted(prefilling, key=lambda r: ttft_deadline(r, no_ttft_ms)):
+        ttft = r.ttft_ms if r.ttft_ms is not None else no_ttft_ms
+        alone = r.waited_ms + math.ceil(r.prefill_left / max(chunk, 1)) * t_pass_ms
+        (lost if r.rank >= defer_rank and alone > ttft else order).append(r)
     last_urgent = -1
     through = 0
     for i, r in enumerate(order):
@@ -82,7 +93,7 @@ def split_prefill(
             last_urgent = i
     firm = tuple(r for i, r in enumerate(order) if i <= last_urgent or r.rank < defer_rank)
     soft = tuple(r for i, r in enumerate(order) if i > last_urgent and r.rank >= defer_rank)
-    return PrefillSplit(firm=firm, soft=soft)
+    return PrefillSplit(firm=firm + tuple(lost), soft=soft)
 
 
 def chunk_in_order(reqs, budget: int) -> dict[int, int]:
