@@ -8,7 +8,7 @@ goodput share (``bench.capacity.annotate_sweep``), and writes ``result.json``,
 ``summary.md`` and the plots to OUT::
 
     .venv/bin/python benchmarks/merge_sweeps.py OUT A/result.json B/result.json [...]
-        [--reference oracle:compose]
+        [--reference oracle:compose] [--policies adaserve,dyn-tree,...]
 """
 
 from __future__ import annotations
@@ -48,11 +48,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("inputs", type=Path, nargs="+")
     ap.add_argument("--reference", help="the policy goodput shares are taken against")
+    ap.add_argument("--policies", help="keep only these (comma-separated), in this order")
     ap.add_argument("--no-plots", action="store_true")
     a = ap.parse_args(argv)
     try:
         results = [json.loads(p.read_text()) for p in a.inputs]
-        merged = annotate_sweep(merge(results), a.reference)
+        merged = merge(results)
+        if a.policies:
+            keep = [p for p in a.policies.split(",") if p]
+            missing = [p for p in keep if p not in merged["config"]["policies"]]
+            if missing:
+                raise ValueError(f"no results for {missing}")
+            for pt in merged["points"]:
+                pt["results"] = {p: pt["results"][p] for p in keep}
+            merged["config"]["policies"] = keep
+        merged = annotate_sweep(merged, a.reference)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

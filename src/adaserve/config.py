@@ -46,11 +46,12 @@ class EngineConfig(SchedulerConfig):
     auto_profile: bool = True  # measure the pair on first start when no profile is cached
     selection_log: str | None = None
     random_weights: bool = False
-    reprofile_on_drift: bool = True
-    drift_window: int = 64
-    drift_low: float = 0.5
-    drift_high: float = 2.0
-    drift_min_interval_s: float = 600.0
+    # the drift monitor's settings, flat like the rest (defaults: DriftConfig's)
+    reprofile_on_drift: bool = DriftConfig.enabled
+    drift_window: int = DriftConfig.window
+    drift_low: float = DriftConfig.low
+    drift_high: float = DriftConfig.high
+    drift_min_interval_s: float = DriftConfig.min_interval_s
 
     def __post_init__(self) -> None:
         super().__post_init__()
