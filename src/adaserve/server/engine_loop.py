@@ -91,6 +91,10 @@ class Final:
     logprobs: tuple | None = None
     # the same per prompt token, the first None (params.prompt_logprobs)
     prompt_logprobs: tuple | None = None
+    # the class the request was served in, and the one it entered the engine in when
+    # the scheduler degraded it (``Request.degraded_from``); None: not known / not
+    cls: str | None = None
+    degraded_from: str | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -416,6 +420,8 @@ class EngineLoop:
             prompt_logprobs=(
                 tuple(r.prompt_logprobs) if r.params.prompt_logprobs is not None else None
             ),
+            cls=r.slo.cls,
+            degraded_from=r.degraded_from,
         )
         if self.on_finish is not None:
             try:

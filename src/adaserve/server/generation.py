@@ -59,17 +59,25 @@ async def generate(
     check_choices(state, len(prompts), n)
     choice = _resolve(state, body, request.headers, tenant)
     per_prompt_max = max_tokens_per_prompt(state, prompts, max_tokens, default_max, prompt_param)
-    params = [
-        sampling_params(body, per_prompt_max[i], None if body.seed is None else body.seed + j)
-        for i in range(len(prompts))
-        for j in range(n)
-    ]
     prompt_tokens = sum(len(p) for p in prompts)
+    # the tokens-per-minute quota reserves every choice's max_tokens up front (without
+    # an explicit max_tokens, the default shrinks to what the tenant has left), so the
+    # output can never overshoot it; each choice gives back what it did not use
     try:
-        state.quotas.admit(tenant, prompt_tokens)
+        reserved = state.quotas.admit(
+            tenant,
+            prompt_tokens,
+            [per_prompt_max[i] for i in range(len(prompts)) for _ in range(n)],
+            fit=max_tokens is None,
+        )
     except ApiError as e:
         state.rate_limited(tenant.name, e.reason or "quota")
         raise
+    params = [
+        sampling_params(body, reserved[i * n + j], None if body.seed is None else body.seed + j)
+        for i in range(len(prompts))
+        for j in range(n)
+    ]
     job = Job(state, tenant)
     streaming = False
     try:
@@ -82,6 +90,7 @@ async def generate(
                     choice.degraded_from,
                     choice.source,
                     count_prompt=(j == 0),
+                    reserved_tokens=reserved[i * n + j],
                 )
                 job.handles.append(
                     Handle(
@@ -98,6 +107,9 @@ async def generate(
         results = await asyncio.gather(
             *(state.loop.submit(h) for h in job.handles), return_exceptions=True
         )
+        for h, r in zip(job.handles, results):
+            if isinstance(r, BaseException):  # never reaches on_finish: give it back now
+                state.quotas.refund(tenant.name, h.ctx.reserved_tokens)
         for r in results:
             if isinstance(r, BaseException):
                 raise submit_error(state, r, choice.cls.name, prompt_param)

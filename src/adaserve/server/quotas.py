@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Sequence
 
 from adaserve.server.config import Tenant
 from adaserve.server.errors import ApiError, retry_after
@@ -36,10 +37,25 @@ class TokenBucket:
         self._refill()
         self.level -= n
 
+    def give(self, n: float) -> None:
+        """Return ``n`` units taken earlier (at most up to the capacity)."""
+        self._refill()
+        self.level = min(self.capacity, self.level + n)
+
+    def available(self) -> float:
+        """Units available now."""
+        self._refill()
+        return self.level
+
 
 class QuotaBook:
-    """Per-tenant request/token buckets and in-flight counts (event-loop thread only;
-    ``charge_output`` may come from the engine thread and takes the lock)."""
+    """Per-tenant request/token buckets and in-flight counts (thread-safe: ``settle``
+    and ``refund`` come from the engine thread).
+
+    The tokens-per-minute bucket bounds output as well as prompts: admission reserves
+    the prompt plus every choice's ``max_tokens`` up front (a request that does not fit
+    is refused, so no request can produce more than the tenant had left), and each
+    choice returns its unused part when it ends (``settle``)."""
 
     def __init__(self, tenants: tuple[Tenant, ...], clock=time.monotonic):
         self._lock = threading.Lock()
@@ -52,8 +68,19 @@ class QuotaBook:
             if t.tokens_per_minute:
                 self._tpm[t.name] = TokenBucket(t.tokens_per_minute, clock)
 
-    def admit(self, tenant: Tenant, prompt_tokens: int) -> None:
-        """Take one request and the prompt tokens from the tenant's quotas, or raise 429."""
+    def admit(
+        self,
+        tenant: Tenant,
+        prompt_tokens: int,
+        outputs: Sequence[int] = (),
+        *,
+        fit: bool = False,
+    ) -> list[int]:
+        """Take one request, the prompt tokens and the output reservation (``outputs``:
+        each choice's ``max_tokens``) from the tenant's quotas, or raise 429. Returns the
+        reserved ``max_tokens`` per choice: ``outputs`` itself, or with ``fit`` (the
+        client set no ``max_tokens``) each shrunk to an equal share of what is left."""
+        outputs = list(outputs)
         with self._lock:
             busy = self.inflight.get(tenant.name, 0)
             if tenant.max_concurrent is not None and busy >= tenant.max_concurrent:
@@ -66,34 +93,59 @@ class QuotaBook:
                     "requests_per_minute", f"{tenant.requests_per_minute:g} requests per minute", w
                 )
             tpm = self._tpm.get(tenant.name)
-            if tpm is not None and (w := tpm.wait_for(prompt_tokens)) > 0:
-                if math.isinf(w):
-                    raise _quota_error(
-                        "tokens_per_minute",
-                        f"the prompt ({prompt_tokens} tokens) exceeds the quota of "
-                        f"{tenant.tokens_per_minute:g} tokens per minute",
-                        60,
-                    )
-                raise _quota_error(
-                    "tokens_per_minute", f"{tenant.tokens_per_minute:g} tokens per minute", w
-                )
+            if tpm is not None:
+                if fit and outputs:
+                    share = int((tpm.available() - prompt_tokens) // len(outputs))
+                    outputs = [min(o, max(share, 1)) for o in outputs]
+                need = prompt_tokens + sum(outputs)
+                if (w := tpm.wait_for(need)) > 0:
+                    raise _tokens_error(tenant, prompt_tokens, outputs, w)
             if rpm is not None:
                 rpm.take(1)
             if tpm is not None:
-                tpm.take(prompt_tokens)
+                tpm.take(prompt_tokens + sum(outputs))
             self.inflight[tenant.name] = self.inflight.get(tenant.name, 0) + 1
+        return outputs
 
     def release(self, tenant: Tenant) -> None:
         with self._lock:
             self.inflight[tenant.name] = max(0, self.inflight.get(tenant.name, 0) - 1)
 
-    def charge_output(self, tenant_name: str, tokens: int) -> None:
-        """Output tokens count against the token quota when they are produced (may go
-        into debt, which later requests wait out)."""
+    def settle(self, tenant_name: str, reserved: int, produced: int) -> None:
+        """A choice has ended: give back the part of its reservation it did not use
+        (take the excess should it ever have produced more)."""
         with self._lock:
             tpm = self._tpm.get(tenant_name)
-            if tpm is not None:
-                tpm.take(tokens)
+            if tpm is None or produced == reserved:
+                return
+            if produced < reserved:
+                tpm.give(reserved - produced)
+            else:
+                tpm.take(produced - reserved)
+
+    def refund(self, tenant_name: str, tokens: int) -> None:
+        """Give back a reservation that never reached the engine."""
+        self.settle(tenant_name, tokens, 0)
+
+    def tokens_available(self, tenant_name: str) -> float | None:
+        """The tenant's tokens-per-minute bucket level now (None: no such quota)."""
+        with self._lock:
+            tpm = self._tpm.get(tenant_name)
+            return None if tpm is None else tpm.available()
+
+
+def _tokens_error(tenant: Tenant, prompt_tokens: int, outputs: list[int], wait_s: float):
+    quota = f"{tenant.tokens_per_minute:g} tokens per minute"
+    if not math.isinf(wait_s):
+        return _quota_error("tokens_per_minute", quota, wait_s)
+    if outputs:
+        what = (
+            f"the request ({prompt_tokens} prompt tokens + {sum(outputs)} for "
+            f"{len(outputs)} choice(s) x max_tokens) exceeds the quota of {quota}"
+        )
+    else:
+        what = f"the prompt ({prompt_tokens} tokens) exceeds the quota of {quota}"
+    return _quota_error("tokens_per_minute", what, 60)
 
 
 def _quota_error(reason: str, what: str, wait_s: float) -> ApiError:

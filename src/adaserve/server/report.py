@@ -114,7 +114,10 @@ class ReportStore:
                 "attained": attained,
                 "attainment": attained / n if n else None,
                 "finish_reasons": _count(r.reason for r in rs),
+                # served here though they asked for a stricter class / asked for this
+                # class and were served in a looser one
                 "degraded_in": sum(r.degraded_from is not None for r in rs),
+                "degraded_out": sum(r.degraded_from == name for r in recs),
                 "shed": {k[1]: v for k, v in shed.items() if k[0] == name},
                 "targets": class_targets.get(name, {}),
                 "price_per_1k": prices.get(name),

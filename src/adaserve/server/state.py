@@ -32,6 +32,7 @@ class RequestCtx:
     degraded_from: str | None
     source: str
     count_prompt: bool
+    reserved_tokens: int = 0  # output tokens reserved against tokens per minute
 
 
 class ServerState:
@@ -48,6 +49,7 @@ class ServerState:
         self.quotas = QuotaBook(cfg.tenants)
         self.usage = UsageBook()
         names = [c.name for c in classes]
+        self.prices = {c.name: c.price_per_1k for c in classes}
         self.report = ReportStore(names)
         self.metrics = ServerMetrics(
             model_name, names, lambda: self.loop.snapshot, self.report.attainment
@@ -104,22 +106,28 @@ class ServerState:
         self.report.rate_limited(tenant, reason)
 
     def on_finish(self, h: Handle, final: Final) -> None:
-        """Account a finished request (engine thread)."""
+        """Account a finished request (engine thread) at the class it was delivered in:
+        a request the scheduler degraded is billed at the looser class's price and
+        counted there, with ``degraded_from`` the class it asked for."""
         ctx: RequestCtx = h.ctx
+        self.quotas.settle(ctx.tenant, ctx.reserved_tokens, final.completion_tokens)
+        cls, price = ctx.cls, ctx.price_per_1k
+        if final.cls is not None and final.cls != ctx.cls:
+            cls, price = final.cls, self.prices.get(final.cls, ctx.price_per_1k)
+        degraded_from = ctx.degraded_from or final.degraded_from
         pt = final.prompt_tokens if ctx.count_prompt else 0
         charge = self.usage.record(
-            ctx.tenant, ctx.cls, pt, final.completion_tokens, ctx.price_per_1k
+            ctx.tenant, cls, pt, final.completion_tokens, price, degraded=degraded_from is not None
         )
-        self.quotas.charge_output(ctx.tenant, final.completion_tokens)
         m = final.metrics
         m["charge"] = charge
         m["slo_source"] = ctx.source
-        if ctx.degraded_from:
-            m["degraded_from"] = ctx.degraded_from
-        self.metrics.observe_finish(ctx.cls, ctx.tenant, final, charge)
+        if degraded_from:
+            m["degraded_from"] = degraded_from
+        self.metrics.observe_finish(cls, ctx.tenant, final, charge)
         self.report.record(
             Record(
-                cls=ctx.cls,
+                cls=cls,
                 tenant=ctx.tenant,
                 reason=final.reason,
                 ttft_ms=m.get("ttft_ms"),
@@ -132,6 +140,6 @@ class ServerState:
                 accepted_tokens=int(m.get("accepted_tokens") or 0),
                 arrival=final.arrival,
                 finished_at=final.finished_at,
-                degraded_from=ctx.degraded_from,
+                degraded_from=degraded_from,
             )
         )

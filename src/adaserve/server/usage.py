@@ -13,6 +13,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     charge: float = 0.0
+    degraded: int = 0  # requests delivered (and billed) here that asked for a stricter class
 
 
 class UsageBook:
@@ -23,9 +24,16 @@ class UsageBook:
         self._u: dict[tuple[str, str], Usage] = {}
 
     def record(
-        self, tenant: str, cls: str, prompt_tokens: int, completion_tokens: int, price_per_1k: float
+        self,
+        tenant: str,
+        cls: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        price_per_1k: float,
+        degraded: bool = False,
     ) -> float:
-        """Account one finished request; returns its charge."""
+        """Account one finished request in the class it was delivered in (``degraded``:
+        it asked for a stricter one); returns its charge."""
         charge = completion_tokens * price_per_1k / 1000.0
         with self._lock:
             u = self._u.setdefault((tenant, cls), Usage())
@@ -33,6 +41,7 @@ class UsageBook:
             u.prompt_tokens += prompt_tokens
             u.completion_tokens += completion_tokens
             u.charge += charge
+            u.degraded += int(degraded)
         return charge
 
     def by_tenant(self, only: str | None = None) -> dict[str, dict]:
@@ -50,6 +59,7 @@ class UsageBook:
             tot.prompt_tokens += u.prompt_tokens
             tot.completion_tokens += u.completion_tokens
             tot.charge += u.charge
+            tot.degraded += u.degraded
         for t in out.values():
             t["total"] = dataclasses.asdict(t["total"])
         return out
