@@ -34,6 +34,10 @@ tokens_per_minute = 30
 keys = ["sk-aborts-secret"]
 tokens_per_minute = {QUOTA}
 
+[tenants.refused]
+keys = ["sk-refused-secret"]
+tokens_per_minute = {QUOTA}
+
 [tenants.ops]
 keys = ["sk-ops-secret"]
 admin = true
@@ -129,6 +133,17 @@ def test_unused_reservation_is_given_back(srv):
     # what is gone is the prompt and what was produced (plus nothing reserved)
     assert QUOTA - level <= 5 + produced
     c.completions.create(model="tiny", prompt="hi", max_tokens=40)  # fits again
+
+
+def test_reservation_of_a_refused_submission_is_given_back(srv, monkeypatch):
+    """A request the engine refuses (here: its queue is full) never finishes, so it
+    gives back its output reservation when it is refused."""
+    q = srv.state.quotas
+    monkeypatch.setattr(srv.state.loop, "max_waiting", 0)
+    with pytest.raises(openai.RateLimitError) as ei:
+        srv.client("sk-refused-secret").completions.create(model="tiny", prompt="hi", max_tokens=60)
+    assert ei.value.body["reason"] == "queue_full"
+    assert q.tokens_available("refused") >= QUOTA - 5  # only the prompt is gone
 
 
 def test_quota_book_reserves_and_settles():

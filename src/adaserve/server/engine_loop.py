@@ -169,6 +169,9 @@ class EngineLoop:
         self.max_waiting = max_waiting
         self.step_delay_s = step_delay_s
         self.on_finish = on_finish  # callback(handle, final), called on the engine thread
+        # callback(handle) for an add that never reached the engine (refused, cancelled,
+        # shutting down): whatever was reserved for it can be given back
+        self.on_reject = None
         self._inbox: queue.Queue = queue.Queue()
         self._tracked: dict[int, Handle] = {}
         self._thread: threading.Thread | None = None
@@ -217,6 +220,7 @@ class EngineLoop:
         """Queue ``h`` in the engine; returns its ``Request`` or raises the engine's
         ``InvalidRequestError`` / ``AdmissionRejected``, or ``ShuttingDown``."""
         if self._closed or not self.alive:
+            self._rejected(h)
             raise ShuttingDown("the server is shutting down")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("add", h, fut))
@@ -320,6 +324,7 @@ class EngineLoop:
         if kind == "add":
             _, h, fut = c
             if not fut.set_running_or_notify_cancel():
+                self._rejected(h)
                 return
             try:
                 if self._closed:
@@ -332,6 +337,7 @@ class EngineLoop:
                     )
                 r = self.engine.add_request(h.prompt_ids, h.params, h.slo, arrival=h.arrival)
             except Exception as exc:  # handed to the awaiting handler
+                self._rejected(h)
                 fut.set_exception(exc)
                 return
             h.req = r
@@ -430,6 +436,13 @@ class EngineLoop:
                 log.exception("finish callback failed")
         return final
 
+    def _rejected(self, h: Handle) -> None:
+        if self.on_reject is not None:
+            try:
+                self.on_reject(h)
+            except Exception:
+                log.exception("reject callback failed")
+
     def _publish_snapshot(self) -> None:
         e = self.engine
         self.snapshot = EngineSnapshot(
@@ -468,6 +481,8 @@ class EngineLoop:
                 c = self._inbox.get_nowait()
             except queue.Empty:
                 break
+            if c[0] == "add":
+                self._rejected(c[1])
             if c[0] in ("add", "call") and c[2].set_running_or_notify_cancel():
                 c[2].set_exception(ShuttingDown("the server is shutting down"))
         if self.engine is not None and self._tracked:

@@ -107,9 +107,6 @@ async def generate(
         results = await asyncio.gather(
             *(state.loop.submit(h) for h in job.handles), return_exceptions=True
         )
-        for h, r in zip(job.handles, results):
-            if isinstance(r, BaseException):  # never reaches on_finish: give it back now
-                state.quotas.refund(tenant.name, h.ctx.reserved_tokens)
         for r in results:
             if isinstance(r, BaseException):
                 raise submit_error(state, r, choice.cls.name, prompt_param)

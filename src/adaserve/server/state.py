@@ -48,6 +48,7 @@ class ServerState:
         self.tenants = TenantRegistry(cfg.tenants)
         self.quotas = QuotaBook(cfg.tenants)
         self.usage = UsageBook()
+        loop.on_reject = self.on_reject  # an add refused before the engine: refund
         names = [c.name for c in classes]
         self.prices = {c.name: c.price_per_1k for c in classes}
         self.report = ReportStore(names)
@@ -104,6 +105,12 @@ class ServerState:
         """Count a request refused by the tenant's quotas."""
         self.metrics.observe_rate_limited(tenant, reason)
         self.report.rate_limited(tenant, reason)
+
+    def on_reject(self, h: Handle) -> None:
+        """A request that never reached the engine gives back its output reservation."""
+        ctx: RequestCtx | None = h.ctx
+        if ctx is not None:
+            self.quotas.refund(ctx.tenant, ctx.reserved_tokens)
 
     def on_finish(self, h: Handle, final: Final) -> None:
         """Account a finished request (engine thread) at the class it was delivered in:
