@@ -285,12 +285,26 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
 
     app.add_api_route("/health", health, methods=["HEAD"], operation_id="health_head")
 
-    @app.get("/metrics")
-    async def metrics():
-        """Prometheus text format."""
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    @app.get("/metrics", responses={401: {"model": ErrorResponse}})
+    async def metrics(request: Request, _key: BearerKey):
+        """Prometheus text format. With API keys configured the per-tenant series
+        (billing data) need a key: an admin tenant's shows every tenant, another
+        tenant's only its own; without a key only the engine-wide series are shown."""
+        return Response(_render_metrics(state, request), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _render_metrics(state: ServerState, request: Request) -> bytes:
+    """/metrics for this caller (see ``metrics``); a wrong key is 401, as on /v1/*."""
+    reg = state.tenants
+    if reg.open_mode:
+        return state.metrics.render()
+    authorization = request.headers.get("authorization")
+    if not authorization:
+        return state.metrics.render(tenants=False)
+    tenant = reg.authenticate(authorization)
+    return state.metrics.render(only_tenant=None if tenant.admin else tenant.name)
 
 
 def _jsonable(v):
