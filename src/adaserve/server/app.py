@@ -3,7 +3,8 @@
 ``create_app(engine_or_config, server_config)`` builds one app around one engine
 thread (``EngineLoop``). Request flow for a generation:
 
-  guard middleware: 503 while draining, 401 without a valid key, 413 for big bodies
+  guard middleware: 503 while draining, 401 without a valid key, 413 for big bodies,
+  408 for a body that does not arrive within ``body_timeout_s``
   -> pydantic body (400 on malformed JSON, invalid UTF-8, wrong types)
   -> unknown fields (400 when strict), model (404), unsupported options (400)
   -> SLO resolution (400 / 403), sampling params (400), prompt tokens and context (400)
@@ -59,7 +60,8 @@ log = logging.getLogger("adaserve.server")
 
 
 class _Guard:
-    """Pure ASGI middleware: drain (503), auth (401) for /v1/*, body size limit (413)."""
+    """Pure ASGI middleware: drain (503), auth (401) for /v1/*, body size limit (413),
+    body read timeout (408: the whole body within ``body_timeout_s`` of the headers)."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
@@ -101,9 +103,20 @@ class _Guard:
                     raise too_big
             except ValueError:
                 raise ApiError(400, "invalid Content-Length header") from None
+        timeout = self.state.cfg.body_timeout_s
+        clock = asyncio.get_running_loop().time
+        deadline = clock() + timeout
         chunks, size = [], 0
         while True:
-            msg = await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), max(0.0, deadline - clock()))
+            except asyncio.TimeoutError:
+                raise ApiError(
+                    408,
+                    f"request body not received within {timeout:g} s",
+                    code="request_timeout",
+                    headers={"Connection": "close"},
+                ) from None
             if msg["type"] == "http.disconnect":
                 break
             body = msg.get("body", b"")
@@ -145,6 +158,7 @@ _ERRORS = {
     401: {"model": ErrorResponse},
     403: {"model": ErrorResponse},
     404: {"model": ErrorResponse},
+    408: {"model": ErrorResponse},
     413: {"model": ErrorResponse},
     429: {"model": ErrorResponse},
     503: {"model": ErrorResponse},
