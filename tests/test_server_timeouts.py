@@ -128,6 +128,29 @@ def test_body_shorter_than_its_content_length_gets_408(srv):
     assert err["code"] == "request_timeout" and err["type"] == "invalid_request_error"
 
 
+def test_unread_body_trickled_after_the_response_is_cut_off(srv):
+    # /health never reads the body; the trickle would otherwise keep the connection open
+    with _connect(srv) as s:
+        t0 = time.monotonic()
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        s.settimeout(0.15)
+        data = b""
+        while time.monotonic() - t0 < 2 * TIMEOUT + 1.0 + SLACK + 1.0:
+            try:
+                s.sendall(b"x")
+                chunk = s.recv(65536)
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if not chunk:
+                break
+            data += chunk
+        closed_after = time.monotonic() - t0
+    assert closed_after < TIMEOUT + 1.0 + SLACK
+    assert _parse(data)[0] == 200
+
+
 def test_a_complete_body_in_time_is_answered(srv):
     body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 1}).encode()
     with _connect(srv) as s:
