@@ -172,7 +172,7 @@ def _server_class():
     return Server
 
 
-def _raw_response(protocol, err, close: bool = True) -> None:
+def _raw_response(protocol, err) -> None:
     """Write ``err`` (an ``ApiError``) as a JSON response straight to the transport,
     bypassing the parser's state (so only when no response is under way), and close."""
     from adaserve.server.render import dumps
@@ -187,8 +187,7 @@ def _raw_response(protocol, err, close: bool = True) -> None:
         b"connection: close\r\n\r\n",
     ]
     protocol.transport.write(b"".join(head) + body)
-    if close:
-        protocol.transport.close()
+    protocol.transport.close()
 
 
 def _over_capacity_app(limit: int):
