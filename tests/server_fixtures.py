@@ -151,11 +151,15 @@ def wait_for(pred, timeout: float = 5.0, every: float = 0.02):
     return None
 
 
-def scrape(url: str) -> dict[str, list]:
-    """/metrics as {sample name: [(labels, value), ...]} (parsed by prometheus_client)."""
+def scrape(url: str, key: str | None = None) -> dict[str, list]:
+    """/metrics as {sample name: [(labels, value), ...]} (parsed by prometheus_client),
+    scraped with ``Authorization: Bearer <key>`` when a key is given."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(url + "/metrics", timeout=10).text
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.get(url + "/metrics", headers=headers, timeout=10)
+    assert r.status_code == 200, r.text
+    text = r.text
     out: dict[str, list] = {}
     for fam in text_string_to_metric_families(text):
         out.setdefault(fam.name, [])

@@ -434,6 +434,9 @@ def test_metrics_parse_with_vllm_and_adaserve_names(srv):
     assert labels == {(("model_name", MODEL),)}
     classes = {lab["slo_class"] for lab, _ in fams["adaserve:verification_tokens_total"]}
     assert classes == {"interactive", "chat", "batch"}
+    # open mode (no keys): the per-tenant series are there for the anonymous tenant
+    tenants = {lab["tenant"] for lab, _ in fams["adaserve:tenant_output_tokens_total"]}
+    assert tenants == {"anonymous"} and "adaserve:charges_total" in fams
     (_, gen), = fams["vllm:generation_tokens_total"]  # fmt: skip
     (_, drafts), = fams["vllm:spec_decode_num_draft_tokens_total"]  # fmt: skip
     assert gen > 0 and drafts > 0  # spec-chain policy speculates

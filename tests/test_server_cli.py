@@ -142,6 +142,22 @@ def test_flags_override_the_file(tmp_path):
         build_configs(_args("--config", str(cfg)))
 
 
+def test_timeout_and_connection_cap_flags(tmp_path):
+    _, scfg = build_configs(_args())
+    assert (scfg.timeout_keep_alive_s, scfg.header_timeout_s, scfg.body_timeout_s) == (5, 10, 60)
+    assert scfg.max_connections == 1000
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[server]\nheader_timeout_s = 3\nmax_connections = 50\n")
+    _, scfg = build_configs(
+        _args("--config", str(cfg), "--timeout-keep-alive", "2", "--body-timeout", "7.5")
+    )
+    assert (scfg.timeout_keep_alive_s, scfg.header_timeout_s, scfg.body_timeout_s) == (2, 3, 7.5)
+    _, scfg = build_configs(_args("--header-timeout", "1", "--max-connections", "9"))
+    assert (scfg.header_timeout_s, scfg.max_connections) == (1, 9)
+    with pytest.raises(ConfigError, match="body_timeout_s"):
+        build_configs(_args("--body-timeout", "0"))
+
+
 def test_gpu_memory_utilization_flag_and_its_validation():
     ecfg, _ = build_configs(_args("--gpu-memory-utilization", "0.75"))
     assert ecfg.gpu_memory_utilization == 0.75

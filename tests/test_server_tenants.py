@@ -6,12 +6,14 @@ import logging
 import math
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from server_fixtures import (
     CUSTOM_TEMPLATE,
     LiveServer,
     engine_config,
+    scrape,
     server_test_env,
     templated_target,
 )
@@ -230,6 +232,44 @@ def test_usage_and_charges_per_tenant_and_class(srv):
         dcharge = get(own, cls, "charge") - get(before, cls, "charge")
         assert dcharge == pytest.approx(r.usage.completion_tokens * prices[cls] / 1000)
         assert r.model_extra["metrics"]["charge"] == pytest.approx(dcharge)
+
+
+TENANT_SERIES = (
+    "adaserve:charges_total",
+    "adaserve:tenant_output_tokens_total",
+    "adaserve:rate_limited_requests_total",
+)
+
+
+def _tenants_in(fams) -> set[str]:
+    return {lab["tenant"] for samples in fams.values() for lab, _ in samples if "tenant" in lab}
+
+
+def test_metrics_billing_series_need_an_admin_key(srv):
+    _ask(srv, "sk-acme-secret", max_tokens=3, extra_body={"ignore_eos": True})
+    for _ in range(3):  # 2 requests a minute: the third (at the latest) is refused
+        try:
+            _ask(srv, "sk-limited-secret")
+        except openai.RateLimitError:
+            break
+    # no key: the engine-wide series a gateway scrapes, and no billing data at all
+    anon = scrape(srv.url)
+    assert "vllm:generation_tokens_total" in anon and "adaserve:output_tokens_total" in anon
+    assert anon["vllm:generation_tokens_total"][0][1] > 0
+    assert not any(name.startswith(TENANT_SERIES) for name in anon)
+    assert _tenants_in(anon) == set()
+    # an admin key: every tenant's usage, charges and quota refusals
+    admin = scrape(srv.url, key="sk-ops-secret")
+    for name in TENANT_SERIES:
+        assert name in admin, name
+    assert {"acme", "limited"} <= _tenants_in(admin)
+    assert any(lab["tenant"] == "acme" and v > 0 for lab, v in admin["adaserve:charges_total"])
+    # another tenant's key: only its own series
+    own = scrape(srv.url, key="sk-acme-secret")
+    assert _tenants_in(own) == {"acme"}
+    # a wrong key is refused, as on /v1/*
+    r = httpx.get(srv.url + "/metrics", headers={"Authorization": "Bearer sk-nope"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_chat_template_from_tokenizer_config(srv, tmp_path_factory):

@@ -3,7 +3,8 @@
 ``create_app(engine_or_config, server_config)`` builds one app around one engine
 thread (``EngineLoop``). Request flow for a generation:
 
-  guard middleware: 503 while draining, 401 without a valid key, 413 for big bodies
+  guard middleware: 503 while draining, 401 without a valid key, 413 for big bodies,
+  408 for a body that does not arrive within ``body_timeout_s``
   -> pydantic body (400 on malformed JSON, invalid UTF-8, wrong types)
   -> unknown fields (400 when strict), model (404), unsupported options (400)
   -> SLO resolution (400 / 403), sampling params (400), prompt tokens and context (400)
@@ -59,7 +60,8 @@ log = logging.getLogger("adaserve.server")
 
 
 class _Guard:
-    """Pure ASGI middleware: drain (503), auth (401) for /v1/*, body size limit (413)."""
+    """Pure ASGI middleware: drain (503), auth (401) for /v1/*, body size limit (413),
+    body read timeout (408: the whole body within ``body_timeout_s`` of the headers)."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
@@ -101,9 +103,20 @@ class _Guard:
                     raise too_big
             except ValueError:
                 raise ApiError(400, "invalid Content-Length header") from None
+        timeout = self.state.cfg.body_timeout_s
+        clock = asyncio.get_running_loop().time
+        deadline = clock() + timeout
         chunks, size = [], 0
         while True:
-            msg = await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), max(0.0, deadline - clock()))
+            except asyncio.TimeoutError:
+                raise ApiError(
+                    408,
+                    f"request body not received within {timeout:g} s",
+                    code="request_timeout",
+                    headers={"Connection": "close"},
+                ) from None
             if msg["type"] == "http.disconnect":
                 break
             body = msg.get("body", b"")
@@ -145,6 +158,7 @@ _ERRORS = {
     401: {"model": ErrorResponse},
     403: {"model": ErrorResponse},
     404: {"model": ErrorResponse},
+    408: {"model": ErrorResponse},
     413: {"model": ErrorResponse},
     429: {"model": ErrorResponse},
     503: {"model": ErrorResponse},
@@ -285,12 +299,26 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
 
     app.add_api_route("/health", health, methods=["HEAD"], operation_id="health_head")
 
-    @app.get("/metrics")
-    async def metrics():
-        """Prometheus text format."""
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    @app.get("/metrics", responses={401: {"model": ErrorResponse}})
+    async def metrics(request: Request, _key: BearerKey):
+        """Prometheus text format. With API keys configured the per-tenant series
+        (billing data) need a key: an admin tenant's shows every tenant, another
+        tenant's only its own; without a key only the engine-wide series are shown."""
+        return Response(_render_metrics(state, request), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _render_metrics(state: ServerState, request: Request) -> bytes:
+    """/metrics for this caller (see ``metrics``); a wrong key is 401, as on /v1/*."""
+    reg = state.tenants
+    if reg.open_mode:
+        return state.metrics.render()
+    authorization = request.headers.get("authorization")
+    if not authorization:
+        return state.metrics.render(tenants=False)
+    tenant = reg.authenticate(authorization)
+    return state.metrics.render(only_tenant=None if tenant.admin else tenant.name)
 
 
 def _jsonable(v):

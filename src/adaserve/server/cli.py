@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import http
 import logging
 import signal
 import sys
@@ -50,6 +51,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, help="most requests in the running batch")
     p.add_argument("--max-model-len", type=int, help="context length cap")
     p.add_argument("--shutdown-grace", type=float, help="seconds in-flight requests may finish")
+    p.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        help="seconds an idle keep-alive connection stays open (default 5)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        help="seconds a request's line and headers may take to arrive (default 10)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        help="seconds a request's body may take to arrive after its headers (default 60)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        help="open connections beyond this get 503 (default 1000)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -94,6 +115,14 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
         repl["model_name"] = args.served_model_name
     if args.shutdown_grace is not None:
         repl["shutdown_grace_s"] = args.shutdown_grace
+    for flag, key in (
+        ("timeout_keep_alive", "timeout_keep_alive_s"),
+        ("header_timeout", "header_timeout_s"),
+        ("body_timeout", "body_timeout_s"),
+        ("max_connections", "max_connections"),
+    ):
+        if getattr(args, flag) is not None:
+            repl[key] = getattr(args, flag)
     if repl:
         cfg = dataclasses.replace(cfg, **repl)
     return ecfg, cfg
@@ -143,32 +172,145 @@ def _server_class():
     return Server
 
 
-def _http_protocol():
-    """uvicorn's HTTP protocol, answering the requests it cannot parse itself (bad
-    header bytes, a malformed request line or header) with an OpenAI-shaped JSON 400
-    rather than plain text."""
+def _raw_response(protocol, err) -> None:
+    """Write ``err`` (an ``ApiError``) as a JSON response straight to the transport,
+    bypassing the parser's state (so only when no response is under way), and close."""
+    from adaserve.server.render import dumps
+
+    body = dumps(err.body()).encode("ascii")
+    phrase = http.HTTPStatus(err.status).phrase.encode("ascii")
+    head = [b"HTTP/1.1 %d %s\r\n" % (err.status, phrase)]
+    head += [n + b": " + v + b"\r\n" for n, v in protocol.server_state.default_headers]
+    head += [
+        b"content-type: application/json\r\n",
+        b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
+        b"connection: close\r\n\r\n",
+    ]
+    protocol.transport.write(b"".join(head) + body)
+    protocol.transport.close()
+
+
+def _over_capacity_app(limit: int):
+    """The ASGI app a connection beyond ``max_connections`` is answered by: 503 JSON,
+    then the connection is closed."""
+    from adaserve.server.errors import ApiError, retry_after
+    from adaserve.server.render import error_response
+
+    err = ApiError(
+        503,
+        f"too many open connections (more than {limit}); retry later",
+        type="server_error",
+        code="server_overloaded",
+        reason="max_connections",
+        headers={**retry_after(1), "Connection": "close"},
+    )
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "http":
+            await error_response(err)(scope, receive, send)
+
+    return app
+
+
+def _http_protocol(cfg: ServerConfig | None = None):
+    """uvicorn's HTTP protocol (h11, or httptools when installed) with:
+
+    - JSON 400s for the requests it cannot parse itself (bad header bytes, a malformed
+      request line or header), rather than plain text;
+    - a header timeout: a request's line and headers must arrive within
+      ``header_timeout_s`` of the connection opening, or of the first byte of the next
+      request on a kept-alive connection (408 JSON if some of it came, else just closed);
+    - a body backstop: a request whose body is still incomplete ``body_timeout_s`` (+1 s)
+      after its headers has its connection closed (the app's body reader answers 408
+      first where it reads the body, see ``app._Guard``);
+    - a connection cap: connections beyond ``max_connections`` are answered 503 JSON.
+
+    uvicorn itself closes idle keep-alive connections (``timeout_keep_alive_s``).
+    """
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     from adaserve.server.errors import ApiError
-    from adaserve.server.render import dumps
+
+    cfg = cfg or ServerConfig()
+    header_timeout = cfg.header_timeout_s
+    body_timeout = cfg.body_timeout_s + 1.0
+    cap = cfg.max_connections
+    over_capacity = _over_capacity_app(cap) if cap is not None else None
 
     class Protocol(AutoHTTPProtocol):
+        _header_timer = None
+        _body_timer = None
+        _header_bytes = 0
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if cap is not None and len(self.connections) > cap:
+                log.warning("connection refused (503): more than %d open connections", cap)
+                self.app = over_capacity
+            self._arm_header_timer()
+
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            if self._header_timer is None and self._between_requests():
+                self._arm_header_timer()  # the first byte of the next request
+            self._header_bytes += len(data)
+            super().data_received(data)
+            if self.cycle is not cycle:  # a new request's headers are complete
+                self._cancel(header=True)
+                self._arm_body_timer()
+
+        def connection_lost(self, exc) -> None:
+            self._cancel(header=True, body=True)
+            super().connection_lost(exc)
+
+        def _between_requests(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _cancel(self, header: bool = False, body: bool = False) -> None:
+            if header and self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            if body and self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+
+        def _arm_header_timer(self) -> None:
+            self._cancel(header=True)
+            self._header_bytes = 0
+            self._header_timer = self.loop.call_later(
+                header_timeout, self._on_header_timeout, self.cycle
+            )
+
+        def _arm_body_timer(self) -> None:
+            self._cancel(body=True)
+            self._body_timer = self.loop.call_later(body_timeout, self._on_body_timeout, self.cycle)
+
+        def _on_header_timeout(self, cycle) -> None:
+            self._header_timer = None
+            if self.transport.is_closing() or self.cycle is not cycle:
+                return
+            if self._header_bytes and self._between_requests():
+                err = ApiError(
+                    408,
+                    f"request headers not received within {header_timeout:g} s",
+                    code="request_timeout",
+                )
+                _raw_response(self, err)
+            else:
+                self.transport.close()
+
+        def _on_body_timeout(self, cycle) -> None:
+            self._body_timer = None
+            if self.cycle is cycle and cycle.more_body and not self.transport.is_closing():
+                self.transport.close()
+
         def send_400_response(self, msg: str) -> None:
             cycle = getattr(self, "cycle", None)
             if cycle is not None and cycle.response_started and not cycle.response_complete:
                 self.transport.close()  # a response is under way: nothing can be added
                 return
             err = ApiError(400, msg or "Invalid HTTP request received.", code="invalid_http")
-            body = dumps(err.body()).encode("ascii")
-            head = [b"HTTP/1.1 400 Bad Request\r\n"]
-            head += [n + b": " + v + b"\r\n" for n, v in self.server_state.default_headers]
-            head += [
-                b"content-type: application/json\r\n",
-                b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
-                b"connection: close\r\n\r\n",
-            ]
-            self.transport.write(b"".join(head) + body)
-            self.transport.close()
+            _raw_response(self, err)
 
     return Protocol
 
@@ -184,8 +326,9 @@ def make_server(app, cfg: ServerConfig, log_level: str = "info", sockets=None):
         port=cfg.port,
         log_level=log_level,
         timeout_graceful_shutdown=cfg.shutdown_grace_s + 5.0,
+        timeout_keep_alive=cfg.timeout_keep_alive_s,
         lifespan="on",
-        http=_http_protocol(),
+        http=_http_protocol(cfg),
     )
     return _server_class()(config, app.state.adaserve)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -66,6 +67,12 @@ class ServerConfig:
     max_choices:         prompts x n per HTTP request
     step_delay_s:        sleep after every engine step (testing and demos only)
     default_class:       class of requests that name none (None = the engine's default)
+    timeout_keep_alive_s: an idle keep-alive connection is closed after this long
+    header_timeout_s:    a request's line and headers must arrive within this long of the
+                         connection opening (or of its first byte on a kept-alive one)
+    body_timeout_s:      a request's body must arrive within this long of its headers
+                         (408, and the connection is closed)
+    max_connections:     open connections beyond this get 503 (None = no cap)
     """
 
     model_name: str | None = None
@@ -79,6 +86,10 @@ class ServerConfig:
     max_choices: int = 64
     step_delay_s: float = 0.0
     default_class: str | None = None
+    timeout_keep_alive_s: float = 5.0
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    max_connections: int | None = 1000
     service_tiers: Mapping[str, str] = field(default_factory=dict)
     tenants: tuple[Tenant, ...] = ()
     classes: tuple[SLOClass, ...] | None = None  # None = the engine's classes
@@ -97,6 +108,16 @@ class ServerConfig:
             raise ConfigError("server.default_max_tokens must be >= 1")
         if self.step_delay_s < 0:
             raise ConfigError("server.step_delay_s must be >= 0")
+        for k in ("timeout_keep_alive_s", "header_timeout_s", "body_timeout_s"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                raise ConfigError(f"server.{k} must be a positive number of seconds")
+        if self.max_connections is not None and (
+            isinstance(self.max_connections, bool)
+            or not isinstance(self.max_connections, int)
+            or self.max_connections < 1
+        ):
+            raise ConfigError("server.max_connections must be a positive integer")
         for tier in self.service_tiers:
             if tier not in SERVICE_TIERS:
                 raise ConfigError(f"service_tiers: unknown tier {tier!r}")

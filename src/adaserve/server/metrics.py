@@ -4,12 +4,16 @@ Each app owns its ``CollectorRegistry``. Per-request histograms and per-class co
 are updated when a request finishes (on the engine thread; prometheus-client is
 thread-safe); engine gauges and counters are read from the engine snapshot at scrape
 time by a custom collector, so they always equal the engine's own numbers.
+
+The per-tenant series (labelled ``tenant``: usage, charges, quota refusals) are billing
+data and live in a registry of their own, so that ``render`` can leave them out (a
+scrape without an admin key, when API keys are configured) or keep one tenant's.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from adaserve.server.engine_loop import EngineSnapshot, Final
 
@@ -45,14 +49,22 @@ VLLM_NAMES = (
 
 SHED_REASONS = ("queue_full", "server_shutdown")
 
+TENANT_NAMES = (
+    "adaserve:rate_limited_requests",
+    "adaserve:charges",
+    "adaserve:tenant_output_tokens",
+)
+
 
 class ServerMetrics:
-    """The app's registry and the hooks that feed it."""
+    """The app's registries (engine-wide, per-tenant) and the hooks that feed them."""
 
     def __init__(self, model_name: str, class_names, snapshot_fn, attainment_fn):
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
+        self.tenant_registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
+        treg = self.tenant_registry
         m = ["model_name"]
         mc = ["model_name", "slo_class"]
         self.ttft = Histogram(
@@ -116,17 +128,17 @@ class ServerMetrics:
         self.rate_limited = Counter(
             "adaserve:rate_limited_requests",
             "Requests refused by a tenant quota, by reason.",
-            ["model_name", "tenant", "reason"], registry=reg,
+            ["model_name", "tenant", "reason"], registry=treg,
         )  # fmt: skip
         self.charges = Counter(
             "adaserve:charges",
             "Charges (price per 1k output tokens of the class) by tenant and class.",
-            ["model_name", "tenant", "slo_class"], registry=reg,
+            ["model_name", "tenant", "slo_class"], registry=treg,
         )  # fmt: skip
         self.tenant_tokens = Counter(
             "adaserve:tenant_output_tokens",
             "Output tokens by tenant and class.",
-            ["model_name", "tenant", "slo_class"], registry=reg,
+            ["model_name", "tenant", "slo_class"], registry=treg,
         )  # fmt: skip
         for h in (self.ttft, self.itl, self.tpot, self.e2e, self.queue):
             h.labels(model_name)
@@ -176,8 +188,29 @@ class ServerMetrics:
     def observe_rate_limited(self, tenant: str, reason: str) -> None:
         self.rate_limited.labels(self.model_name, tenant, reason).inc()
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, tenants: bool = True, only_tenant: str | None = None) -> bytes:
+        """Prometheus text: the engine-wide series, then the per-tenant ones unless
+        ``tenants`` is false (only ``only_tenant``'s samples when that is given)."""
+        text = generate_latest(self.registry)
+        if not tenants:
+            return text
+        if only_tenant is None:
+            return text + generate_latest(self.tenant_registry)
+        return text + generate_latest(_OneTenant(self.tenant_registry, only_tenant))
+
+
+class _OneTenant:
+    """A collector view of the per-tenant registry that keeps one tenant's samples."""
+
+    def __init__(self, registry: CollectorRegistry, tenant: str):
+        self.registry = registry
+        self.tenant = tenant
+
+    def collect(self):
+        for fam in self.registry.collect():
+            out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            out.samples = [s for s in fam.samples if s.labels.get("tenant") == self.tenant]
+            yield out
 
 
 class _EngineCollector:
