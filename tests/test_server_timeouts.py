@@ -77,6 +77,25 @@ def _parse(raw: bytes) -> tuple[int, dict[str, str], bytes]:
     return status, headers, body
 
 
+def _trickle(s, piece: bytes, t0: float, limit_s: float) -> tuple[bytes, float]:
+    """Send ``piece`` every 0.15 s until the server closes the connection (or
+    ``limit_s`` after ``t0``): (what it sent back, seconds from ``t0`` to the close)."""
+    s.settimeout(0.15)
+    data = b""
+    while time.monotonic() - t0 < limit_s:
+        try:
+            s.sendall(piece)
+            chunk = s.recv(65536)
+        except TimeoutError:
+            continue
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data, time.monotonic() - t0
+
+
 def test_idle_connection_that_sends_nothing_is_closed(srv):
     socks = [_connect(srv) for _ in range(3)]
     try:
@@ -93,20 +112,8 @@ def test_headers_trickled_slower_than_the_timeout_get_408(srv):
     with _connect(srv) as s:
         t0 = time.monotonic()
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-        s.settimeout(0.15)
-        data = b""
-        while time.monotonic() - t0 < TIMEOUT + SLACK + 1.0:  # a header line every 0.15 s
-            try:
-                s.sendall(b"X-Slow: 1\r\n")
-                chunk = s.recv(65536)
-            except TimeoutError:
-                continue
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            if not chunk:
-                break
-            data += chunk
-        closed_after = time.monotonic() - t0
+        # a header line every 0.15 s
+        data, closed_after = _trickle(s, b"X-Slow: 1\r\n", t0, TIMEOUT + SLACK + 1.0)
     assert closed_after < TIMEOUT + SLACK
     status, headers, body = _parse(data)
     assert status == 408 and headers["connection"] == "close"
@@ -133,20 +140,7 @@ def test_unread_body_trickled_after_the_response_is_cut_off(srv):
     with _connect(srv) as s:
         t0 = time.monotonic()
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
-        s.settimeout(0.15)
-        data = b""
-        while time.monotonic() - t0 < 2 * TIMEOUT + 1.0 + SLACK + 1.0:
-            try:
-                s.sendall(b"x")
-                chunk = s.recv(65536)
-            except TimeoutError:
-                continue
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            if not chunk:
-                break
-            data += chunk
-        closed_after = time.monotonic() - t0
+        data, closed_after = _trickle(s, b"x", t0, 2 * TIMEOUT + 1.0 + SLACK + 1.0)
     assert closed_after < TIMEOUT + 1.0 + SLACK
     assert _parse(data)[0] == 200
 

@@ -164,17 +164,23 @@ class Policy(ABC):
 def chunk_prefills(view: BatchView, token_budget: int, order_key=None) -> dict[int, int]:
     """rid -> prefill tokens: ``token_budget`` shared among prefilling requests in
     ``order_key`` order (view order without one)."""
-    out: dict[int, int] = {}
-    left = token_budget
     reqs = view.prefilling
     if order_key is not None:
         reqs = sorted(reqs, key=order_key)
+    return chunk_in_order(reqs, token_budget)
+
+
+def chunk_in_order(reqs, budget: int) -> dict[int, int]:
+    """rid -> prefill tokens: ``budget`` tokens given out in the order of ``reqs``."""
+    out: dict[int, int] = {}
+    left = budget
     for r in reqs:
         if left <= 0:
             break
         n = min(r.prefill_left, left)
-        out[r.rid] = n
-        left -= n
+        if n > 0:
+            out[r.rid] = n
+            left -= n
     return out
 
 

@@ -33,7 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from adaserve.sched.base import ReqView
+from adaserve.sched.base import ReqView, chunk_in_order
+
+__all__ = ["chunk_in_order", "latest_start_ms", "pass_cap_ms", "slack_tokens", "split_prefill"]
 
 
 def ttft_deadline(r: ReqView, no_ttft_ms: float = 1e9) -> tuple:
@@ -94,20 +96,6 @@ def split_prefill(
     firm = tuple(r for i, r in enumerate(order) if i <= last_urgent or r.rank < defer_rank)
     soft = tuple(r for i, r in enumerate(order) if i > last_urgent and r.rank >= defer_rank)
     return PrefillSplit(firm=firm + tuple(lost), soft=soft)
-
-
-def chunk_in_order(reqs, budget: int) -> dict[int, int]:
-    """rid -> prefill tokens: ``budget`` tokens given out in the order of ``reqs``."""
-    out: dict[int, int] = {}
-    left = budget
-    for r in reqs:
-        if left <= 0:
-            break
-        n = min(r.prefill_left, left)
-        if n > 0:
-            out[r.rid] = n
-            left -= n
-    return out
 
 
 def pass_cap_ms(
