@@ -10,8 +10,11 @@ Every class gets its own decision (not only the strictest):
   by the measured/predicted pass time. Each class ``c`` at or above the new one's
   strictness must still be on pace: ``pass_ms(N) / tokens_per_pass(c) <= tpot(c)``,
   with ``tokens_per_pass(c)`` the accepted tokens per pass measured for the class (1
-  until measured). A relaxed request is thus judged against what the stricter classes
-  leave, and never admitted at the expense of a stricter class's TPOT;
+  until measured), within ``PACE_TOLERANCE``. A relaxed request is thus judged
+  against what the stricter classes leave (those in the batch and those seen lately),
+  and never admitted at the expense of a stricter class's TPOT. Where the hardware
+  misses a class's target even for a request alone, only what load adds beyond that
+  pace is refused (shedding cannot fix a target the machine cannot reach);
 * **TTFT**: the predicted time to its first token must be within its TTFT target. The
   prediction is earliest-deadline-first, as the planner prefills: the prompt tokens of
   every queued or prefilling request whose TTFT deadline falls before the new one's
@@ -229,8 +232,13 @@ class AdmissionControl:
                 continue
             # scaled from the batch its pace was measured at to the batch with seq
             was_ms = self.decode_pass_ms(self.class_batch[cls])
-            pred = pace * then_ms / was_ms if was_ms else pace
-            if pred > targets[cls] * (1.0 + PACE_TOLERANCE):
+            if not was_ms:
+                continue
+            pred = pace * then_ms / was_ms
+            # a target this hardware misses even with the request alone is not load's
+            # doing: refuse only what load adds beyond that
+            alone = pace * self.decode_pass_ms(1) / was_ms
+            if pred > max(targets[cls], alone) * (1.0 + PACE_TOLERANCE):
                 return cls, pred, targets[cls]
         return None
 
