@@ -81,7 +81,7 @@ def test_ttft_refused_when_the_prefill_ahead_cannot_finish_in_time():
     clock = ManualClock(0.0)
     sched = _sched(clock)
     # passes carrying a full chunk take 250 ms
-    for i in range(20):
+    for _ in range(20):
         _pass(sched, 0.0, 0.25, prefill={99: 256})
     assert sched.admission.prefill_pass_ms() == 250.0
     clock.set(4.0)
@@ -107,7 +107,7 @@ def test_ttft_refused_when_the_prefill_ahead_cannot_finish_in_time():
 def test_requests_already_late_do_not_count_ahead():
     clock = ManualClock(0.0)
     sched = _sched(clock)
-    for i in range(10):
+    for _ in range(10):
         _pass(sched, 0.0, 0.25, prefill={99: 256})
     for i in range(4):  # a backlog that arrived at 0 with a 1 s deadline: 4 passes
         sched.add(_Req(i, _slo("interactive"), 0.0, prompt=256))
