@@ -105,6 +105,7 @@ class _Guard:
             f"request body larger than {limit} bytes{why}",
             param=None,
             code="request_too_large",
+            headers={"Connection": "close"},  # the rest of the body is not read
         )
         cl = Headers(scope=scope).get("content-length")
         if cl is not None:
@@ -177,8 +178,9 @@ _ERRORS = {
 
 def engine_config_for_server(ecfg: EngineConfig, cfg: ServerConfig) -> EngineConfig:
     """The engine configuration a server runs: the config file's classes, and engine
-    admission control on (with ``server.max_waiting`` as its queue cap when set)."""
-    repl: dict = {"admission": True}
+    admission control as ``server.admission`` says (on by default; with
+    ``server.max_waiting`` as its queue cap when set)."""
+    repl: dict = {"admission": cfg.admission}
     if cfg.max_waiting is not None:
         repl["max_waiting"] = cfg.max_waiting
     if cfg.classes is not None:

@@ -62,6 +62,9 @@ class ServerConfig:
     strict_fields:       reject unknown top-level request fields (400)
     max_body_bytes:      larger request bodies get 413 at their headers (None: derived
                          from the context, ``state.body_limit``)
+    admission:           admission control (``core.admission``): a request whose class's
+                         TTFT or TPOT promise the server cannot keep gets 429 at once,
+                         and a queued one past its TTFT deadline gets 429 then
     max_waiting:         requests queued in the engine beyond this are shed (429)
     shutdown_grace_s:    on SIGINT/SIGTERM, in-flight requests get this long to finish
     default_max_tokens:  chat default when max_tokens is omitted (None = rest of context)
@@ -81,6 +84,7 @@ class ServerConfig:
     port: int = 8000
     strict_fields: bool = True
     max_body_bytes: int | None = None
+    admission: bool = True
     max_waiting: int | None = None
     shutdown_grace_s: float = 30.0
     default_max_tokens: int | None = None
