@@ -49,7 +49,7 @@ def main() -> int:
         idle += [probe(a.base_url, a.victim_key, a.model) for _ in range(a.probes)]
         stop = threading.Event()
 
-        def flood():
+        def flood(stop=stop):
             with httpx.Client(base_url=a.base_url, timeout=300) as c:
                 while not stop.is_set():
                     r = c.post(

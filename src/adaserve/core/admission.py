@@ -12,9 +12,9 @@ Every class gets its own decision (not only the strictest):
   with ``tokens_per_pass(c)`` the accepted tokens per pass measured for the class (1
   until measured), within ``PACE_TOLERANCE``. A relaxed request is thus judged
   against what the stricter classes leave (those in the batch and those seen lately),
-  and never admitted at the expense of a stricter class's TPOT. Where the hardware
-  misses a class's target even for a request alone, only what load adds beyond that
-  pace is refused (shedding cannot fix a target the machine cannot reach);
+  and never admitted at the expense of a stricter class's TPOT. A class whose target
+  the hardware misses even for a request alone is not kept on pace (shedding cannot
+  fix a target the machine cannot reach);
 * **TTFT**: the predicted time to its first token must be within its TTFT target
   (when its own prefill alone fits it: a target nothing could meet is served as
   best it can, behind the others, and not refused). The
@@ -244,10 +244,11 @@ class AdmissionControl:
             if not was_ms:
                 continue
             pred = pace * then_ms / was_ms
-            # a target this hardware misses even with the request alone is not load's
-            # doing: refuse only what load adds beyond that
-            alone = pace * self.decode_pass_ms(1) / was_ms
-            if pred > max(targets[cls], alone) * (1.0 + PACE_TOLERANCE):
+            # a target this hardware misses even for a request alone is not load's
+            # doing, and refusing work cannot meet it: the class runs best effort
+            if pace * self.decode_pass_ms(1) / was_ms > targets[cls]:
+                continue
+            if pred > targets[cls] * (1.0 + PACE_TOLERANCE):
                 return cls, pred, targets[cls]
         return None
 
