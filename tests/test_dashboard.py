@@ -317,18 +317,18 @@ def test_page_is_self_contained_and_escapes_its_data():
     assert "uPlot" in html  # the vendored library is inlined
 
 
-def test_bench_writes_an_offline_html_report(tiny_pair, tmp_path, monkeypatch):
-    """A real in-process benchmark run (the tiny pair): report.html beside summary.md,
-    one file with the library and the data inlined, nothing fetched from anywhere."""
+@pytest.fixture(scope="module")
+def bench_out(tiny_pair, tmp_path_factory):
+    """A real in-process benchmark run of two policies on the tiny pair."""
     from adaserve.cli import main
 
     target, draft, _ = tiny_pair
-    monkeypatch.setenv("ADASERVE_CACHE", str(tmp_path / "cache"))
-    prof = tmp_path / "profile.json"
+    root = tmp_path_factory.mktemp("dash_bench")
+    prof = root / "profile.json"
     prof.write_text(
         json.dumps({"verify": {"tokens": [1, 64], "latency_ms": [20.0, 40.0]}, "draft_step_ms": 5})
     )
-    out = tmp_path / "bench"
+    out = root / "bench"
     rc = main(
         [
             "bench", "serve", "--model", str(target), "--draft", str(draft),
@@ -339,6 +339,13 @@ def test_bench_writes_an_offline_html_report(tiny_pair, tmp_path, monkeypatch):
         ]
     )  # fmt: skip
     assert rc == 0
+    return out
+
+
+def test_bench_writes_an_offline_html_report(bench_out):
+    """report.html beside summary.md: one file with the library and the data inlined,
+    no script or style fetched from anywhere."""
+    out = bench_out
     html = (out / "report.html").read_text()
     assert (out / "summary.md").is_file()
     assert not re.search(r"<script[^>]*\bsrc=", html)
@@ -355,3 +362,26 @@ def test_bench_writes_an_offline_html_report(tiny_pair, tmp_path, monkeypatch):
             assert c["requests"] == per[c["name"]]["requests"]
             assert c["tpot_ms"]["p99"] == pytest.approx(per[c["name"]]["tpot_ms"]["p99"])
         assert len(v["timeline"]["t"]) > 0
+
+
+def test_bench_report_renders_offline_in_the_browser(bench_out, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    res = json.loads((bench_out / "result.json").read_text())["results"]
+    d = browser
+    # no network at all: the page must need none
+    d.set_network_conditions(offline=True, latency=0, download_throughput=0, upload_throughput=0)
+    d.get((bench_out / "report.html").as_uri())
+    for i, pol in enumerate(res):
+        if i:
+            Select(d.find_element(By.ID, "run")).select_by_index(i)
+        want = res[pol]["per_class"]
+        rows = wait_for(lambda w=want: set(_rows(d)) == set(w) and _rows(d), 10)
+        assert rows, d.page_source[:2000]
+        assert pol in d.find_element(By.ID, "meta").text
+        for cls, m in want.items():
+            assert rows[cls]["requests"][0] == str(m["requests"])
+            assert rows[cls]["tpot_ms.p99"][0] == f"{m['tpot_ms']['p99']:.1f}"
+    assert d.execute_script("return document.querySelectorAll('.charts canvas').length") >= 6
+    assert d.save_screenshot(str(tmp_path / "report.png"))

@@ -58,16 +58,24 @@
   function renderClasses(v) {
     var t = $("classes");
     t.textContent = "";
-    var head = el("tr");
-    [
-      ["class", "name"], ["requests"], ["attainment since start"],
-      ["attainment last " + num(v.rolling_window_s, 0) + " s"],
-      ["TTFT p50 (ms)"], ["TTFT p95 (ms)"], ["TTFT p99 (ms)"], ["TTFT target (ms)"],
-      ["TPOT p50 (ms)"], ["TPOT p95 (ms)"], ["TPOT p99 (ms)"], ["TPOT target (ms)"],
-      ["tree nodes / req / iter"], ["accepted tokens / req / iter"],
-      ["share of B used"], ["share of verified nodes"],
-    ].forEach(function (h) { head.appendChild(el("th", h[1] ? { "class": h[1] } : {}, h[0])); });
-    t.appendChild(head);
+    // two header rows: groups, then the columns (units in the group names)
+    var groups = [
+      ["class", 1, 2], ["requests", 1, 2], ["SLO attainment", 2], ["TTFT (ms)", 4], ["TPOT (ms)", 4],
+      ["per request per iteration", 3], ["verified nodes", 1],
+    ];
+    var cols = ["since start", "last " + num(v.rolling_window_s, 0) + " s (n)",
+      "p50", "p95", "p99", "target", "p50", "p95", "p99", "target",
+      "tree nodes", "accepted tokens", "share of B", "share"];
+    var h1 = el("tr"), h2 = el("tr");
+    groups.forEach(function (g) {
+      var th = el("th", { colspan: String(g[1]) }, g[0]);
+      if (g[2]) th.setAttribute("rowspan", String(g[2]));
+      if (g[0] === "class") th.className = "name";
+      h1.appendChild(th);
+    });
+    cols.forEach(function (c) { h2.appendChild(el("th", {}, c)); });
+    t.appendChild(h1);
+    t.appendChild(h2);
     (v.classes || []).forEach(function (c) {
       var tr = el("tr", { "data-class": c.name });
       cell(tr, "name", c.name, c.name, "name");
@@ -173,7 +181,7 @@
   function timeChart(id, t, series, yLabel, extraAxes) {
     if (!t.length) { empty(id, "no iterations yet"); return; }
     var axes = [{ label: "time since start (s)" }, { label: yLabel, size: 60 }].concat(extraAxes || []);
-    var opts = { scales: { x: { time: false } }, axes: axes,
+    var opts = { scales: { x: { time: false } }, axes: axes, legend: { live: false },
                  series: [{ label: "time (s)" }].concat(series.map(function (s) { return s.spec; })) };
     var key = series.map(function (s) { return s.spec.label; }).join("|");
     chart(id, key, opts, [t].concat(series.map(function (s) { return s.data; })));
@@ -186,6 +194,7 @@
     if (!labels.length) { empty(id, "no data yet"); return; }
     var xs = labels.map(function (_, i) { return i; });
     var opts = {
+      legend: { live: false },
       scales: { x: { time: false, range: function () { return [-0.5, labels.length - 0.5]; } },
                 y: { range: function (u, lo, hi) { return [0, Math.max(hi || 0, 1) * 1.1]; } } },
       axes: [
@@ -218,11 +227,11 @@
       { spec: line("budget B (tokens)", 0), data: tl.budget || [] },
       { spec: line("tokens verified", 2), data: tl.tokens || [] },
       { spec: line("max tree depth", 1, "depth"), data: tl.depth || [] },
-    ], "tokens per iteration", [{ scale: "depth", side: 1, label: "depth (tokens)", grid: { show: false }, size: 50 }]);
+    ], "tokens / iteration", [{ scale: "depth", side: 1, label: "depth (tokens)", grid: { show: false }, size: 50 }]);
     ["tree_per_req", "accepted_per_req", "budget_share"].forEach(function (k, j) {
       var id = ["c-tree", "c-acc", "c-share"][j];
       var f = k === "budget_share" ? 100 : 1;
-      var unit = ["candidate nodes / request", "accepted tokens / request", "% of budget B"][j];
+      var unit = ["nodes / request", "tokens / request", "% of budget B"][j];
       timeChart(id, t, names.map(function (n, i) {
         return { spec: line(n, i), data: scaled(((tl[k] || {})[n]) || [], f) };
       }), unit);
@@ -230,7 +239,7 @@
     var pos = v.acceptance_by_position || [];
     catChart("c-pos", pos.map(function (p) { return String(p.position + 1); }),
              [{ label: "accepted (%)", data: pos.map(function (p) { return p.rate === null ? null : 100 * p.rate; }) }],
-             "% of drafts accepted", "position in path", true);
+             "% of drafts", "position in path (1 = first draft token)", true);
     var lat = ["ttft_ms", "tpot_ms"].map(function (k) {
       return { label: (k === "ttft_ms" ? "TTFT" : "TPOT") + " p99 / target",
                data: (v.classes || []).map(function (c) {
@@ -238,7 +247,7 @@
                  return x === null || x === undefined || !tg ? null : x / tg;
                }) };
     });
-    catChart("c-lat", names, lat, "p99 / target (\u2264 1 meets)", "SLO class", false);
+    catChart("c-lat", names, lat, "p99 / target (ratio)", "SLO class (\u2264 1 meets)", false);
   }
 
   function render(v) {
