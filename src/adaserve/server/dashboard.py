@@ -37,7 +37,9 @@ _NO_STORE = {"Cache-Control": "no-store"}
 
 def dashboard_data(state: ServerState, now: float | None = None) -> dict:
     """The dashboard's view of the server at ``now`` (the engine's clock)."""
-    now = time.perf_counter() if now is None else now
+    if now is None:  # the clock the records' finish times are on
+        clock = getattr(state.loop.engine, "clock", None)
+        now = clock.now() if clock is not None else time.perf_counter()
     rep = state.slo_report(None)
     rolling = state.report.rolling(now, dashboard_page.ROLLING_WINDOW_S)
     snap = state.loop.snapshot
