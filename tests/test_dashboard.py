@@ -104,6 +104,8 @@ def test_data_endpoint_needs_an_admin_key(srv):
         "interval_ms": 1000,
     }
     assert ADMIN not in page.text
+    csp = page.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp
 
 
 # ---------------------------------------------------------------------- the browser

@@ -33,6 +33,17 @@ from adaserve.server.state import ServerState
 
 DATA_URL = "/v1/dashboard/data"
 _NO_STORE = {"Cache-Control": "no-store"}
+# the page loads nothing from anywhere: its script and style are inline, and it talks
+# only to this server
+_PAGE_HEADERS = {
+    **_NO_STORE,
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+        "connect-src 'self'; img-src data:; form-action 'none'; frame-ancestors 'none'; "
+        "base-uri 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+}
 
 
 def dashboard_data(state: ServerState, now: float | None = None) -> dict:
@@ -94,7 +105,7 @@ def create_dashboard(state: ServerState) -> APIRouter:
     @router.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
     async def dashboard() -> HTMLResponse:
         """The page (a shell without data; see the module docstring for auth)."""
-        return HTMLResponse(page, headers=_NO_STORE)
+        return HTMLResponse(page, headers=_PAGE_HEADERS)
 
     @router.get(DATA_URL, responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}})
     async def dashboard_data_route(request: Request):
