@@ -11,6 +11,7 @@ import re
 import shutil
 import threading
 
+import openai
 import pytest
 from server_fixtures import LiveServer, server_test_env, wait_for
 
@@ -59,23 +60,32 @@ def _get(srv, path, key=None):
         return h.get(path, headers=headers)
 
 
-def _workload(srv, n_per_class: int = 4) -> list:
-    """Mixed classes, two tenants, a few requests at a time; returns the responses."""
+def _workload(srv, n_per_class: int = 4) -> tuple[list, dict[str, int]]:
+    """Mixed classes from two tenants: one request per class alone (admitted: nothing
+    else runs), then the rest four at a time, where admission control may shed some
+    (429). Returns the responses and the 429s per class."""
     jobs = [(c, i) for i in range(n_per_class) for c in CLASSES]
+    shed = dict.fromkeys(CLASSES, 0)
 
     def one(job):
         cls, i = job
         key = ADMIN if i % 2 else USER
-        return srv.client(key).completions.create(
-            model="shipped",
-            prompt=f"def {cls}_{i}(x):\n    return",
-            max_tokens=10 + 4 * i,
-            temperature=0,
-            extra_body={"slo_class": cls, "ignore_eos": True},
-        )
+        try:
+            return srv.client(key).completions.create(
+                model="shipped",
+                prompt=f"def {cls}_{i}(x):\n    return",
+                max_tokens=10 + 4 * i,
+                temperature=0,
+                extra_body={"slo_class": cls, "ignore_eos": True},
+            )
+        except openai.RateLimitError:
+            shed[cls] += 1
+            return None
 
+    first = [one(j) for j in jobs[: len(CLASSES)]]
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
-        return list(ex.map(one, jobs))
+        rest = list(ex.map(one, jobs[len(CLASSES) :]))
+    return [r for r in first + rest if r is not None], shed
 
 
 # ---------------------------------------------------------------------- auth
@@ -177,13 +187,14 @@ def test_browser_shows_a_row_per_class_matching_the_report(srv, browser, tmp_pat
     from selenium.webdriver.common.by import By
 
     d = browser
-    before = _get(srv, "/v1/slo/report", ADMIN).json()["requests"]
+    rep0 = _get(srv, "/v1/slo/report", ADMIN).json()
+    before = rep0["requests"]
     done = threading.Event()
     result: dict = {}
 
     def run():
         try:
-            result["resps"] = _workload(srv)
+            result["resps"], result["shed"] = _workload(srv)
         finally:
             done.set()
 
@@ -206,6 +217,7 @@ def test_browser_shows_a_row_per_class_matching_the_report(srv, browser, tmp_pat
     ), "the page did not update"
     assert done.wait(300), "the workload did not finish"
     t.join()
+    assert "resps" in result, "the workload failed"
     total = before + len(result["resps"])
 
     def settled():
@@ -240,6 +252,15 @@ def test_browser_shows_a_row_per_class_matching_the_report(srv, browser, tmp_pat
     assert any(float(rows[c]["recent.tree_per_req"][1] or 0) > 0 for c in CLASSES)
     canvases = d.execute_script("return document.querySelectorAll('.charts canvas').length")
     assert canvases >= 6
+    # the 429s the clients saw, by class in the report and by reason on the page
+    shed_page = d.execute_script(
+        "return [...document.querySelectorAll('#shed tr[data-reason]')]"
+        ".reduce((n, tr) => n + +tr.querySelector('[data-field=count]').dataset.value, 0)"
+    )
+    for cls in CLASSES:
+        n0 = sum(rep0["classes"][cls]["shed"].values())
+        assert sum(rep["classes"][cls]["shed"].values()) - n0 == result["shed"][cls]
+    assert shed_page == sum(sum(c["shed"].values()) for c in rep["classes"].values())
     tenants = d.execute_script(
         "return [...document.querySelectorAll('#tenants tr[data-tenant]')]"
         ".map(tr => tr.dataset.tenant)"
