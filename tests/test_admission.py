@@ -211,3 +211,19 @@ def test_simulator_at_three_times_capacity_keeps_admitted_requests_on_target(tmp
     for name, c in res["per_class"].items():
         share = c["attained"] / c["completed"]
         assert share >= (0.9 if name == "interactive" else 0.8), (name, c)
+
+
+def test_a_ttft_target_nothing_could_meet_is_served_not_refused_or_expired():
+    clock = ManualClock(0.0)
+    sched = _sched(clock)
+    for _ in range(5):
+        _pass(sched, 0.0, 0.25, prefill={99: 256})
+    for i in range(4):  # four passes of prefill queued ahead, within the 1 s target
+        sched.add(_Req(i, _slo("interactive"), 0.0, prompt=256))
+    # half a millisecond: even alone its prefill takes a 250 ms pass
+    hopeless = _Req(9, SLO(tpot_ms=30.0, ttft_ms=0.5, cls="interactive"), 0.0, prompt=256)
+    sched.add(hopeless)
+    clock.set(0.5)
+    sched.begin_step()
+    assert sched.expired == [] and hopeless in sched.waiting
+    assert sched.counters.shed == {}
