@@ -175,6 +175,8 @@ class EngineLoop:
         # callback(handle) for an add that never reached the engine (refused, cancelled,
         # shutting down): whatever was reserved for it can be given back
         self.on_reject = None
+        # callback(trace): each iteration's ``StepTrace``, on the engine thread
+        self.on_step = None
         self._inbox: queue.Queue = queue.Queue()
         self._tracked: dict[int, Handle] = {}
         self._thread: threading.Thread | None = None
@@ -324,11 +326,13 @@ class EngineLoop:
                 self._abort_all(SHUTDOWN)
             if e.has_work():
                 self._last_busy = time.monotonic()
+                before = getattr(e, "last_trace", None)
                 try:
                     e.step()
                 except Exception:
                     log.exception("engine step failed; aborting the requests in flight")
                     self._abort_all(ENGINE_ERROR)
+                self._traced(before)
                 if self.step_delay_s:
                     time.sleep(self.step_delay_s)
             self._publish()
@@ -449,6 +453,16 @@ class EngineLoop:
             except Exception:
                 log.exception("finish callback failed")
         return final
+
+    def _traced(self, before) -> None:
+        """Hand the step's trace to ``on_step`` (when the step ran one)."""
+        tr = getattr(self.engine, "last_trace", None)
+        if self.on_step is None or tr is None or tr is before:
+            return
+        try:
+            self.on_step(tr)
+        except Exception:
+            log.exception("step callback failed")
 
     def _rejected(self, h: Handle) -> None:
         if self.on_reject is not None:

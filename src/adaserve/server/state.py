@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from adaserve.server.auth import TenantRegistry
 from adaserve.server.config import ServerConfig, check_against_classes
 from adaserve.server.engine_loop import EngineLoop, Final, Handle
+from adaserve.server.iterations import IterationLog
 from adaserve.server.metrics import ServerMetrics
 from adaserve.server.quotas import QuotaBook
 from adaserve.server.report import Record, ReportStore
@@ -71,10 +72,43 @@ class ServerState:
         self.metrics = ServerMetrics(
             model_name, names, lambda: self.loop.snapshot, self.report.attainment
         )
+        # the engine's clock (``WallClock``: perf_counter) at start; iteration samples
+        # are stamped in seconds from here
+        self.started_at = time.perf_counter()
+        self.iterations = IterationLog(self.started_at)
+        loop.on_step = self.iterations.record
         self.draining = False
         self._drain_started = False
         self.body_limit = cfg.max_body_bytes or MAX_BODY_BYTES  # set at startup
         self.created = int(time.time())
+
+    def slo_report(self, only: str | None) -> dict:
+        """The ``/v1/slo/report`` body (``only``: that tenant's usage alone)."""
+        info = self.loop.info
+        snap = self.loop.snapshot
+        slos = self.loop.class_slos
+        rep = self.report.build(
+            class_targets={
+                c: {"tpot_ms": s.tpot_ms, "ttft_ms": s.ttft_ms} for c, s in slos.items()
+            },
+            prices={c.name: c.price_per_1k for c in info.classes},
+            flops_per_token=info.flops_per_token_target,
+            usage=self.usage.by_tenant(only),
+            engine={
+                "policy": info.policy,
+                "unloaded_tpot_ms": self.loop.unloaded_tpot_ms,
+                "running": snap.running,
+                "waiting": snap.waiting,
+                "kv_usage": snap.kv_usage,
+                "iterations": snap.counters.get("iterations", 0),
+                "fallback_iterations": snap.counters.get("fallback_iterations", {}),
+                "spec_draft_tokens": snap.counters.get("spec_draft_tokens", 0),
+                "spec_accepted_tokens": snap.counters.get("spec_accepted_tokens", 0),
+            },
+            tenant=only,
+        )
+        rep["model"] = self.model_name
+        return rep
 
     # ------------------------------------------------------------------ lifecycle
     @asynccontextmanager
