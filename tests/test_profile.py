@@ -5,6 +5,7 @@ here is injected (fake timers, a tick clock): nothing depends on the machine's s
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,10 @@ def test_profile_spread_cached_and_reloaded(tiny_pair, tmp_path, monkeypatch, ca
     path = profile.cached_profile_path(eng)
     assert "measuring the hardware profile: verify 1-256 tokens" in err
     assert f"caching it in {path}" in err
+    # how long it took and where it went, once measured
+    assert re.search(
+        rf"measured the hardware profile in [0-9.]+ s; cached in {re.escape(str(path))}", err
+    )
     raw = json.loads(path.read_text())
     spread = raw["verify"]["spread_by_kv"]["64"]
     assert spread["reps"] == 3 and len(spread["p90_ms"]) == len(profile.VERIFY_TOKENS)

@@ -320,9 +320,18 @@ def load_or_profile(engine, auto: bool, timer=None) -> HardwareModel | None:
     if not auto:
         return None
     reps = 3
-    _say(f"measuring the hardware profile: {_what(engine, reps)}; caching it in {path}")
+    _say(
+        f"measuring the hardware profile: {_what(engine, reps)}; caching it in {path} "
+        "(once per machine, model pair, device and dtype)"
+    )
+    t0 = time.perf_counter()
     prof = measure_checked(engine, reps=reps, timer=timer)
-    _save(prof, path)
+    saved = _save(prof, path)
+    took = time.perf_counter() - t0
+    _say(
+        f"measured the hardware profile in {took:.1f} s"
+        + (f"; cached in {path} (later starts load it)" if saved else "; not cached")
+    )
     return HardwareModel.from_dict(prof, source=str(path))
 
 
