@@ -84,6 +84,8 @@ def test_cache_dir_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv("ADASERVE_CACHE", str(tmp_path / "own"))
     assert paths.cache_dir() == tmp_path / "own" and (tmp_path / "own").is_dir()
     monkeypatch.delenv("ADASERVE_CACHE")
-    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("XDG_CACHE_HOME", "")  # empty counts as unset (XDG's rule)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert paths.cache_dir() == tmp_path / "home" / ".cache" / "adaserve"
+    monkeypatch.delenv("XDG_CACHE_HOME")
     assert paths.cache_dir() == tmp_path / "home" / ".cache" / "adaserve"

@@ -102,6 +102,17 @@ def test_profile_spread_cached_and_reloaded(tiny_pair, tmp_path, monkeypatch, ca
     assert again.verify_ms == hw.verify_ms
 
 
+def test_unwritable_cache_folder_measures_for_this_run(tiny_pair, tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("")  # a file where the cache folder should be
+    monkeypatch.setenv("ADASERVE_CACHE", str(tmp_path / "file" / "cache"))
+    target, draft, _ = tiny_pair
+    eng = Engine(EngineConfig(model=str(target), draft=str(draft), policy="ar", kv_cache_bytes=KV))
+    hw = profile.load_or_profile(eng, auto=True, timer=_fake_timer())
+    err = capsys.readouterr().err
+    assert hw is not None and hw.verify_ms
+    assert "cannot write the profile cache" in err and "; not cached" in err
+
+
 def test_sanity_check_flags_impossible_and_inverted_profiles():
     limits = SanityLimits()
     # an 8B model at 4 bytes per parameter: 32 GB; no CPU reads that in 1 ms

@@ -245,11 +245,11 @@ def profile_engine(engine, reps: int = 5, timer=None) -> dict:
 
 
 def cached_profile_path(engine) -> Path:
-    from adaserve.paths import cache_dir
+    from adaserve.paths import cache_root
 
     dtype = str(engine.dtype).removeprefix("torch.")
     key = profile_key(engine.model_dir, engine.draft_dir, engine.cfg.device, dtype)
-    return cache_dir() / "profiles" / f"{key}.json"
+    return cache_root() / "profiles" / f"{key}.json"
 
 
 def _say(msg: str) -> None:
@@ -294,8 +294,12 @@ def _save(prof: dict, path: Path) -> bool:
     if (prof.get("sanity") or {}).get("impossible"):
         _say(f"not caching an impossible profile (faster than the roofline allows): {path}")
         return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(prof, indent=1))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(prof, indent=1))
+    except OSError as e:
+        _say(f"cannot write the profile cache ({e}); the profile serves this run only")
+        return False
     return True
 
 
