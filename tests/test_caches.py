@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import adaserve
-from adaserve import paths
+from adaserve import jit, paths
 
 PACKAGE = Path(adaserve.__file__).resolve().parent
 SRC = PACKAGE.parent
@@ -61,17 +61,28 @@ def test_numba_cache_lives_in_the_cache_folder(tmp_path):
     assert _nb_files(folder) == files
 
 
-def test_a_users_numba_cache_dir_wins_and_an_unwritable_folder(tmp_path):
+def test_a_users_numba_cache_dir_wins(tmp_path):
     mine = tmp_path / "mine"
     p = _run({"ADASERVE_CACHE": str(tmp_path / "c"), "NUMBA_CACHE_DIR": str(mine)})
     assert _nb_files(mine) and not (tmp_path / "c" / "numba").exists()
     assert f"cached in {mine}" in p.stderr
-    # no writable cache folder (here: a file where the folder should be): compiled in
-    # each process, still not into the package
-    before = _nb_files(PACKAGE)
+
+
+def test_no_writable_cache_folder_compiles_without_caching(tmp_path, monkeypatch):
+    """(here: a file where the folder should be) compiled in each process, and still
+    nothing written into the package."""
     (tmp_path / "file").write_text("")
-    p = _run({"ADASERVE_CACHE": str(tmp_path / "file" / "sub")})
-    assert "not cached: no writable folder" in p.stderr
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setenv("ADASERVE_CACHE", str(tmp_path / "file" / "sub"))
+    assert jit.cache_folder() is None
+    before = _nb_files(PACKAGE)
+
+    def twice(x):
+        return 2 * x
+
+    f = jit.compiled(twice)
+    assert f(21) == 42
+    assert type(f._cache).__name__ == "NullCache"  # numba's "no cache"
     assert _nb_files(PACKAGE) == before
 
 
