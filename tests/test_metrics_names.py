@@ -132,7 +132,8 @@ def test_new_vllm_series_hold_what_ran(ran, shipped):
         fams, "vllm:generation_tokens_total"
     )
     assert total >= prompt + gen - n  # (the last token of each request is not fed back)
-    assert steps == _one(fams, "adaserve:engine_iterations_total")
+    # (a step that admits nothing processes no token and is not observed)
+    assert 0 < steps <= _one(fams, "adaserve:engine_iterations_total")
     # phases: prefill + decode = inference, and queue + inference = e2e (per request)
     pre = _one(fams, "vllm:request_prefill_time_seconds_sum")
     dec = _one(fams, "vllm:request_decode_time_seconds_sum")

@@ -128,17 +128,18 @@ def test_live_server_logs_summary_and_stats(tmp_path_factory, caplog, enabled):
             ]
 
         if enabled:
-            # the interval that saw the request logs at INFO, with its tokens
-            got = wait_for(
-                lambda: [m for m in stats_lines() if "generation throughput: 0.0 " not in m],
-                timeout=20,
-            )
+            # the request has finished: the next interval's line counts it in its class
+            # (100% or 0% of 1), and that line or an earlier one saw its tokens
+            got = wait_for(lambda: [m for m in stats_lines() if "% of 1 (" in m], timeout=20)
             assert got, stats_lines()
-            assert re.search(r"Avg generation throughput: [0-9.]+ tokens/s", got[0])
             classes = [c.name for c in srv.state.loop.info.classes]
-            assert re.search(r"SLO attainment: " + r".*, ".join(classes), got[-1]), got[-1]
-            # the request's class finished in some interval: 100% or 0% of 1
-            assert any(re.search(r"\b(100\.0|0\.0)% of 1 ", m) for m in stats_lines())
+            assert re.search(r"SLO attainment: " + r".*, ".join(classes), got[0]), got[0]
+            assert re.search(r"\b(100\.0|0\.0)% of 1 \(acceptance ", got[0]), got[0]
+            upto = stats_lines()[: stats_lines().index(got[0]) + 1]
+            gen = [
+                float(x) for m in upto for x in re.findall(r"generation throughput: ([0-9.]+)", m)
+            ]
+            assert len(gen) == len(upto) and max(gen) > 0, upto
         else:
             wait_for(lambda: False, timeout=0.6)  # three intervals' worth
             assert stats_lines() == []
