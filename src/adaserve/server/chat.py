@@ -22,7 +22,13 @@ from adaserve.server.protocol import (
     ChatStreamChoice,
 )
 from adaserve.server.state import ServerState
-from adaserve.server.validation import ENCODE_IN_THREAD_CHARS, check_body, check_ids, encode
+from adaserve.server.validation import (
+    ENCODE_IN_THREAD_CHARS,
+    check_body,
+    check_ids,
+    check_text_size,
+    encode,
+)
 
 
 def _choice(index, text, logprobs, finish_reason, metrics) -> ChatChoice:
@@ -70,6 +76,10 @@ async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[i
         if m.name is not None:
             d["name"] = m.name
         msgs.append(d)
+    # the contents alone bound the prompt's length: no template run for a hopeless one
+    check_text_size(
+        state, sum(len(d["content"].encode("utf-8", "replace")) for d in msgs), "messages"
+    )
     try:
         if sum(len(d["content"]) for d in msgs) > ENCODE_IN_THREAD_CHARS:
             text = await asyncio.to_thread(tok.apply_chat_template, msgs)
