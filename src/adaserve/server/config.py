@@ -77,6 +77,9 @@ class ServerConfig:
     body_timeout_s:      a request's body must arrive within this long of its headers
                          (408, and the connection is closed)
     max_connections:     open connections beyond this get 503 (None = no cap)
+    log_stats:           log a stats line (throughput, queue, KV use, per-class
+                         attainment and acceptance) every ``log_stats_interval_s``
+    log_stats_interval_s: seconds between two stats lines (vLLM's default: 10)
     """
 
     model_name: str | None = None
@@ -95,6 +98,8 @@ class ServerConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     max_connections: int | None = 1000
+    log_stats: bool = True
+    log_stats_interval_s: float = 10.0
     service_tiers: Mapping[str, str] = field(default_factory=dict)
     tenants: tuple[Tenant, ...] = ()
     classes: tuple[SLOClass, ...] | None = None  # None = the engine's classes
@@ -117,6 +122,11 @@ class ServerConfig:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
                 raise ConfigError(f"server.{k} must be a positive number of seconds")
+        v = self.log_stats_interval_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise ConfigError("server.log_stats_interval_s must be a positive number of seconds")
+        if not isinstance(self.log_stats, bool):
+            raise ConfigError("server.log_stats must be true or false")
         if self.max_connections is not None and (
             isinstance(self.max_connections, bool)
             or not isinstance(self.max_connections, int)

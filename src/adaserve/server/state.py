@@ -18,6 +18,7 @@ from adaserve.server.iterations import IterationLog
 from adaserve.server.metrics import ServerMetrics
 from adaserve.server.quotas import QuotaBook
 from adaserve.server.report import Record, ReportStore
+from adaserve.server.stats_log import StatsLogger, startup_summary
 from adaserve.server.usage import UsageBook
 
 # the derived request-body limit (``derived_body_limit``) stays within these
@@ -70,13 +71,19 @@ class ServerState:
         self.prices = {c.name: c.price_per_1k for c in classes}
         self.report = ReportStore(names)
         self.metrics = ServerMetrics(
-            model_name, names, lambda: self.loop.snapshot, self.report.attainment
+            model_name,
+            names,
+            lambda: self.loop.snapshot,
+            self.report.attainment,
+            lambda: self.loop.class_slos,
         )
         # the engine's clock (``WallClock``: perf_counter) at start; iteration samples
         # are stamped in seconds from here
         self.started_at = time.perf_counter()
         self.iterations = IterationLog(self.started_at)
         loop.on_step = self.iterations.record
+        loop.on_step_tokens = self.metrics.observe_step
+        self.stats = StatsLogger(names, lambda: self.loop.snapshot)
         self.draining = False
         self._drain_started = False
         self.body_limit = cfg.max_body_bytes or MAX_BODY_BYTES  # set at startup
@@ -119,6 +126,15 @@ class ServerState:
             derived_body_limit, info.max_model_len, info.tokenizer
         )
         check_against_classes(self.cfg, info.classes)
+        self.metrics.start(
+            info.max_model_len,
+            {
+                "block_size": info.block_size,
+                "num_gpu_blocks": info.kv_blocks,
+                "cache_dtype": info.dtype,
+                "device": info.device,
+            },
+        )
         if self.tenants.open_mode:
             log.warning(
                 "no API keys configured: open local mode, every request is accepted "
@@ -129,13 +145,17 @@ class ServerState:
                 "%d tenant(s) with API keys configured; requests need a Bearer key",
                 len(self.tenants.tenants),
             )
-        log.info(
-            "serving %s (policy %s, context %d)", self.model_name, info.policy, info.max_model_len
-        )
+        log.info("%s", startup_summary(info, self.model_name))
+        ticker = None
+        if self.cfg.log_stats:
+            self.stats = StatsLogger(self.stats.class_names, lambda: self.loop.snapshot)
+            ticker = asyncio.create_task(self.stats.run(self.cfg.log_stats_interval_s))
         try:
             yield
         finally:
             self.draining = True
+            if ticker is not None:
+                ticker.cancel()
             await asyncio.to_thread(self.loop.stop)
 
     def begin_drain(self, grace_s: float | None = None) -> None:
@@ -185,7 +205,13 @@ class ServerState:
         m["slo_source"] = ctx.source
         if degraded_from:
             m["degraded_from"] = degraded_from
-        self.metrics.observe_finish(cls, ctx.tenant, final, charge)
+        self.metrics.observe_finish(cls, ctx.tenant, final, charge, h.params.max_tokens)
+        self.stats.observe_finish(
+            cls,
+            bool(m.get("slo_attained")),
+            int(m.get("tree_nodes") or 0),
+            int(m.get("accepted_tokens") or 0),
+        )
         self.report.record(
             Record(
                 cls=cls,
