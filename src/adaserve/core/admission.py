@@ -23,6 +23,9 @@ Every class gets its own decision (not only the strictest):
   (and has not passed: a request that is already late goes last) plus its own, at one
   prefill chunk per pass of the measured pass time; and, when every seat is taken, the
   time until enough running requests finish to seat it (from the measured finish rate).
+  The queue ahead includes requests still to come that will overtake it: at each
+  other class's measured admission rate, those arriving while their deadline would
+  still fall before its own.
 
 A refusal is ``AdmissionRejected`` with a Retry-After near the time the promise could
 be kept again. A queued request that was never started and is past its TTFT deadline is
@@ -45,7 +48,7 @@ from adaserve.errors import AdmissionRejected
 
 # a class may run this much over its TPOT target per pass before new work is refused
 # (a request's TPOT is its mean over its life: the planner makes up short stretches)
-PACE_TOLERANCE = 0.1
+PACE_TOLERANCE = 0.05
 # context tokens per request assumed until a pass is measured
 _DEFAULT_CONTEXT = 256.0
 
@@ -86,6 +89,8 @@ class AdmissionControl:
         self.class_batch: dict[str, float] = {}  # class -> decoders in those passes
         self._finishes: deque[float] = deque()
         self._seen: dict[str, float] = {}  # class -> when it last decoded
+        # class -> (time, prompt tokens, ttft) of the requests admitted lately
+        self._admits: dict[str, deque] = {}
 
     # ------------------------------------------------------------------ measurements
     def observe(self, tr: StepTrace) -> None:
@@ -138,6 +143,26 @@ class AdmissionControl:
             return None
         span = max(now - f[0], 1e-3)
         return len(f) / span
+
+    def admitted(self, seq: SeqState, now: float) -> None:
+        """``seq`` passed the checks and was queued at ``now``."""
+        q = self._admits.setdefault(seq.slo.cls, deque())
+        q.append((now, seq.uncached, seq.slo.ttft_ms))
+        while q and q[0][0] < now - _FINISH_WINDOW_S:
+            q.popleft()
+
+    def _arrivals(self, now: float) -> dict[str, tuple[float, float, float]]:
+        """Per class with a TTFT target: its admitted requests per second over the
+        recent window, their mean prompt tokens and its TTFT target (ms)."""
+        out = {}
+        for cls, q in self._admits.items():
+            while q and q[0][0] < now - _FINISH_WINDOW_S:
+                q.popleft()
+            if len(q) < _MIN_FINISHES or q[-1][2] is None:
+                continue
+            span = max(now - q[0][0], 1.0)
+            out[cls] = (len(q) / span, sum(p for _, p, _ in q) / len(q), float(q[-1][2]))
+        return out
 
     # ------------------------------------------------------------------ predictions
     def prefill_pass_ms(self) -> float | None:
@@ -194,6 +219,13 @@ class AdmissionControl:
             if rd <= deadline and rd > now:
                 tokens += r.uncached
                 seats_ahead += waiting
+        # requests still to come that will go ahead of it: those of a class whose
+        # deadline, if they arrive before ``deadline - their ttft``, falls before its own
+        for cls, (rate, prompt, cls_ttft) in self._arrivals(now).items():
+            window = deadline - cls_ttft / 1000.0 - now
+            if cls != seq.slo.cls and window > 0:
+                tokens += rate * window * prompt
+                seats_ahead += rate * window
         t = math.ceil(tokens / chunk) * t_pass
         free = s.cfg.max_num_seqs - len(s.running)
         short = seats_ahead + 1 - free
@@ -285,6 +317,7 @@ class AdmissionControl:
                     "ttft",
                     max(1.0, over_s),
                 )
+        self.admitted(seq, now)
 
     def expire(self, now: float) -> list[SeqState]:
         """End (reason ``ttft_deadline``) every queued request never started that is past
