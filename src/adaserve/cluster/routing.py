@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 ROUTERS = ("slo", "p2c", "rr")
@@ -254,6 +254,24 @@ class SloRouter:
         pack.sort(key=lambda i: (outs[i].slack, i))
         rest = [i for i in most_slack if i not in pack]
         return [outs[i].replica_id for i in pack + rest]
+
+
+def with_routed(s: ReplicaStats, req: RouteRequest) -> ReplicaStats:
+    """``s`` as the router sees it after sending ``req`` there, until the replica's next
+    report: one more request waiting, its prompt queued for prefill (a real router
+    counts what it has in flight the same way)."""
+    classes = tuple(
+        replace(c, waiting=c.waiting + 1, prefill_tokens=c.prefill_tokens + req.prompt_tokens)
+        if c.name == req.slo_class
+        else c
+        for c in s.classes
+    )
+    return replace(
+        s,
+        classes=classes,
+        waiting=s.waiting + 1,
+        waiting_prefill_tokens=s.waiting_prefill_tokens + req.prompt_tokens,
+    )
 
 
 def make_router(spec: str, seed: int = 0) -> Router:
