@@ -95,8 +95,8 @@ def test_relaxed_work_packs_onto_the_feasible_replica_with_the_least_slack():
 
 
 def test_relaxed_work_apart_goes_where_strict_work_is_not():
-    strict = replica("strict", tpot=15.0, running={"interactive": 10})
-    relaxed = replica("relaxed", tpot=25.0, running={"batch": 12})
+    strict = replica("strict", tpot=8.0, running={"interactive": 10})  # slack 0.67
+    relaxed = replica("relaxed", tpot=60.0, running={"batch": 30})  # slack 0.55
     apart = SloRouter(relaxed="apart")
     assert apart.rank(request("batch"), [strict, relaxed])[0] == "relaxed"
     assert SloRouter(relaxed="spread").rank(request("batch"), [strict, relaxed])[0] == "strict"
