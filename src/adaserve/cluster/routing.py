@@ -8,21 +8,27 @@ on the stats the replicas report).
 
 Routers (``make_router``):
 
-* ``slo``: predicts, for each replica, what adding the request does to the pass time
-  and so to the TPOT of every class the replica serves, and whether the request's TTFT
-  stays reachable behind the prefill queued ahead of it. A replica is *feasible* when
-  every class's predicted TPOT stays within its target less ``margin`` and the TTFT is
-  reachable. Strict requests (rank 0) go to the feasible replica with the most slack;
-  relaxed ones to the feasible replica with the *least* slack still above
-  ``pack_slack`` (bin packing: they fill the room strict requests leave, keeping
-  headroom elsewhere for strict work). When no replica is feasible: the most slack.
+* ``slo``: predicts, for each replica, the TPOT its classes and the request would get
+  with the request added, and whether the request's TTFT stays reachable behind the
+  prefill queued ahead of it. The prediction is a load model priced by the replica's
+  hardware model (``replica_stats``: every request drafting and verifying a reference
+  chain; not the planner's own pass, which spends any slack on deeper trees and
+  prefill), stretched by the share of the replica's time that prefill of the prompts
+  the router sent it takes (``SloRouter.prefill_share``). A replica is *feasible* when
+  every class there, and the request, stays within its TPOT target less ``margin`` and
+  the TTFT is reachable; slack is the smallest margin left. Strict requests (rank 0) go
+  to the replica with the most slack; relaxed ones too by default (``relaxed=spread``),
+  or packed onto the feasible replica with the least slack (``relaxed=pack``), or onto
+  the feasible replica with the fewest strict requests (``relaxed=apart``). When no
+  replica is feasible: the most slack.
 * ``p2c``: Ray Serve's power of two choices: two replicas drawn at random (seeded), the
   one with the shorter queue (running + waiting) first.
 * ``rr``: round robin.
 
-Slack of a replica for a request: the smallest, over the classes it would serve, of
-``1 - predicted TPOT / (target * (1 - margin))``, and of the request's
-``1 - predicted TTFT / TTFT target``.
+Slack of a replica for a request: the smallest, over the classes there and the
+request's own, of ``1 - predicted TPOT / (target * (1 - margin))``, of the request's
+``1 - predicted TTFT / TTFT target``, and of the KV share left once it is held.
+Between two reports a caller applies ``with_routed`` for each request it sent.
 """
 
 from __future__ import annotations
