@@ -83,7 +83,7 @@ def test_ttft_refused_when_the_prefill_ahead_cannot_finish_in_time():
     # passes carrying a full chunk take 250 ms
     for _ in range(20):
         _pass(sched, 0.0, 0.25, prefill={99: 256})
-    assert sched.admission.prefill_pass_ms() == 250.0
+    assert sched.admission.prefill_ms(256) == 250.0  # the model's 100 ms x speed 2.5
     clock.set(4.0)
     # 1024 prompt tokens of chat queued first; their deadline (4 s) is later than an
     # interactive request's (1 s), so EDF serves interactive ones first
@@ -117,8 +117,9 @@ def test_requests_already_late_do_not_count_ahead():
     clock.set(1.5)  # all past their deadline (and not yet expired: no step began)
     # counted ahead they would make 5 passes (1.25 s); late, they go last: 1 pass
     sched.add(_Req(50, _slo("interactive"), 1.5, prompt=256))
-    # the next one waits behind request 50 only: 266 tokens, two passes
-    assert sched.admission.predicted_ttft_ms(_Req(51, _slo("interactive"), 1.5), 1.5) == 500.0
+    # the next one waits behind request 50 only: 266 tokens, a full pass and 10 tokens
+    want = 250.0 + 2.5 * float(HW.iteration_ms(10))
+    assert sched.admission.predicted_ttft_ms(_Req(51, _slo("interactive"), 1.5), 1.5) == want
 
 
 def test_relaxed_work_refused_when_it_would_push_a_stricter_class_off_pace():

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -63,7 +64,8 @@ TTFT_DEADLINE = "ttft_deadline"
 # this share of the chunk
 _PREFILL_PASS_SHARE = 0.5
 _EWMA = 0.1  # weight of the newest observation in the running means
-_CLASS_EWMA = 0.05  # the same for a class's pace (ms per pass, tokens per pass)
+_CLASS_EWMA = 0.05
+_SPEED_PASSES = 32  # passes the measured speed is the median of  # the same for a class's pace (ms per pass, tokens per pass)
 _SEEN_WINDOW_S = 60.0  # a stricter class decoding this recently keeps its room
 _FINISH_WINDOW_S = 30.0  # finishes counted for the finish rate
 _MIN_FINISHES = 4  # below this many finishes in the window the rate is unknown
@@ -79,8 +81,9 @@ class AdmissionControl:
 
     def __init__(self, sched: Scheduler):
         self.sched = sched
-        self.pass_ms: float | None = None  # measured passes carrying a prefill chunk
-        self.speed: float | None = None  # measured / predicted pass time
+        # measured passes carrying a prefill chunk (the pass time without a model)
+        self.pass_ms: float | None = None
+        self._speeds: deque[float] = deque(maxlen=_SPEED_PASSES)  # measured / predicted
         self.nodes_per_decode: float | None = None  # candidates verified per decode
         self.prefill_per_pass: float | None = None  # prefill tokens per pass
         self.context: float | None = None  # context tokens per request in a pass
@@ -91,6 +94,14 @@ class AdmissionControl:
         self._seen: dict[str, float] = {}  # class -> when it last decoded
         # class -> (time, prompt tokens, ttft) of the requests admitted lately
         self._admits: dict[str, deque] = {}
+
+    def reset(self) -> None:
+        """Forget every measurement (after a profile run, whose passes are not load)."""
+        self.__init__(self.sched)
+
+    def new_model(self) -> None:
+        """The hardware model changed: the measured/predicted speed starts over."""
+        self._speeds.clear()
 
     # ------------------------------------------------------------------ measurements
     def observe(self, tr: StepTrace) -> None:
@@ -125,7 +136,7 @@ class AdmissionControl:
         if hw is not None and tr.tokens > 0:
             pred = float(hw.iteration_ms(tr.tokens, tr.kv_tokens))
             if pred > 0:
-                self.speed = _mix(self.speed, dur_ms / pred)
+                self._speeds.append(dur_ms / pred)
 
     def observe_finish(self, t: float) -> None:
         """A request left the running batch at ``t`` (s)."""
@@ -165,16 +176,31 @@ class AdmissionControl:
         return out
 
     # ------------------------------------------------------------------ predictions
-    def prefill_pass_ms(self) -> float | None:
-        """The time of a pass carrying a full prefill chunk beside the running decodes:
-        measured when passes like it ran, else the hardware model's prediction."""
-        if self.pass_ms is not None:
-            return self.pass_ms
+    def prefill_ms(self, tokens: int) -> float | None:
+        """Predicted ms to prefill ``tokens`` prompt tokens at a chunk per pass beside the
+        running decodes: the hardware model's passes scaled by the measured speed (the
+        measured pass time itself, without a model; None with neither)."""
         s = self.sched
+        chunk = s.cfg.max_prefill_tokens
+        full, rest = divmod(max(int(tokens), 0), chunk)
         if s.hw is None:
-            return None
+            if self.pass_ms is None:
+                return None
+            return (full + (rest > 0)) * self.pass_ms
         decoders = sum(1 for r in s.running if not r.in_prefill)
-        return float(s.hw.iteration_ms(s.cfg.max_prefill_tokens + decoders, 0.0))
+        kv = decoders * (self.context if self.context is not None else _DEFAULT_CONTEXT)
+        speed = self.speed()
+        t = full * float(s.hw.iteration_ms(chunk + decoders, kv)) * speed
+        if rest:
+            t += float(s.hw.iteration_ms(rest + decoders, kv)) * speed
+        return t
+
+    def speed(self) -> float:
+        """Measured over predicted pass time: the median of the recent passes (robust to
+        a pass that compiled or was stalled), 1 before any."""
+        if not self._speeds:
+            return 1.0
+        return float(statistics.median(self._speeds))
 
     def decode_pass_ms(self, n: float) -> float | None:
         """Predicted ms of a pass with ``n`` requests decoding at the measured tree size,
@@ -185,25 +211,21 @@ class AdmissionControl:
         nodes = self.nodes_per_decode or 0.0
         tokens = n * (1.0 + nodes) + (self.prefill_per_pass or 0.0)
         ctx = self.context if self.context is not None else _DEFAULT_CONTEXT
-        return float(hw.iteration_ms(tokens, n * ctx)) * (self.speed or 1.0)
+        return float(hw.iteration_ms(tokens, n * ctx)) * self.speed()
 
     def alone_ms(self, seq: SeqState) -> float:
         """Predicted ms of ``seq``'s prefill with nothing ahead of it (0 without a model
         of the pass time)."""
-        t_pass = self.prefill_pass_ms()
-        chunk = self.sched.cfg.max_prefill_tokens
-        return 0.0 if t_pass is None else math.ceil(seq.uncached / chunk) * t_pass
+        return self.prefill_ms(seq.uncached) or 0.0
 
     def predicted_ttft_ms(self, seq: SeqState, now: float) -> float | None:
         """Predicted ms from ``now`` to ``seq``'s first token (None without a model of
         the pass time); see the module docstring."""
-        t_pass = self.prefill_pass_ms()
-        if t_pass is None:
+        if self.prefill_ms(1) is None:
             return None
         s = self.sched
         ttft = seq.slo.ttft_ms
         deadline = seq.arrival + (ttft / 1000.0 if ttft is not None else math.inf)
-        chunk = s.cfg.max_prefill_tokens
         tokens = seq.uncached
         seats_ahead = 0
         for r in itertools.chain(s.running, s.waiting):
@@ -226,14 +248,13 @@ class AdmissionControl:
             if cls != seq.slo.cls and window > 0:
                 tokens += rate * window * prompt
                 seats_ahead += rate * window
-        t = math.ceil(tokens / chunk) * t_pass
+        t = self.prefill_ms(math.ceil(tokens))
         free = s.cfg.max_num_seqs - len(s.running)
         short = seats_ahead + 1 - free
         if short > 0:
             rate = self.finish_rate(now)
             if rate is not None:
-                own = math.ceil(seq.uncached / chunk) * t_pass
-                t = max(t, short / rate * 1000.0 + own)
+                t = max(t, short / rate * 1000.0 + self.alone_ms(seq))
         return t
 
     def pace_ms(self, cls: str) -> float | None:

@@ -194,6 +194,7 @@ class Scheduler:
     def set_hardware(self, hw) -> None:
         """The hardware model used for admission and handed to policies."""
         self.hw = hw
+        self.admission.new_model()
 
     def set_power(self, power) -> None:
         """The power model (``sched.power.PowerModel`` or None) handed to policies."""

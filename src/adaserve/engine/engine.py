@@ -262,6 +262,7 @@ class Engine:
         if self.has_work():
             raise AdaServeError("cannot reset an engine that still has requests")
         self.scheduler.counters = Counters()
+        self.scheduler.admission.reset()
         self.calibrator = self._new_calibrator()
         self.set_faults(Faults())
         self.last_trace = None
