@@ -15,7 +15,8 @@ Every class gets its own decision (not only the strictest):
   and never admitted at the expense of a stricter class's TPOT. A class whose target
   the hardware misses even for a request alone is not kept on pace (shedding cannot
   fix a target the machine cannot reach);
-* **TTFT**: the predicted time to its first token must be within its TTFT target
+* **TTFT**: the predicted time to its first token must be within its TTFT target,
+  less ``TTFT_MARGIN`` for the prediction's error
   (when its own prefill alone fits it: a target nothing could meet is served as
   best it can, behind the others, and not refused). The
   prediction is earliest-deadline-first, as the planner prefills: the prompt tokens of
@@ -29,8 +30,9 @@ Every class gets its own decision (not only the strictest):
 
 A refusal is ``AdmissionRejected`` with a Retry-After near the time the promise could
 be kept again. A queued request that was never started and is past its TTFT deadline is
-ended with reason ``ttft_deadline`` (the server answers 429): under a burst the
-prediction can be wrong, and the answer must still come by the deadline.
+ended with reason ``ttft_deadline`` (the server answers 429) as soon as it can no longer
+make its deadline: under a burst the prediction can be wrong, and the answer must
+still come by the deadline.
 
 Torch-free; the engine and the simulator both run it through the ``Scheduler``. Time
 comes from the scheduler's clock, never the wall clock.
@@ -50,6 +52,9 @@ from adaserve.errors import AdmissionRejected
 # a class may run this much over its TPOT target per pass before new work is refused
 # (a request's TPOT is its mean over its life: the planner makes up short stretches)
 PACE_TOLERANCE = 0.05
+# a request is admitted only when its predicted first token leaves this share of its
+# TTFT target spare (seat waits and queues ahead are estimates)
+TTFT_MARGIN = 0.2
 # context tokens per request assumed until a pass is measured
 _DEFAULT_CONTEXT = 256.0
 
@@ -104,10 +109,12 @@ class AdmissionControl:
         self._speeds.clear()
 
     # ------------------------------------------------------------------ measurements
-    def observe(self, tr: StepTrace) -> None:
+    def observe(self, tr: StepTrace, cadence_s: float | None = None) -> None:
         """Learn from a finished pass (its trace, token counts filled by the executor):
-        pass time, tree size and tokens per pass by class, prefill per pass."""
-        dur_ms = tr.duration_s * 1000.0
+        pass time, tree size and tokens per pass by class, prefill per pass.
+        ``cadence_s``: start to start when the next pass followed at once (the pass's
+        cost with the work between passes), which counts when longer."""
+        dur_ms = max(tr.duration_s, cadence_s or 0.0) * 1000.0
         if dur_ms <= 0:
             return
         prefill = sum(tr.prefill.values())
@@ -329,9 +336,10 @@ class AdmissionControl:
         if slo.ttft_ms:
             t = self.predicted_ttft_ms(seq, now)
             waited = (now - seq.arrival) * 1000.0
-            if t is not None and waited + t > slo.ttft_ms >= waited + self.alone_ms(seq):
+            budget = slo.ttft_ms * (1.0 - TTFT_MARGIN)  # the prediction's error
+            if t is not None and waited + t > budget and slo.ttft_ms >= waited + self.alone_ms(seq):
                 s.counters.count_shed("ttft")
-                over_s = (waited + t - slo.ttft_ms) / 1000.0
+                over_s = (waited + t - budget) / 1000.0
                 raise AdmissionRejected(
                     f"predicted time to first token {waited + t:.0f} ms exceeds the "
                     f"{slo.ttft_ms:.0f} ms target of class {slo.cls!r}",
@@ -341,9 +349,9 @@ class AdmissionControl:
         self.admitted(seq, now)
 
     def expire(self, now: float) -> list[SeqState]:
-        """End (reason ``ttft_deadline``) every queued request never started that is past
-        its TTFT deadline (one whose target its own prefill alone misses is served as
-        it can); returns them."""
+        """End (reason ``ttft_deadline``) every queued request never started that can no
+        longer make its TTFT deadline: started now, its own prefill would end past it
+        (one whose target its prefill alone misses is served as it can); returns them."""
         s = self.sched
         late = [
             r
@@ -351,7 +359,8 @@ class AdmissionControl:
             if r.num_output == 0
             and r.num_cached == 0
             and r.slo.ttft_ms is not None
-            and (now - r.arrival) * 1000.0 > r.slo.ttft_ms >= self.alone_ms(r)
+            and (now - r.arrival) * 1000.0 + (alone := self.alone_ms(r)) > r.slo.ttft_ms
+            and r.slo.ttft_ms >= alone
         ]
         for r in late:
             s.counters.count_shed(TTFT_DEADLINE)

@@ -212,7 +212,11 @@ class Scheduler:
         self._admitted = []
         self._preempted = []
         if self._last is not None:  # the previous pass, its token counts filled in
-            self.admission.observe(self._last)
+            last = self._last
+            # with work left after it, the next pass followed at once: start to start
+            # is what a pass costs, the executor's overhead between passes included
+            busy = last.running + last.waiting > 0
+            self.admission.observe(last, self.now - last.t_start if busy else None)
             self._last = None
         self.expired = self.admission.expire(self.now) if self.cfg.admission else []
 
