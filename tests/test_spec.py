@@ -44,7 +44,7 @@ def run(model, draft, policy, prompts, sp, profile=None, **kw):
         **kw,
     )
     outs = llm.generate(prompts, sp)
-    return [o.token_ids for o in outs], llm
+    return [o.outputs[0].token_ids for o in outs], llm
 
 
 @pytest.mark.parametrize("which", ["self", "random"])
@@ -96,7 +96,7 @@ def test_eos_inside_accepted_path_cuts_it(tiny_pair, profile_file):
     llm.engine.eos_ids.clear()  # the set the output processor checks
     llm.engine.eos_ids.add(stop_tok)
     outs = llm.generate(prompts, sp)
-    assert [o.token_ids for o in outs] == ref
+    assert [o.outputs[0].token_ids for o in outs] == ref
 
 
 def test_request_finishing_mid_tree(tiny_pair):
@@ -195,7 +195,7 @@ def sample_joint(
     outs = llm.generate([prompt] * n, params)
     counts = np.zeros((SMALL_VOCAB, SMALL_VOCAB))
     for o in outs:
-        counts[o.token_ids[0], o.token_ids[1]] += 1
+        counts[o.outputs[0].token_ids[0], o.outputs[0].token_ids[1]] += 1
     assert llm.engine.counters.spec_draft_tokens > 0
     return counts
 
@@ -357,23 +357,32 @@ def test_logprobs_are_the_targets_and_unchanged_by_speculation(tiny_pair, profil
         if draft:
             assert llm.engine.counters.spec_accepted_tokens > 20, pol  # paths were verified
     for i, (p, ref) in enumerate(zip(prompts, runs["ar"])):
+        ref = ref.outputs[0]
         assert len(ref.logprobs) == len(ref.token_ids)
+        assert (
+            abs(
+                ref.cumulative_logprob
+                - sum(e[t].logprob for t, e in zip(ref.token_ids, ref.logprobs))
+            )
+            < 1e-6
+        )
         with torch.no_grad():
             lsm = torch.log_softmax(hf(torch.tensor([p + ref.token_ids])).logits[0].float(), -1)
-        for j, tl in enumerate(ref.logprobs):
+        for j, (tok, pos) in enumerate(zip(ref.token_ids, ref.logprobs)):
             want = lsm[len(p) - 1 + j]
-            assert tl.token_id == ref.token_ids[j]
-            assert abs(tl.logprob - want[tl.token_id].item()) < 1e-4
+            assert abs(pos[tok].logprob - want[tok].item()) < 1e-4
             k = params[i].logprobs
-            assert [t for t, _ in tl.top] == want.topk(k).indices.tolist()
+            assert top_ids(pos) == want.topk(k).indices.tolist()
+            assert set(pos) == {tok, *top_ids(pos)}  # the taken token and the top k
         if params[i] is greedy:  # same tokens whatever the policy: same logprobs
             for pol in ("spec-tree:3x2", "adaserve"):
-                got = runs[pol][i]
+                got = runs[pol][i].outputs[0]
                 assert got.token_ids == ref.token_ids, pol
-                for a, b in zip(got.logprobs, ref.logprobs):
-                    assert abs(a.logprob - b.logprob) < 1e-4, pol
-                    assert [t for t, _ in a.top] == [t for t, _ in b.top], pol
-    assert runs["ar"][0].logprobs[0].top[0][0] == runs["ar"][0].token_ids[0]  # greedy = top 1
+                for t, a, b in zip(ref.token_ids, got.logprobs, ref.logprobs):
+                    assert abs(a[t].logprob - b[t].logprob) < 1e-4, pol
+                    assert top_ids(a) == top_ids(b), pol
+    first = runs["ar"][0].outputs[0]
+    assert first.logprobs[0][first.token_ids[0]].rank == 1  # greedy = top 1
     assert SamplingParams().logprobs is None
     with pytest.raises(InvalidRequestError, match="logprobs"):
         SamplingParams(logprobs=21)
@@ -392,18 +401,26 @@ def test_prompt_logprobs_score_every_prompt_token_across_prefill_chunks(tiny_pai
     outs = llm.generate(prompts, params)
     ref = LLM(model=str(target), no_draft=True, policy="ar").generate(prompts, plain)
     for p, o, r, sp in zip(prompts, outs, ref, params):
-        assert o.token_ids == r.token_ids
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
         if sp is plain:
-            assert o.prompt_logprobs is None and o.logprobs is None
+            assert o.prompt_logprobs is None and o.outputs[0].logprobs is None
             continue
         assert len(o.prompt_logprobs) == len(p) and o.prompt_logprobs[0] is None
         with torch.no_grad():
             lsm = torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), -1)
-        for i, tl in enumerate(o.prompt_logprobs[1:], start=1):
-            assert tl.token_id == p[i]
-            assert abs(tl.logprob - lsm[i - 1, p[i]].item()) < 1e-4
-            assert [t for t, _ in tl.top] == lsm[i - 1].topk(2).indices.tolist()
-        assert abs(o.logprobs[0].logprob - lsm[-1, o.token_ids[0]].item()) < 1e-4
+        for i, pos in enumerate(o.prompt_logprobs[1:], start=1):
+            assert abs(pos[p[i]].logprob - lsm[i - 1, p[i]].item()) < 1e-4
+            assert top_ids(pos) == lsm[i - 1].topk(2).indices.tolist()
+        first = o.outputs[0]
+        assert (
+            abs(first.logprobs[0][first.token_ids[0]].logprob - lsm[-1, first.token_ids[0]].item())
+            < 1e-4
+        )
+
+
+def top_ids(pos: dict) -> list[int]:
+    """The top-k token ids of one position's vLLM-shaped logprobs, by rank."""
+    return [t for t, lp in sorted(pos.items(), key=lambda e: e[1].rank or 0) if lp.rank]
 
 
 def test_min_p_keeps_tokens_at_least_min_p_times_the_likeliest():
@@ -443,7 +460,7 @@ def test_pass_composition_keeps_greedy_output(tiny_pair, profile_file):
     plans = []
     plan = pol.plan
     pol.plan = lambda view: plans.append(plan(view)) or plans[-1]
-    got = [o.token_ids for o in llm.generate(prompts, sp, slo=slos)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, slo=slos)]
     assert got == ref
     assert any(p.skip for p in plans), "no decoder ever sat a pass out"
     assert any(p.state and p.state.choice.width == 2 for p in plans)
