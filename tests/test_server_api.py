@@ -226,7 +226,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
     ({"prompt": "x", "max_tokens": 0, "echo": True, "stream": True}, 400, "max_tokens"),
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
-    ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
     ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"prompt": "x", "min_p": 1.5}, 400, "min_p"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
@@ -407,6 +408,7 @@ def test_extreme_but_valid_sampling_values_work(srv):
         {"temperature": 100, "top_p": 1.0},
         # what vLLM's benchmark client sends (neutral vLLM extras, null logprobs)
         {"repetition_penalty": 1.0, "min_p": 0.0, "logprobs": None, "ignore_eos": True},
+        {"presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 100},
     ):
         kw = {k: extra.pop(k) for k in ("top_p", "temperature", "seed") if k in extra}
         r = c.completions.create(model=MODEL, prompt="z", max_tokens=3, extra_body=extra, **kw)
