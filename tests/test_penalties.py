@@ -6,12 +6,11 @@ seeded sampling, ``n``, ``use_tqdm``, ``stop_reason`` and ``LLM.chat``."""
 from __future__ import annotations
 
 import json
-from collections import Counter
 from dataclasses import replace
 
 import pytest
 import torch
-from conftest import random_prompts
+from conftest import random_prompts, ref_penalize
 from server_fixtures import model_pair, templated_target
 
 from adaserve import LLM, SamplingParams
@@ -36,19 +35,6 @@ def profile_file(tmp_path_factory):
     return str(p)
 
 
-def ref_penalize(row: list[float], prompt, output, rep, freq, pres) -> list[float]:
-    """The penalties by their definition, token by token: a token seen in the prompt
-    or the output has its logit divided by ``rep`` when positive, multiplied by it
-    otherwise; then ``- freq * count - pres * (count > 0)`` over output tokens."""
-    x = list(row)
-    seen = set(prompt) | set(output)
-    for t in seen:
-        x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
-    for t, c in Counter(output).items():
-        x[t] -= freq * c + pres
-    return x
-
-
 def test_apply_penalties_follows_the_definition():
     g = torch.Generator().manual_seed(0)
     M, V = 7, 11
@@ -66,15 +52,14 @@ def test_apply_penalties_follows_the_definition():
             counts[m, t] += 1
     got = apply_penalties(logits, mask, counts, rep, freq, pres)
     for m in range(M):
-        want = ref_penalize(
-            logits[m].tolist(),
-            prompts[m],
-            outputs[m],
-            rep[m].item(),
-            freq[m].item(),
-            pres[m].item(),
+        sp = SamplingParams(
+            repetition_penalty=rep[m].item(),
+            frequency_penalty=freq[m].item(),
+            presence_penalty=pres[m].item(),
         )
-        assert torch.allclose(got[m], torch.tensor(want), atol=1e-5), m
+        assert torch.allclose(
+            got[m], ref_penalize(logits[m], prompts[m], outputs[m], sp), atol=1e-5
+        )
     # neutral penalties change nothing
     one, zero = torch.ones(M), torch.zeros(M)
     assert torch.equal(apply_penalties(logits, mask, counts, one, zero, zero), logits)
@@ -128,9 +113,8 @@ def test_plain_decoding_with_penalties_is_the_transformers_loop(tiny_pair):
         out: list[int] = []
         with torch.no_grad():
             for _ in range(sp.max_tokens):
-                row = hf(torch.tensor([p + out])).logits[0, -1].float().tolist()
-                x = ref_penalize(row, p, out, 1.5, 0.7, 0.5)
-                out.append(max(range(len(x)), key=x.__getitem__))
+                row = hf(torch.tensor([p + out])).logits[0, -1].float()
+                out.append(int(ref_penalize(row, p, out, sp).argmax()))
         assert g == out
     plain = _ids(_llm(target), prompts, SamplingParams(max_tokens=14, ignore_eos=True))
     assert sum(a != b for a, b in zip(got, plain)) >= 4  # the penalties do change it

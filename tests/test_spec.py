@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import chi_square, chi_square_rejects, random_prompts, save_tiny
+from conftest import chi_square, chi_square_rejects, random_prompts, ref_penalize, save_tiny
 
 from adaserve import LLM, SLO, SamplingParams
 from adaserve.core.clock import TickClock
@@ -156,9 +156,12 @@ def exact_joint(model_dir, prompt, sp) -> np.ndarray:
     """P(x1, x2) of the processed target distribution, by direct forward passes."""
     m = load_model(model_dir)
     with torch.inference_mode():
-        p1 = target_probs(m.forward_dense(torch.tensor([prompt]))[0, -1:], sp)[0]
+        row = ref_penalize(m.forward_dense(torch.tensor([prompt]))[0, -1], prompt, [], sp)
+        p1 = target_probs(row[None], sp)[0]
         seqs = torch.tensor([prompt + [x] for x in range(SMALL_VOCAB)])
-        p2 = target_probs(m.forward_dense(seqs)[:, -1], sp)
+        rows = m.forward_dense(seqs)[:, -1]
+        rows = torch.stack([ref_penalize(rows[x], prompt, [x], sp) for x in range(SMALL_VOCAB)])
+        p2 = target_probs(rows, sp)
     return (p1[:, None] * p2).double().numpy()
 
 
@@ -189,6 +192,9 @@ def sample_joint(
             min_p=sp.min_p,
             max_tokens=2,
             seed=i if seeded else None,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty,
         )
         for i in range(n)
     ]
@@ -230,6 +236,22 @@ def test_speculative_sampling_matches_target_distribution(
     counts = sample_joint(
         target, draft, "spec-tree:3x3", PROMPT, sp, N_SAMPLES, draft_sample, seeded
     )
+    stat, df, p = chi_square(counts, probs)
+    print(f"chi2={stat:.1f} df={df} p={p:.3f}")
+    assert not chi_square_rejects(counts, probs), (stat, df, p)
+
+
+def test_speculative_sampling_with_penalties_matches_target_distribution(small_pair):
+    """Presence, frequency and repetition penalties under a branching tree of sampled
+    draft children (the draft penalised as the target): the engine's first two tokens
+    have the joint distribution of the penalised target."""
+    target, draft = small_pair
+    sp = SamplingParams(
+        temperature=1.0, presence_penalty=1.2, frequency_penalty=0.6, repetition_penalty=1.3
+    )
+    probs = exact_joint(target, PROMPT, sp)
+    assert abs(probs - exact_joint(target, PROMPT, SamplingParams(temperature=1.0))).sum() > 0.2
+    counts = sample_joint(target, draft, "spec-tree:3x3", PROMPT, sp, N_SAMPLES, True)
     stat, df, p = chi_square(counts, probs)
     print(f"chi2={stat:.1f} df={df} p={p:.3f}")
     assert not chi_square_rejects(counts, probs), (stat, df, p)

@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import chi_square, chi_square_rejects
+from conftest import chi_square, chi_square_rejects, ref_penalize
 from torch.overrides import TorchFunctionMode
 
 from adaserve.core.tree import CandidateTree
@@ -109,20 +109,6 @@ def test_greedy_takes_the_first_of_equal_siblings():
 PEN = SamplingParams(
     temperature=1.0, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.4
 )
-
-
-def ref_penalize(logits: torch.Tensor, prompt, output, sp: SamplingParams) -> torch.Tensor:
-    """vLLM's penalties of one row [V] by their definition, token by token (the
-    reference): repetition over prompt + output, frequency and presence over output."""
-    if not sp.penalized:
-        return logits
-    x = logits.double().clone()
-    output = list(output)
-    for t in set(prompt) | set(output):
-        x[t] = x[t] / sp.repetition_penalty if x[t] > 0 else x[t] * sp.repetition_penalty
-    for t in set(output):
-        x[t] -= sp.frequency_penalty * output.count(t) + sp.presence_penalty
-    return x.float()
 
 
 def path_tokens(t: CandidateTree, node: int) -> list[int]:
