@@ -415,6 +415,33 @@ def test_extreme_but_valid_sampling_values_work(srv):
         assert r.usage.completion_tokens >= 1
 
 
+def test_penalties_reach_the_engine(srv, tmp_path_factory):
+    """presence / frequency (OpenAI fields) and repetition (vLLM's extra) penalties: the
+    server's greedy text (speculating) is the offline engine's with the same penalties
+    (plain decoding), which is not the unpenalised text."""
+    from adaserve import LLM, SamplingParams
+
+    target, _ = model_pair(tmp_path_factory)
+    pen = dict(presence_penalty=0.5, frequency_penalty=0.7)
+    prompt = "The quick brown fox"  # a prompt whose greedy output penalties change
+    r = srv.client().completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"repetition_penalty": 1.5, "ignore_eos": True},
+        **pen,
+    )
+    llm = LLM(model=str(target), no_draft=True, policy="ar", kv_cache_bytes=8 << 20)
+
+    def offline(**kw) -> str:
+        sp = SamplingParams(max_tokens=12, ignore_eos=True, **kw)
+        return llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].text
+
+    want = offline(repetition_penalty=1.5, **pen)
+    assert r.choices[0].text == want and want != offline()
+
+
 # ---------------------------------------------------------------------- metrics
 
 
