@@ -199,6 +199,8 @@ def test_n_samples_are_seeded_choices_in_vllms_shape(tiny_pair):
     unseeded = llm.generate(prompts[0], SamplingParams(temperature=1.0, n=2), use_tqdm=False)
     assert len(unseeded) == 1 and len(unseeded[0].outputs) == 2
     assert llm.engine.has_work() is False
+    with pytest.raises(InvalidRequestError, match="one sample"):  # the engine: no silent n
+        llm.engine.add_request(prompts[0], SamplingParams(n=2))
 
 
 def test_use_tqdm_counts_finished_prompts(tiny_pair):

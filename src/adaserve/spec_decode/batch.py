@@ -64,7 +64,8 @@ class VerifyBatch:
                    (``logits.race_noise``), so it is verified like a greedy request
                    against that argmax (see ``adaserve.spec_decode.verify``)
       params:      [R] sampling params (temperature / top_k / top_p / min_p are applied
-                   by ``target_probs``; greedy requests ignore them)
+                   by ``target_probs``; greedy requests ignore them; the penalties apply
+                   to every request, greedy ones too, through ``penalties``)
       generators:  [R] the request's own generator (None: torch's default generator);
                    only unseeded stochastic requests draw from it
       use_q:       [R] bool, unseeded stochastic and verified against draft q rows
