@@ -40,7 +40,7 @@ def ours_tokens_per_s(llm, prompts, new_tokens):
     sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     with Timer() as t:
         outs = llm.generate(prompts, sp)
-    return sum(len(o.token_ids) for o in outs) / t.s
+    return sum(len(o.outputs[0].token_ids) for o in outs) / t.s
 
 
 def main() -> None:

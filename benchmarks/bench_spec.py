@@ -25,9 +25,9 @@ def rate(llm, prompts, n):
     sp = SamplingParams(max_tokens=n, ignore_eos=True)
     with Timer() as t:
         outs = llm.generate(prompts, sp)
-    toks = sum(len(o.token_ids) for o in outs)
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = sum(o.metrics["steps"] for o in outs)
-    return toks / t.s, toks / max(steps, 1), [o.token_ids for o in outs]
+    return toks / t.s, toks / max(steps, 1), [o.outputs[0].token_ids for o in outs]
 
 
 def main() -> None:

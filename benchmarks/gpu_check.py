@@ -41,7 +41,7 @@ def run(policy: str, device: str, dtype: str, max_tokens: int) -> dict:
     return {
         "policy": policy,
         "wall_s": wall,
-        "tokens": [o.token_ids for o in outs],
+        "tokens": [o.outputs[0].token_ids for o in outs],
         "tokens_per_step": [o.metrics["tokens_per_step"] for o in outs],
     }
 

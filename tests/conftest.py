@@ -76,6 +76,22 @@ def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[lis
     return out
 
 
+def ref_penalize(row: torch.Tensor, prompt, output, sp) -> torch.Tensor:
+    """vLLM's penalties of one logits row [V] by their definition, token by token (the
+    tests' reference): a token seen in the prompt or the output has its logit divided
+    by ``repetition_penalty`` when positive, multiplied by it otherwise; then
+    ``- frequency_penalty * count - presence_penalty * (count > 0)`` over the output."""
+    if not sp.penalized:
+        return row
+    x = row.double().clone()
+    output = [int(t) for t in output]
+    for t in set(int(t) for t in prompt) | set(output):
+        x[t] = x[t] / sp.repetition_penalty if x[t] > 0 else x[t] * sp.repetition_penalty
+    for t in set(output):
+        x[t] -= sp.frequency_penalty * output.count(t) + sp.presence_penalty
+    return x.float()
+
+
 def chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int, float]:
     """Chi-square goodness of fit of ``counts`` to ``probs``: (statistic, degrees of
     freedom, p-value by the Wilson-Hilferty approximation).

@@ -49,7 +49,7 @@ def test_generate_json_with_token_ids(tiny_pair, tmp_path):
     ref = LLM(model=str(target), no_draft=True, policy="ar").generate(
         [[5, 6, 7, 8]], SamplingParams(max_tokens=9)
     )
-    assert out["token_ids"] == ref[0].token_ids
+    assert out["token_ids"] == ref[0].outputs[0].token_ids
 
 
 def test_cli_errors_are_one_line_and_nonzero(tiny_pair, tmp_path):
@@ -82,7 +82,7 @@ def test_bfloat16_runs(tiny_pair):
         model=str(target), no_draft=True, policy="ar", dtype="bfloat16", kv_cache_bytes=8 << 20
     )
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5))[0]
-    assert len(out.token_ids) == 5
+    assert len(out.outputs[0].token_ids) == 5
     assert llm.engine.kv_target.layers[0][0].dtype.is_floating_point
     assert str(llm.engine.kv_target.layers[0][0].dtype) == "torch.bfloat16"
 

@@ -29,8 +29,8 @@ def test_greedy_batch_equals_transformers(tiny_pair, ar_llm):
     prompts = random_prompts(24, seed=1, lo=2, hi=120)
     outs = ar_llm.generate(prompts, SamplingParams(max_tokens=16))
     ref = hf_greedy(hf, prompts, 16)
-    assert [o.token_ids for o in outs] == ref
-    assert all(o.text is None for o in outs)  # no tokenizer in the tiny model
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert all(o.outputs[0].text is None for o in outs)  # no tokenizer in the tiny model
 
 
 def test_chunked_prefill_gives_same_greedy_output(tiny_pair):
@@ -43,9 +43,9 @@ def test_chunked_prefill_gives_same_greedy_output(tiny_pair):
         kv_cache_bytes=16 << 20,
     )
     prompts = random_prompts(8, seed=2, lo=30, hi=100)
-    assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8))] == hf_greedy(
-        hf, prompts, 8
-    )
+    assert [
+        o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8))
+    ] == hf_greedy(hf, prompts, 8)
 
 
 def test_preemption_under_tiny_pool_completes_with_same_output(tiny_pair):
@@ -61,7 +61,7 @@ def test_preemption_under_tiny_pool_completes_with_same_output(tiny_pair):
     prompts = random_prompts(12, seed=3, lo=40, hi=80)
     outs = llm.generate(prompts, SamplingParams(max_tokens=24))
     assert llm.engine.counters.preemptions > 0
-    assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, 24)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, prompts, 24)
     alloc = llm.engine.allocator
     assert alloc.num_free == alloc.num_blocks
 
@@ -69,11 +69,13 @@ def test_preemption_under_tiny_pool_completes_with_same_output(tiny_pair):
 def test_seeded_sampling_is_reproducible(ar_llm):
     prompts = random_prompts(6, seed=4)
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=123)
-    a = [o.token_ids for o in ar_llm.generate(prompts, sp)]
-    b = [o.token_ids for o in ar_llm.generate(prompts[::-1], sp)][::-1]  # other batch order
+    a = [o.outputs[0].token_ids for o in ar_llm.generate(prompts, sp)]
+    b = [o.outputs[0].token_ids for o in ar_llm.generate(prompts[::-1], sp)][
+        ::-1
+    ]  # other batch order
     assert a == b
     c = [
-        o.token_ids
+        o.outputs[0].token_ids
         for o in ar_llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=12, seed=7))
     ]
     assert a != c
@@ -85,9 +87,9 @@ def test_stop_token_and_max_tokens(ar_llm):
     stop_at = full[4]
     first = full.index(stop_at)
     out = ar_llm.generate([p], SamplingParams(max_tokens=10, stop_token_ids=(stop_at,)))[0]
-    assert out.token_ids == full[: first + 1] and out.finish_reason == "stop"
+    assert out.outputs[0].token_ids == full[: first + 1] and out.outputs[0].finish_reason == "stop"
     out = ar_llm.generate([p], SamplingParams(max_tokens=3))[0]
-    assert out.token_ids == full[:3] and out.finish_reason == "length"
+    assert out.outputs[0].token_ids == full[:3] and out.outputs[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize(

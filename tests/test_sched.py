@@ -163,7 +163,7 @@ def test_no_profile_falls_back_and_counts(tiny_pair, tmp_path, monkeypatch):
     ref = LLM(model=str(target), no_draft=True, policy="ar").generate(
         prompts, SamplingParams(max_tokens=8)
     )
-    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
 
 
 def test_selection_uses_calibrated_acceptance():
@@ -260,7 +260,7 @@ def test_mixed_batch_end_to_end_per_request_trees_output_unchanged(tiny_pair, ch
         return llm
 
     plain = spec_llm().generate(prompts, params, slo=slos)
-    assert [o.token_ids for o in plain] == [o.token_ids for o in ref]
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in ref]
     assert sum(o.metrics["tree_nodes"] for o in plain) > 0  # it did speculate
 
     llm = spec_llm()
@@ -281,7 +281,7 @@ def test_mixed_batch_end_to_end_per_request_trees_output_unchanged(tiny_pair, ch
     strict = [o.metrics["tree_nodes"] / o.metrics["steps"] for o in outs[::2]]
     relaxed = [o.metrics["tree_nodes"] for o in outs[1::2]]
     assert min(strict) > 1.0 and max(relaxed) == 0
-    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
 
 
 def test_strict_burst_does_not_starve_relaxed_request(tiny_pair, cheap_profile):

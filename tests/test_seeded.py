@@ -32,7 +32,7 @@ def profile_file(tmp_path_factory):
 
 
 def generate(llm: LLM, prompts, params) -> list[list[int]]:
-    return [o.token_ids for o in llm.generate(prompts, params)]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
 def seeded_params(n: int, max_tokens: int = 16) -> list[SamplingParams]:

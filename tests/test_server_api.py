@@ -228,7 +228,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
     ({"prompt": "x", "max_tokens": 0, "echo": True, "stream": True}, 400, "max_tokens"),
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
-    ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
     ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"prompt": "x", "min_p": 1.5}, 400, "min_p"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
@@ -409,10 +410,38 @@ def test_extreme_but_valid_sampling_values_work(srv):
         {"temperature": 100, "top_p": 1.0},
         # what vLLM's benchmark client sends (neutral vLLM extras, null logprobs)
         {"repetition_penalty": 1.0, "min_p": 0.0, "logprobs": None, "ignore_eos": True},
+        {"presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 100},
     ):
         kw = {k: extra.pop(k) for k in ("top_p", "temperature", "seed") if k in extra}
         r = c.completions.create(model=MODEL, prompt="z", max_tokens=3, extra_body=extra, **kw)
         assert r.usage.completion_tokens >= 1
+
+
+def test_penalties_reach_the_engine(srv, tmp_path_factory):
+    """presence / frequency (OpenAI fields) and repetition (vLLM's extra) penalties: the
+    server's greedy text (speculating) is the offline engine's with the same penalties
+    (plain decoding), which is not the unpenalised text."""
+    from adaserve import LLM, SamplingParams
+
+    target, _ = model_pair(tmp_path_factory)
+    pen = dict(presence_penalty=0.5, frequency_penalty=0.7)
+    prompt = "The quick brown fox"  # a prompt whose greedy output penalties change
+    r = srv.client().completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"repetition_penalty": 1.5, "ignore_eos": True},
+        **pen,
+    )
+    llm = LLM(model=str(target), no_draft=True, policy="ar", kv_cache_bytes=8 << 20)
+
+    def offline(**kw) -> str:
+        sp = SamplingParams(max_tokens=12, ignore_eos=True, **kw)
+        return llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].text
+
+    want = offline(repetition_penalty=1.5, **pen)
+    assert r.choices[0].text == want and want != offline()
 
 
 # ---------------------------------------------------------------------- metrics

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import chi_square, chi_square_rejects, random_prompts, save_tiny
+from conftest import chi_square, chi_square_rejects, random_prompts, ref_penalize, save_tiny
 
 from adaserve import LLM, SLO, SamplingParams
 from adaserve.core.clock import TickClock
@@ -44,7 +44,7 @@ def run(model, draft, policy, prompts, sp, profile=None, **kw):
         **kw,
     )
     outs = llm.generate(prompts, sp)
-    return [o.token_ids for o in outs], llm
+    return [o.outputs[0].token_ids for o in outs], llm
 
 
 @pytest.mark.parametrize("which", ["self", "random"])
@@ -96,7 +96,7 @@ def test_eos_inside_accepted_path_cuts_it(tiny_pair, profile_file):
     llm.engine.eos_ids.clear()  # the set the output processor checks
     llm.engine.eos_ids.add(stop_tok)
     outs = llm.generate(prompts, sp)
-    assert [o.token_ids for o in outs] == ref
+    assert [o.outputs[0].token_ids for o in outs] == ref
 
 
 def test_request_finishing_mid_tree(tiny_pair):
@@ -156,9 +156,12 @@ def exact_joint(model_dir, prompt, sp) -> np.ndarray:
     """P(x1, x2) of the processed target distribution, by direct forward passes."""
     m = load_model(model_dir)
     with torch.inference_mode():
-        p1 = target_probs(m.forward_dense(torch.tensor([prompt]))[0, -1:], sp)[0]
+        row = ref_penalize(m.forward_dense(torch.tensor([prompt]))[0, -1], prompt, [], sp)
+        p1 = target_probs(row[None], sp)[0]
         seqs = torch.tensor([prompt + [x] for x in range(SMALL_VOCAB)])
-        p2 = target_probs(m.forward_dense(seqs)[:, -1], sp)
+        rows = m.forward_dense(seqs)[:, -1]
+        rows = torch.stack([ref_penalize(rows[x], prompt, [x], sp) for x in range(SMALL_VOCAB)])
+        p2 = target_probs(rows, sp)
     return (p1[:, None] * p2).double().numpy()
 
 
@@ -189,13 +192,16 @@ def sample_joint(
             min_p=sp.min_p,
             max_tokens=2,
             seed=i if seeded else None,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty,
         )
         for i in range(n)
     ]
     outs = llm.generate([prompt] * n, params)
     counts = np.zeros((SMALL_VOCAB, SMALL_VOCAB))
     for o in outs:
-        counts[o.token_ids[0], o.token_ids[1]] += 1
+        counts[o.outputs[0].token_ids[0], o.outputs[0].token_ids[1]] += 1
     assert llm.engine.counters.spec_draft_tokens > 0
     return counts
 
@@ -230,6 +236,22 @@ def test_speculative_sampling_matches_target_distribution(
     counts = sample_joint(
         target, draft, "spec-tree:3x3", PROMPT, sp, N_SAMPLES, draft_sample, seeded
     )
+    stat, df, p = chi_square(counts, probs)
+    print(f"chi2={stat:.1f} df={df} p={p:.3f}")
+    assert not chi_square_rejects(counts, probs), (stat, df, p)
+
+
+def test_speculative_sampling_with_penalties_matches_target_distribution(small_pair):
+    """Presence, frequency and repetition penalties under a branching tree of sampled
+    draft children (the draft penalised as the target): the engine's first two tokens
+    have the joint distribution of the penalised target."""
+    target, draft = small_pair
+    sp = SamplingParams(
+        temperature=1.0, presence_penalty=1.2, frequency_penalty=0.6, repetition_penalty=1.3
+    )
+    probs = exact_joint(target, PROMPT, sp)
+    assert abs(probs - exact_joint(target, PROMPT, SamplingParams(temperature=1.0))).sum() > 0.2
+    counts = sample_joint(target, draft, "spec-tree:3x3", PROMPT, sp, N_SAMPLES, True)
     stat, df, p = chi_square(counts, probs)
     print(f"chi2={stat:.1f} df={df} p={p:.3f}")
     assert not chi_square_rejects(counts, probs), (stat, df, p)
@@ -357,23 +379,32 @@ def test_logprobs_are_the_targets_and_unchanged_by_speculation(tiny_pair, profil
         if draft:
             assert llm.engine.counters.spec_accepted_tokens > 20, pol  # paths were verified
     for i, (p, ref) in enumerate(zip(prompts, runs["ar"])):
+        ref = ref.outputs[0]
         assert len(ref.logprobs) == len(ref.token_ids)
+        assert (
+            abs(
+                ref.cumulative_logprob
+                - sum(e[t].logprob for t, e in zip(ref.token_ids, ref.logprobs))
+            )
+            < 1e-6
+        )
         with torch.no_grad():
             lsm = torch.log_softmax(hf(torch.tensor([p + ref.token_ids])).logits[0].float(), -1)
-        for j, tl in enumerate(ref.logprobs):
+        for j, (tok, pos) in enumerate(zip(ref.token_ids, ref.logprobs)):
             want = lsm[len(p) - 1 + j]
-            assert tl.token_id == ref.token_ids[j]
-            assert abs(tl.logprob - want[tl.token_id].item()) < 1e-4
+            assert abs(pos[tok].logprob - want[tok].item()) < 1e-4
             k = params[i].logprobs
-            assert [t for t, _ in tl.top] == want.topk(k).indices.tolist()
+            assert top_ids(pos) == want.topk(k).indices.tolist()
+            assert set(pos) == {tok, *top_ids(pos)}  # the taken token and the top k
         if params[i] is greedy:  # same tokens whatever the policy: same logprobs
             for pol in ("spec-tree:3x2", "adaserve"):
-                got = runs[pol][i]
+                got = runs[pol][i].outputs[0]
                 assert got.token_ids == ref.token_ids, pol
-                for a, b in zip(got.logprobs, ref.logprobs):
-                    assert abs(a.logprob - b.logprob) < 1e-4, pol
-                    assert [t for t, _ in a.top] == [t for t, _ in b.top], pol
-    assert runs["ar"][0].logprobs[0].top[0][0] == runs["ar"][0].token_ids[0]  # greedy = top 1
+                for t, a, b in zip(ref.token_ids, got.logprobs, ref.logprobs):
+                    assert abs(a[t].logprob - b[t].logprob) < 1e-4, pol
+                    assert top_ids(a) == top_ids(b), pol
+    first = runs["ar"][0].outputs[0]
+    assert first.logprobs[0][first.token_ids[0]].rank == 1  # greedy = top 1
     assert SamplingParams().logprobs is None
     with pytest.raises(InvalidRequestError, match="logprobs"):
         SamplingParams(logprobs=21)
@@ -392,18 +423,26 @@ def test_prompt_logprobs_score_every_prompt_token_across_prefill_chunks(tiny_pai
     outs = llm.generate(prompts, params)
     ref = LLM(model=str(target), no_draft=True, policy="ar").generate(prompts, plain)
     for p, o, r, sp in zip(prompts, outs, ref, params):
-        assert o.token_ids == r.token_ids
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
         if sp is plain:
-            assert o.prompt_logprobs is None and o.logprobs is None
+            assert o.prompt_logprobs is None and o.outputs[0].logprobs is None
             continue
         assert len(o.prompt_logprobs) == len(p) and o.prompt_logprobs[0] is None
         with torch.no_grad():
             lsm = torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), -1)
-        for i, tl in enumerate(o.prompt_logprobs[1:], start=1):
-            assert tl.token_id == p[i]
-            assert abs(tl.logprob - lsm[i - 1, p[i]].item()) < 1e-4
-            assert [t for t, _ in tl.top] == lsm[i - 1].topk(2).indices.tolist()
-        assert abs(o.logprobs[0].logprob - lsm[-1, o.token_ids[0]].item()) < 1e-4
+        for i, pos in enumerate(o.prompt_logprobs[1:], start=1):
+            assert abs(pos[p[i]].logprob - lsm[i - 1, p[i]].item()) < 1e-4
+            assert top_ids(pos) == lsm[i - 1].topk(2).indices.tolist()
+        first = o.outputs[0]
+        assert (
+            abs(first.logprobs[0][first.token_ids[0]].logprob - lsm[-1, first.token_ids[0]].item())
+            < 1e-4
+        )
+
+
+def top_ids(pos: dict) -> list[int]:
+    """The top-k token ids of one position's vLLM-shaped logprobs, by rank."""
+    return [t for t, lp in sorted(pos.items(), key=lambda e: e[1].rank or 0) if lp.rank]
 
 
 def test_min_p_keeps_tokens_at_least_min_p_times_the_likeliest():
@@ -443,7 +482,7 @@ def test_pass_composition_keeps_greedy_output(tiny_pair, profile_file):
     plans = []
     plan = pol.plan
     pol.plan = lambda view: plans.append(plan(view)) or plans[-1]
-    got = [o.token_ids for o in llm.generate(prompts, sp, slo=slos)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, slo=slos)]
     assert got == ref
     assert any(p.skip for p in plans), "no decoder ever sat a pass out"
     assert any(p.state and p.state.choice.width == 2 for p in plans)

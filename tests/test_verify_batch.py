@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import chi_square, chi_square_rejects
+from conftest import chi_square, chi_square_rejects, ref_penalize
 from torch.overrides import TorchFunctionMode
 
 from adaserve.core.tree import CandidateTree
@@ -103,6 +103,50 @@ def test_greedy_takes_the_first_of_equal_siblings():
     res = verify(VerifyBatch.build([t], [GREEDY], [None]), logits)
     assert res.accepted == [[2, 5]] and res.bonus == [1] and res.num_accepted == [2]
     assert res.new_tokens == [[3, 4, 1]] and res.token_rows == [[0, 2, 5]]
+
+
+# ---------------------------------------------------------------- penalties
+PEN = SamplingParams(
+    temperature=1.0, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.4
+)
+
+
+def path_tokens(t: CandidateTree, node: int) -> list[int]:
+    """The candidates from the root (excluded) down to ``node`` (included)."""
+    out = []
+    while node != 0:
+        out.append(int(t.tokens[node]))
+        node = int(t.parents[node])
+    return out[::-1]
+
+
+def test_penalties_apply_per_node_from_its_own_path():
+    """Greedy with penalties: each node's argmax is that of its row penalised with the
+    prompt, the committed output and the node's own path, in a batch mixing penalised
+    and plain requests (the reference walk, one tree at a time)."""
+    rng = np.random.default_rng(21)
+    V, R = 6, 90
+    trees = [random_tree(rng, V, int(rng.integers(1, 12))) for _ in range(R)]
+    params = [replace(PEN, temperature=0.0) if i % 3 else GREEDY for i in range(R)]
+    hist = [
+        (rng.integers(0, V, 4).tolist(), rng.integers(0, V, int(rng.integers(0, 6))).tolist())
+        for _ in range(R)
+    ]
+    logits = 2.0 * torch.randn(sum(len(t.tokens) for t in trees), V, generator=gen(22))
+    res = verify(VerifyBatch.build(trees, params, [None] * R, histories=hist), logits)
+    changed = 0
+    for t, lg, p, (prompt, out), path, bonus in zip(
+        trees, split(logits, trees), params, hist, res.accepted, res.bonus
+    ):
+        want = [
+            int(ref_penalize(lg[i], prompt, out + path_tokens(t, i), p).argmax())
+            for i in range(len(t.tokens))
+        ]
+        assert (path, bonus) == verify_greedy(t.tokens, children_lists(t.parents), want)
+        changed += want != lg.argmax(-1).tolist()
+    assert changed > R // 3  # the penalties did change decisions
+    with pytest.raises(ValueError, match="history"):
+        VerifyBatch.build(trees[:1], [PEN], [None])
 
 
 # ---------------------------------------------------------------- batch composition
@@ -253,8 +297,12 @@ def test_the_result_reaches_the_host_in_one_copy():
     rng = np.random.default_rng(8)
     V = 7
     trees, params, seeds, q = _mixed(rng, V, 30)
+    params = [replace(p, repetition_penalty=1.3) if i % 4 == 1 else p for i, p in enumerate(params)]
     logits = torch.randn(sum(len(t.tokens) for t in trees), V)
-    b = VerifyBatch.build(trees, params, [None if s is None else gen(s) for s in seeds], draft_q=q)
+    gens = [None if s is None else gen(s) for s in seeds]
+    hist = [([1, 2], [3])] * 30
+    b = VerifyBatch.build(trees, params, gens, draft_q=q, histories=hist)
+    assert b.penalties is not None
     with _Syncs() as m:
         out = verify_device(b, logits)
     assert m.calls == [] and out.shape == (30, b.max_depth + 1)
@@ -288,10 +336,17 @@ def draft_logits(prefix: tuple) -> torch.Tensor:
     return 0.7 * target_logits(prefix) + 0.8 * _logits(prefix, 2)
 
 
+def processed(logits: torch.Tensor, prefix: tuple, sp: SamplingParams) -> torch.Tensor:
+    """The processed distribution [V] after ``prefix`` (PROMPT + output): the
+    reference penalties of the output so far, then ``target_probs``."""
+    out = prefix[len(PROMPT) :]
+    return target_probs(ref_penalize(logits, PROMPT, out, sp)[None], sp)[0]
+
+
 def exact_joint(sp: SamplingParams) -> np.ndarray:
-    p1 = target_probs(target_logits(PROMPT)[None], sp)[0]
+    p1 = processed(target_logits(PROMPT), PROMPT, sp)
     p2 = torch.stack(
-        [target_probs(target_logits(PROMPT + (x,))[None], sp)[0] for x in range(V_SMALL)]
+        [processed(target_logits(PROMPT + (x,)), PROMPT + (x,), sp) for x in range(V_SMALL)]
     )
     return (p1[:, None] * p2).double().numpy()
 
@@ -311,7 +366,7 @@ def sample_joint(sp: SamplingParams, sampled: bool, with_q: bool, seeded=False) 
         if prefix not in cache:
             cache[prefix] = (
                 target_logits(prefix),
-                target_probs(draft_logits(prefix)[None], sp)[0],
+                processed(draft_logits(prefix), prefix, sp),  # the draft penalised too
             )
         return cache[prefix]
 
@@ -332,7 +387,8 @@ def sample_joint(sp: SamplingParams, sampled: bool, with_q: bool, seeded=False) 
         qs.append({n: at(prefixes[n])[1] for n in set(SHAPE)} if with_q else None)
     gens = [gen(i) for i in range(N_REQ)]
     ps = [replace(sp, seed=i) for i in range(N_REQ)] if seeded else [sp] * N_REQ
-    res = verify(VerifyBatch.build(trees, ps, gens, draft_q=qs), torch.cat(rows))
+    hist = [(PROMPT, ())] * N_REQ
+    res = verify(VerifyBatch.build(trees, ps, gens, draft_q=qs, histories=hist), torch.cat(rows))
     # speculation did its part (seeded: the mass of the children, q does not help)
     assert sum(res.num_accepted) > (0.3 if seeded else 0.4) * N_REQ
     assert sum(n == 2 for n in res.num_accepted) > 0.05 * N_REQ
@@ -348,6 +404,7 @@ def sample_joint(sp: SamplingParams, sampled: bool, with_q: bool, seeded=False) 
             [ps[i] for i in again],
             [gens[i] for i in again],
             out_index=[1] * len(again),  # their second output token
+            histories=[(PROMPT, (x,)) for x in x1],
         )
         res2 = verify(b, torch.stack([target_logits(PROMPT + (x,)) for x in x1]))
         for x, x2 in zip(x1, res2.bonus):
@@ -384,6 +441,32 @@ def test_q_acceptance_of_top_k_children_fails_the_distribution_test():
     sp = SamplingParams(temperature=1.0)
     probs = exact_joint(sp)
     counts = sample_joint(sp, sampled=False, with_q=True)
+    stat, df, p = chi_square(counts, probs)
+    print(f"chi2={stat:.1f} df={df} p={p:.3g}")
+    assert chi_square_rejects(counts, probs), (stat, df, p)
+
+
+@pytest.mark.parametrize("sampled, seeded", [(False, False), (True, False), (True, True)])
+def test_batched_verification_with_penalties_matches_the_target_distribution(sampled, seeded):
+    """Presence, frequency and repetition penalties under a branching tree: the first
+    two tokens have the joint distribution of the penalised target (the second token's
+    row penalised with the first)."""
+    probs = exact_joint(PEN)
+    assert np.abs(probs - exact_joint(SamplingParams(temperature=1.0))).sum() > 0.2
+    counts = sample_joint(PEN, sampled, with_q=sampled, seeded=seeded)
+    stat, df, p = chi_square(counts, probs)
+    print(f"chi2={stat:.1f} df={df} p={p:.3f}")
+    assert not chi_square_rejects(counts, probs), (stat, df, p)
+
+
+def test_penalties_without_the_nodes_paths_fail_the_distribution_test(monkeypatch):
+    """Negative control: penalising every node with the committed tokens only (not its
+    path's candidates) is not lossless."""
+    import adaserve.spec_decode.batch as vb
+
+    monkeypatch.setattr(vb, "tree_paths", lambda parents, tokens: [[] for _ in tokens])
+    probs = exact_joint(PEN)
+    counts = sample_joint(PEN, sampled=False, with_q=False)
     stat, df, p = chi_square(counts, probs)
     print(f"chi2={stat:.1f} df={df} p={p:.3g}")
     assert chi_square_rejects(counts, probs), (stat, df, p)

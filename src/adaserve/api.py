@@ -1,60 +1,144 @@
-"""The offline entry point: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+"""The offline entry point, in vLLM's shape: ``LLM(...).generate(prompts,
+SamplingParams(...))`` and ``LLM.chat(messages)`` return one ``RequestOutput`` per
+prompt, its ``outputs`` the ``n`` samples (``CompletionOutput``). See docs/offline.md."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from tqdm.auto import tqdm
 
 from adaserve.config import EngineConfig
 from adaserve.core.clock import Clock
 from adaserve.engine import Engine, build_engine
-from adaserve.errors import InvalidRequestError
+from adaserve.errors import InvalidRequestError, ModelLoadError
 from adaserve.request import Request
 from adaserve.sampling import SamplingParams
 from adaserve.slo import SLO
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's ``Logprob``: a token's log-probability under the target (raw logits), its
+    rank in that distribution (1: the most likely; None where not known: a sampled
+    token outside the requested top ``k``) and its text (None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# per position, token id -> Logprob: the token taken there and the top k alternatives
+# (vLLM's ``SampleLogprobs`` / ``PromptLogprobs`` entries)
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a prompt, as vLLM's ``CompletionOutput``.
+
+    index:              the sample's index among the prompt's ``n``
+    text:               the generated text, cut before a stop string (None without a
+                        tokenizer)
+    token_ids:          the generated token ids
+    cumulative_logprob: the sum of the generated tokens' logprobs (raw target logits)
+                        with ``SamplingParams(logprobs=k)``, else None
+    logprobs:           with ``logprobs=k``: per generated token, token id -> Logprob
+    finish_reason:      "stop", "length", "abort" (None while running)
+    stop_reason:        the stop string or stop token id that ended it; None for the
+                        model's EOS token and for every other finish (as vLLM)
+    metrics:            adaserve's per-request latency, SLO and speculation figures
+    """
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    metrics: dict = field(default_factory=dict)
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 @dataclass
 class RequestOutput:
-    """Result of one prompt: generated ids only, text (None without tokenizer), metrics."""
+    """The result of one prompt, as vLLM's ``RequestOutput``: ``outputs`` holds its
+    ``SamplingParams.n`` samples. ``metrics`` are the first sample's (each sample's
+    are in ``outputs[i].metrics``). ``text``, ``token_ids`` and ``finish_reason`` read
+    ``outputs[0]``'s."""
 
-    request_id: int
+    request_id: str
+    prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str | None
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
     metrics: dict = field(default_factory=dict)
-    # with SamplingParams(logprobs=k): per generated token, its log-probability under
-    # the target and the k most likely tokens at that position
-    logprobs: list[TokenLogprob] | None = None
-    # with SamplingParams(prompt_logprobs=k): the same per prompt token (the first None)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One generated token's log-probability (raw target logits) and the top ``k``
-    alternatives at its position as (token id, logprob), most likely first."""
+def _position(tok, token_id: int, logprob: float, top) -> PositionLogprobs:
+    """token id -> Logprob at one position: the taken token first, then the top k."""
 
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
+    def text(t: int) -> str | None:
+        return tok.decode([t]) if tok is not None else None
+
+    ranks = {t: i + 1 for i, (t, _) in enumerate(top)}
+    out = {token_id: Logprob(logprob, ranks.get(token_id), text(token_id))}
+    for t, lp in top:
+        if t not in out:
+            out[t] = Logprob(lp, ranks[t], text(t))
+    return out
 
 
-def token_logprobs(r: Request) -> list[TokenLogprob] | None:
+def token_logprobs(r: Request, tok=None) -> list[PositionLogprobs] | None:
     """A request's recorded logprobs (None when it did not ask for them)."""
     if r.params.logprobs is None:
         return None
-    return [TokenLogprob(t, lp, top) for t, (lp, top) in zip(r.output_ids, r.logprobs)]
+    return [_position(tok, t, lp, top) for t, (lp, top) in zip(r.output_ids, r.logprobs)]
 
 
-def prompt_token_logprobs(r: Request) -> list[TokenLogprob | None] | None:
+def prompt_token_logprobs(r: Request, tok=None) -> list[PositionLogprobs | None] | None:
     """A request's prompt logprobs, None for the first token (None when not asked)."""
     if r.params.prompt_logprobs is None:
         return None
     return [
-        None if e is None else TokenLogprob(t, e[0], e[1])
+        None if e is None else _position(tok, t, e[0], e[1])
         for t, e in zip(r.prompt_ids, r.prompt_logprobs)
     ]
+
+
+def stop_reason(eng: Engine, r: Request) -> int | str | None:
+    """What ended a request that finished with "stop": the stop token id or the stop
+    string (vLLM's ``stop_reason``); None for EOS and other finishes."""
+    if r.finish_reason != "stop" or not r.output_ids:
+        return None
+    p, last = r.params, r.output_ids[-1]
+    if last in p.stop_token_ids:
+        return last
+    if last in eng.eos_ids and not p.ignore_eos:
+        return None
+    if r.stop_text_cut is not None and p.stop and eng.tokenizer is not None:
+        text = eng.tokenizer.decode(r.output_ids)
+        return next((s for s in p.stop if text.startswith(s, r.stop_text_cut)), None)
+    return None
 
 
 def request_metrics(engine: Engine, r: Request) -> dict:
@@ -115,37 +199,162 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
+        prompts: str | dict | list[str] | list[int] | list[list[int]] | list[dict],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         slo: SLO | str | list[SLO | str] | None = None,
+        use_tqdm: bool | Callable = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (continuous batching); outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Generate for every prompt (continuous batching); outputs in prompt order.
+
+        A prompt is a string, a list of token ids, or vLLM's prompt dict
+        ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}``. Each prompt gets
+        ``sampling_params.n`` samples (``RequestOutput.outputs``); with a seed, sample
+        j is seeded ``seed + j``. ``use_tqdm``: a progress bar of finished prompts on
+        stderr (when it is a terminal; a callable: the tqdm class to use, as vLLM).
+        """
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         n = len(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
         slos = _per_prompt(slo, n, "slo")
         eng = self.engine
-        reqs = []
-        for p, sp, s in zip(prompts, params, slos):
-            if isinstance(s, str):
-                s = eng.class_slo(s)
-            reqs.append(eng.add_request(p, sp, s))
-        while any(not r.finished for r in reqs):
-            eng.step()
-        return [
-            RequestOutput(
-                request_id=r.rid,
-                prompt_token_ids=r.prompt_ids,
-                token_ids=r.output_ids,
-                text=eng.output_text(r),
-                finish_reason=r.finish_reason,
-                metrics=request_metrics(eng, r),
-                logprobs=token_logprobs(r),
-                prompt_logprobs=prompt_token_logprobs(r),
+        groups: list[tuple[str | None, list[Request]]] = []
+        try:
+            for p, sp, s in zip(prompts, params, slos):
+                if not isinstance(sp, SamplingParams):
+                    raise InvalidRequestError(
+                        "sampling_params must be SamplingParams", "sampling_params"
+                    )
+                if isinstance(s, str):
+                    s = eng.class_slo(s)
+                text, ids = _prompt_of(p)
+                samples = [
+                    replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
+                    for j in range(sp.n)
+                ]
+                groups.append((text, [eng.add_request(ids, x, s) for x in samples]))
+            self._run([reqs for _, reqs in groups], use_tqdm)
+        except BaseException:
+            for _, reqs in groups:  # no request of a failed call is left in the engine
+                for r in reqs:
+                    if not r.finished:
+                        eng.abort(r)
+            raise
+        return [self._output(text, reqs) for text, reqs in groups]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool | Callable = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        slo: SLO | str | list[SLO | str] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate a reply to one conversation (a list of ``{"role", "content"}``
+        messages) or to each of a list of them, as vLLM's ``LLM.chat``: the messages
+        go through the tokenizer's chat template (the one the server uses), or through
+        ``chat_template`` (a Jinja template string or a file holding one)."""
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list", "messages")
+        convs = [messages] if isinstance(messages[0], dict) else messages
+        tok = self.tokenizer
+        if tok is None:
+            raise InvalidRequestError(
+                "this model has no tokenizer: chat is unavailable", "messages"
             )
-            for r in reqs
-        ]
+        if chat_template is not None:
+            tok = copy.copy(tok)
+            tok.chat_template = _template_text(chat_template)
+        prompts = []
+        for conv in convs:
+            if not isinstance(conv, list) or not all(isinstance(m, dict) for m in conv):
+                raise InvalidRequestError(
+                    "messages must be a list of message dicts or a list of such lists",
+                    "messages",
+                )
+            try:
+                text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            except ModelLoadError as e:
+                raise InvalidRequestError(
+                    f"the chat template rejected the messages: {e}", "messages"
+                ) from None
+            prompts.append({"prompt": text})
+        return self.generate(prompts, sampling_params, slo, use_tqdm)
+
+    def _run(self, groups: list[list[Request]], use_tqdm: bool | Callable) -> None:
+        """Step the engine until every request of ``groups`` finished, counting finished
+        groups (prompts) on a progress bar."""
+        bar_cls = use_tqdm if callable(use_tqdm) else tqdm
+        # disable=None: tqdm shows the bar only on a terminal
+        bar = bar_cls(
+            total=len(groups),
+            desc="Processed prompts",
+            unit="prompt",
+            disable=None if use_tqdm else True,
+        )
+        done = 0
+        try:
+            while True:
+                now_done = sum(all(r.finished for r in g) for g in groups)
+                if now_done > done:
+                    bar.update(now_done - done)
+                    done = now_done
+                if done == len(groups):
+                    return
+                self.engine.step()
+        finally:
+            bar.close()
+
+    def _output(self, text: str | None, reqs: list[Request]) -> RequestOutput:
+        eng, tok = self.engine, self.tokenizer
+        outs = []
+        for j, r in enumerate(reqs):
+            lps = token_logprobs(r, tok)
+            outs.append(
+                CompletionOutput(
+                    index=j,
+                    text=eng.output_text(r),
+                    token_ids=r.output_ids,
+                    cumulative_logprob=None if lps is None else sum(lp for lp, _ in r.logprobs),
+                    logprobs=lps,
+                    finish_reason=r.finish_reason,
+                    stop_reason=stop_reason(eng, r),
+                    metrics=request_metrics(eng, r),
+                )
+            )
+        first = reqs[0]
+        return RequestOutput(
+            request_id=str(first.rid),
+            prompt=text,
+            prompt_token_ids=first.prompt_ids,
+            prompt_logprobs=prompt_token_logprobs(first, tok),
+            outputs=outs,
+            finished=all(r.finished for r in reqs),
+            metrics=outs[0].metrics,
+        )
+
+
+def _prompt_of(p) -> tuple[str | None, str | list[int]]:
+    """(prompt text or None, what the engine encodes) of one prompt."""
+    if isinstance(p, dict):
+        if "prompt_token_ids" in p:
+            return p.get("prompt"), p["prompt_token_ids"]
+        if isinstance(p.get("prompt"), str):
+            return p["prompt"], p["prompt"]
+        raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompts")
+    if isinstance(p, str):
+        return p, p
+    if isinstance(p, list):
+        return None, p
+    raise InvalidRequestError("a prompt is a string, a list of token ids or a dict", "prompts")
+
+
+def _template_text(t: str) -> str:
+    """A chat template given as its text or as a file holding it."""
+    if "{" not in t and Path(t).is_file():
+        return Path(t).read_text()
+    return t
 
 
 def _per_prompt(value, n: int, name: str) -> list:

@@ -53,7 +53,7 @@ def _cmd_generate(args) -> int:
         stop=args.stop or None,
         logprobs=args.logprobs,
     )
-    out = llm.generate([prompt], sp, slo=args.slo_class)[0]
+    out = llm.generate([prompt], sp, slo=args.slo_class, use_tqdm=False)[0].outputs[0]
     m = out.metrics
     if args.json:
         stats = {
@@ -74,11 +74,15 @@ def _cmd_generate(args) -> int:
                     if out.logprobs is None
                     else [
                         {
-                            "token_id": t.token_id,
-                            "logprob": t.logprob,
-                            "top": [list(x) for x in t.top],
+                            "token_id": t,
+                            "logprob": pos[t].logprob,
+                            "top": [  # the top k by rank (the taken token may be outside)
+                                [i, lp.logprob]
+                                for i, lp in sorted(pos.items(), key=lambda e: e[1].rank or 0)
+                                if lp.rank is not None
+                            ],
                         }
-                        for t in out.logprobs
+                        for t, pos in zip(out.token_ids, out.logprobs)
                     ],
                     "stats": stats,
                     "metrics": {k: m[k] for k in ("ttft_ms", "tpot_ms", "e2e_ms", "policy")},

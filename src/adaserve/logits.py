@@ -1,5 +1,6 @@
-"""Target-distribution processing of logits (temperature, top-k, top-p), per-request
-random generators, and the position-keyed noise of seeded sampling."""
+"""Target-distribution processing of logits (penalties, temperature, top-k, top-p,
+min-p), per-request random generators, and the position-keyed noise of seeded
+sampling."""
 
 from __future__ import annotations
 
@@ -8,6 +9,36 @@ from collections.abc import Sequence
 import torch
 
 from adaserve.sampling import SamplingParams
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM's penalties of logits rows, each row with its own context (a new tensor).
+
+    logits:        [M, V] raw logits
+    prompt_mask:   [M, V] bool, the token occurs in the row's prompt
+    output_counts: [M, V] float32, occurrences of the token among the row's output
+                   tokens (those generated before the position the row predicts)
+    repetition, frequency, presence: [M] float32, each row's penalties
+
+    Repetition (over prompt + output tokens): a seen token's logit is divided by the
+    penalty when positive, multiplied by it otherwise. Then frequency and presence
+    (OpenAI's definition, over output tokens): ``logit -= frequency * count +
+    presence * (count > 0)``. The same arithmetic as vLLM's ``apply_penalties``;
+    ``target_probs`` (temperature and truncation) comes after.
+    """
+    x = logits.float()
+    seen_out = output_counts > 0
+    rep = torch.where(prompt_mask | seen_out, repetition[:, None], 1.0)
+    x = torch.where(x > 0, x / rep, x * rep)
+    x = x - frequency[:, None] * output_counts
+    return x - presence[:, None] * seen_out.float()
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

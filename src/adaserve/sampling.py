@@ -20,6 +20,15 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely (0 = off)
     max_tokens: int = 16
+    # independent samples per prompt (``LLM.generate`` returns them as ``outputs``);
+    # with a seed, sample j is seeded ``seed + j`` (as the server's ``n``)
+    n: int = 1
+    # vLLM's penalties, applied to the raw logits before temperature / top-k / top-p /
+    # min-p (``adaserve.logits.apply_penalties``): presence and frequency over the
+    # output tokens (OpenAI's definition), repetition over prompt + output tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     # seeded sampling: the token at output index o is drawn with noise keyed by
     # (seed, o) only (``adaserve.logits.race_noise``), so the output does not depend
     # on the policy, the trees, the batch or the load; None = the request's generator
@@ -55,6 +64,18 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"max_tokens must be an integer in [1, {MAX_TOKENS_LIMIT}]", "max_tokens"
             )
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise InvalidRequestError("n must be a positive integer", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _real(v) or not -2 <= v <= 2:
+                raise InvalidRequestError(f"{name} must be a number in [-2, 2]", name)
+        r = self.repetition_penalty
+        if not _real(r) or not 0 < r < math.inf:
+            raise InvalidRequestError(
+                "repetition_penalty must be a finite number greater than 0 (1 = off)",
+                "repetition_penalty",
+            )
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise InvalidRequestError("seed must be a non-negative integer", "seed")
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
@@ -69,3 +90,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty is on: the processed distribution at a position depends on the
+        tokens before it (not only through the model)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def _real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)

@@ -47,7 +47,7 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render messages with the checkpoint's template (or the documented default)."""
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -57,7 +57,7 @@ class Tokenizer:
             tmpl = env.from_string(self.chat_template)
             return tmpl.render(
                 messages=messages,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 bos_token=self.config.get("bos_token") or "",
                 eos_token=self.config.get("eos_token") or "",
             )

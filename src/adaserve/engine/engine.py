@@ -27,7 +27,7 @@ from adaserve.engine.model_runner import ModelRunner
 from adaserve.engine.output import OutputProcessor
 from adaserve.engine.selection_log import SelectionLog
 from adaserve.engine.verification import accept
-from adaserve.errors import AdaServeError, ModelLoadError
+from adaserve.errors import AdaServeError, InvalidRequestError, ModelLoadError
 from adaserve.request import Request
 from adaserve.sampling import SamplingParams
 from adaserve.sched.base import Policy
@@ -218,6 +218,11 @@ class Engine:
     ) -> Request:
         """A validated request, not queued (``add_request`` queues it)."""
         params = params or SamplingParams()
+        if params.n != 1:
+            raise InvalidRequestError(
+                "an engine request is one sample: n > 1 is for LLM.generate and the server",
+                "n",
+            )
         ids = self.runner.encode(prompt)
         self.scheduler.check_prompt(len(ids))
         slo = slo or self.scheduler.default_slo()

@@ -233,6 +233,7 @@ class ModelRunner:
             draft_q=q_rows,
             # every root predicts the token after the request's committed ones
             out_index=[len(r.tokens) - r.prompt_len for r in vreqs],
+            histories=[(r.prompt_ids, r.output_ids) if r.params.penalized else None for r in vreqs],
         )
         meta = AttnMetadata.build(seqs, self.device, self.target.cfg.sliding_window)
         hidden = self.target(

@@ -69,8 +69,7 @@ class _Sampling(_TopLevel):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    # vLLM's sampling extras: clients such as vLLM's benchmark send them at their
-    # neutral values; other values are refused with a clear error
+    # vLLM's sampling extras (repetition over prompt + output tokens, as vLLM's)
     repetition_penalty: float | None = Field(None, gt=0, le=100)
     min_p: float | None = Field(None, ge=0, le=1)
     user: str | None = Field(None, max_length=1024)

@@ -37,13 +37,8 @@ def check_body(state: ServerState, body) -> None:
         in_vocab(state, body.stop_token_ids, "stop_token_ids")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise unsupported(name, "penalties are not supported")
     if body.logit_bias:
         raise unsupported("logit_bias", "logit_bias is not supported")
-    if body.repetition_penalty not in (None, 1.0):
-        raise unsupported("repetition_penalty", "repetition_penalty other than 1 is not supported")
 
 
 def check_choices(state: ServerState, prompts: int, n: int) -> None:
@@ -161,6 +156,9 @@ def sampling_params(body, max_tokens: int, seed: int | None) -> SamplingParams:
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=top_k,
             min_p=body.min_p or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             max_tokens=max_tokens,
             seed=seed,
             stop=stop,

@@ -31,6 +31,7 @@ import torch
 from adaserve.core.tree import CandidateTree
 from adaserve.logits import noise_key
 from adaserve.sampling import SamplingParams
+from adaserve.spec_decode.penalties import PenaltyRows, tree_paths
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,8 @@ class VerifyBatch:
                    (``logits.race_noise``), so it is verified like a greedy request
                    against that argmax (see ``adaserve.spec_decode.verify``)
       params:      [R] sampling params (temperature / top_k / top_p / min_p are applied
-                   by ``target_probs``; greedy requests ignore them)
+                   by ``target_probs``; greedy requests ignore them; the penalties apply
+                   to every request, greedy ones too, through ``penalties``)
       generators:  [R] the request's own generator (None: torch's default generator);
                    only unseeded stochastic requests draw from it
       use_q:       [R] bool, unseeded stochastic and verified against draft q rows
@@ -88,6 +90,10 @@ class VerifyBatch:
       noise_rows:  [M_s] int64, the row of ``race_noise(noise_keys)`` each one uses
       argmax_parent, argmax_child: [E_g] int64, the edges of greedy and seeded
                    requests' trees (global indices; empty tensors when there are none)
+      penalties:   ``PenaltyRows`` of the nodes of requests with penalties (each node
+                   with the counts of its own path: prompt + committed output + its
+                   candidates below the root), applied to the logits before anything
+                   else; None when no request has one
     """
 
     cu_nodes: np.ndarray
@@ -112,6 +118,7 @@ class VerifyBatch:
     argmax_parent: torch.Tensor
     argmax_child: torch.Tensor
     device: torch.device
+    penalties: PenaltyRows | None = None
 
     @property
     def num_requests(self) -> int:
@@ -132,6 +139,7 @@ class VerifyBatch:
         first_rows: Sequence[int] | None = None,
         draft_q: Sequence[dict[int, torch.Tensor] | None] | None = None,
         out_index: Sequence[int] | None = None,
+        histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None,
     ) -> VerifyBatch:
         """Flatten the requests' trees (host work plus a few host-to-device copies).
 
@@ -147,13 +155,16 @@ class VerifyBatch:
         out_index:  [R] output index (0: the first generated token) of the token each
                     request's root predicts: ``len(tokens) - prompt_len`` before the
                     step; None: 0 for all. Keys the noise of seeded requests.
+        histories:  [R] (prompt ids, committed output ids) of each request whose params
+                    have penalties (None for the others); required when one has
         """
         R = len(trees)
         lens = {len(params), len(generators)}
-        lens |= {len(x) for x in (first_rows, draft_q, out_index) if x is not None}
+        lens |= {len(x) for x in (first_rows, draft_q, out_index, histories) if x is not None}
         if lens - {R}:
             raise ValueError(
-                "trees, params, generators, first_rows, draft_q, out_index differ in length"
+                "trees, params, generators, first_rows, draft_q, out_index, histories "
+                "differ in length"
             )
         device = torch.device(device)
         sizes = np.array([len(t.tokens) for t in trees], dtype=np.int64)
@@ -232,6 +243,20 @@ class VerifyBatch:
                 s_rows.append(len(keys) + depth)
                 keys += [noise_key(params[r].seed, o + d) for d in range(int(depth.max()) + 1)]
 
+        penalties = None
+        pen = [r for r, p in enumerate(params) if p.penalized]
+        if pen:
+            if histories is None or any(histories[r] is None for r in pen):
+                raise ValueError("a request with penalties needs its history")
+            penalties = PenaltyRows.build(
+                [(*histories[r], params[r]) for r in pen],
+                [
+                    list(zip(range(int(cu[r]), int(cu[r + 1])), tree_paths(t.parents, t.tokens)))
+                    for r, t in ((r, trees[r]) for r in pen)
+                ],
+                device,
+            )
+
         q = None
         if q_rows:
             rows = torch.stack([x.to(device=device, dtype=torch.float32) for x in q_rows])
@@ -263,6 +288,7 @@ class VerifyBatch:
             argmax_parent=t64(par[edge_argmax]),
             argmax_child=t64(child[edge_argmax]),
             device=device,
+            penalties=penalties,
         )
 
 

@@ -8,6 +8,12 @@ to its own ancestors among the scratch slots (``prefix_mask``). Scratch slots ar
 slot indices ``C, C+1, ...`` past the committed length ``C``; they are overwritten by
 the next step 0, so the draft cache needs no compaction (``draft_cached = C``).
 
+Penalties: a request with presence / frequency / repetition penalties has each
+frontier row of the draft penalised with the counts of that node's own path (as the
+verifier does for the target, ``spec_decode.penalties``), so the draft proposes from
+the distribution the target will be verified with. Losslessness does not need it
+(sampled drafts are verified against the q they were drawn from), acceptance does.
+
 Beam expansion: every fed node gets its top-w children (by draft probability, or w
 i.i.d. samples from q in ``sample`` mode) as candidates; the w candidates with the
 highest path probability form the next frontier.
@@ -28,6 +34,7 @@ from adaserve.logits import target_probs
 from adaserve.models.attention import AttnMetadata, SeqSpec
 from adaserve.models.llama import LlamaModel
 from adaserve.request import Request
+from adaserve.spec_decode.penalties import PenaltyRows
 
 
 @dataclass
@@ -177,8 +184,29 @@ def expand(
     return [DraftOutput(g.finish(), g.q_rows, len(g.fed_nodes)) for g in grows]
 
 
+def _penalised(logits, grows, frontier, active, reqs) -> torch.Tensor:
+    """logits [F, V] of the active requests' frontier rows (request order) with each
+    penalised request's rows penalised by their own paths' counts."""
+    contexts, rows, row = [], [], 0
+    for i in active:
+        r, g = reqs[i], grows[i]
+        if r.params.penalized:
+            contexts.append((r.prompt_ids, r.output_ids, r.params))
+            rows.append(
+                [
+                    (row + j, [g.tokens[a] for a in g.ancestors(node)])
+                    for j, node in enumerate(frontier[i])
+                ]
+            )
+        row += len(frontier[i])
+    if not contexts:
+        return logits
+    return PenaltyRows.build(contexts, rows, logits.device).apply(logits)
+
+
 def _add_children(logits, grows, frontier, active, reqs, shapes, sample: bool) -> None:
     """Append children of each active request's frontier rows (rows in request order)."""
+    logits = _penalised(logits, grows, frontier, active, reqs)
     wmax = max(shapes[i][1] for i in active)
     top = logits.softmax(-1).topk(wmax, dim=-1)
     vals, idx = top.values.tolist(), top.indices.tolist()

@@ -11,6 +11,13 @@ Terminology (as in vLLM's rejection sampler, for trees):
   (nothing was left to try). Recovered or bonus, it is the one extra token every
   verification yields, so ``VerifyResult.bonus`` holds either (greedy: the argmax).
 
+Penalties (presence / frequency / repetition, ``VerifyBatch.penalties``): the
+processed distribution at a node depends on the tokens before it, so every node's
+logits row is penalised first with the counts of its own path (prompt, committed
+output, the candidates from the root down to it): the distribution plain decoding
+would use once that path is committed. Everything below (greedy argmax, seeded race,
+residuals) then sees the penalised logits, hence the same guarantees.
+
 Greedy: follow the first child (in node order) whose token is the target's argmax;
 the argmax at the first node without one is the bonus. Stochastic, deterministic
 (top-k/beam) drafts: at a node, try its children in order; accept child x with
@@ -105,13 +112,15 @@ def verify(batch: VerifyBatch, logits: torch.Tensor) -> VerifyResult:
 def verify_device(batch: VerifyBatch, logits: torch.Tensor) -> torch.Tensor:
     """The verification as device work only (no host sync).
 
-    logits:  [N, V] float32, as for ``verify``
+    logits:  [N, V] float32, as for ``verify`` (raw: the penalties are applied here)
     returns  [R, max_depth + 1] int64: columns 0..max_depth-1 the accepted path (local
              node indices, -1 past its end), the last column the bonus token
     """
     N, R, dev = batch.num_nodes, batch.num_requests, logits.device
     if logits.dim() != 2 or logits.shape[0] != N:
         raise ValueError(f"logits {tuple(logits.shape)} for a batch of {N} nodes")
+    if batch.penalties is not None:  # [N, V]: each node's row with its own path's counts
+        logits = batch.penalties.apply(logits)
     acc = torch.full((N,), -1, dtype=torch.long, device=dev)  # [N] accepted child, -1: none
     probs = None
     if batch.prob_groups:
