@@ -7,6 +7,7 @@ requests already hold the KV slots they need.
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,9 +79,13 @@ class ModelRunner:
         self.eos_ids = set(tcfg.eos_token_ids)
         if not self.eos_ids and self.tokenizer is not None and self.tokenizer.eos_id is not None:
             self.eos_ids = {self.tokenizer.eos_id}
-        self.max_model_len = min(
-            cfg.max_model_len or tcfg.max_position_embeddings, tcfg.max_position_embeddings
-        )
+        if cfg.max_model_len is not None and cfg.max_model_len > tcfg.max_position_embeddings:
+            raise ModelLoadError(
+                f"max_model_len {cfg.max_model_len} is larger than the model's context "
+                f"(max_position_embeddings={tcfg.max_position_embeddings} in "
+                f"{model_dir / 'config.json'})"
+            )
+        self.max_model_len = cfg.max_model_len or tcfg.max_position_embeddings
         self.vocab_size = tcfg.vocab_size
         self.flops_per_token_target = 2.0 * tcfg.num_parameters()
         self.flops_per_token_draft = 2.0 * self.draft.cfg.num_parameters() if self.draft else 0.0
@@ -102,6 +107,7 @@ class ModelRunner:
         self.kv_draft = (
             KVCache(self.draft.cfg, num_slots, self.device, self.dtype) if self.draft else None
         )
+        self._seeds = random.Random(cfg.seed) if getattr(cfg, "seed", None) is not None else None
         self.model_time_s = 0.0  # seconds spent in forwards (read and reset by the engine)
         self._tpot_estimate: float | None = None
 
@@ -134,7 +140,11 @@ class ModelRunner:
         return ids
 
     def generator(self, seed: int | None) -> torch.Generator:
-        """A request's own random generator on the device."""
+        """A request's own random generator on the device; an unseeded request's is
+        seeded from the engine's ``seed`` when one is set (reproducible runs, as
+        vLLM's ``--seed``)."""
+        if seed is None and self._seeds is not None:
+            seed = self._seeds.getrandbits(63)
         return make_generator(seed, self.device)
 
     def estimate_tpot_ms(self) -> float:

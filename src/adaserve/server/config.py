@@ -59,7 +59,10 @@ class ServerConfig:
     """Everything the HTTP layer needs (the engine has its own ``EngineConfig``).
 
     model_name:          id served in /v1/models and responses (None = derived from the model)
-    strict_fields:       reject unknown top-level request fields (400)
+    strict_fields:       reject unknown top-level request fields (400); off (the default,
+                         as vLLM): they are ignored, with one warning per field name
+    chat_template:       a Jinja chat template file (or the template text) replacing the
+                         model's (``--chat-template``)
     max_body_bytes:      larger request bodies get 413
     max_waiting:         requests queued in the engine beyond this are shed (429)
     shutdown_grace_s:    on SIGINT/SIGTERM, in-flight requests get this long to finish
@@ -78,7 +81,8 @@ class ServerConfig:
     model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
-    strict_fields: bool = True
+    strict_fields: bool = False
+    chat_template: str | None = None
     max_body_bytes: int = 8 << 20
     max_waiting: int | None = None
     shutdown_grace_s: float = 30.0

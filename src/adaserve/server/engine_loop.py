@@ -34,6 +34,7 @@ from adaserve.api import request_metrics
 from adaserve.config import EngineConfig
 from adaserve.core.config import QUEUE_FULL_RETRY_S
 from adaserve.errors import AdaServeError, AdmissionRejected
+from adaserve.generation_config import sampling_defaults
 from adaserve.request import Status
 from adaserve.sampling import SamplingParams
 from adaserve.slo import SLO, SLOClass
@@ -62,6 +63,9 @@ class EngineInfo:
     default_class: str
     policy: str
     flops_per_token_target: float
+    # SamplingParams field -> the model's generation_config.json default (as vLLM's
+    # --generation-config auto; empty with "vllm")
+    sampling_defaults: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -259,6 +263,9 @@ class EngineLoop:
                 default_class=e.cfg.default_class,
                 policy=e.policy.name,
                 flops_per_token_target=float(e.flops_per_token_target),
+                sampling_defaults=sampling_defaults(
+                    e.model_dir, getattr(e.cfg, "generation_config", "auto")
+                ),
             )
             self._refresh_class_slos(force=True)
             self._publish_snapshot()

@@ -17,22 +17,9 @@ MAX_STOP_SEQUENCES = 16
 
 
 def check_body(state: ServerState, body) -> None:
-    """Unknown fields (when strict), model, and options we do not implement."""
-    extra = sorted((body.model_extra or {}).keys())
-    if extra and state.cfg.strict_fields:
-        raise ApiError(
-            400,
-            f"Unrecognized request argument supplied: {', '.join(extra)}",
-            param=extra[0],
-            code="unknown_parameter",
-        )
-    if body.model is not None and body.model not in state.served_names:
-        raise ApiError(
-            404,
-            f"The model {body.model!r} does not exist; this server serves {state.model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
+    """Unknown fields (400 when strict, else ignored with a warning), model, and options
+    we do not implement."""
+    check_body_model(state, body)
     if body.stop_token_ids:
         in_vocab(state, body.stop_token_ids, "stop_token_ids")
     if body.stream_options is not None and not body.stream:
@@ -44,6 +31,31 @@ def check_body(state: ServerState, body) -> None:
         raise unsupported("logit_bias", "logit_bias is not supported")
     if body.repetition_penalty not in (None, 1.0):
         raise unsupported("repetition_penalty", "repetition_penalty other than 1 is not supported")
+    if not body.skip_special_tokens:
+        raise unsupported("skip_special_tokens", "skip_special_tokens=false is not supported")
+    if body.min_tokens:
+        raise unsupported("min_tokens", "min_tokens above 0 is not supported yet")
+
+
+def check_body_model(state: ServerState, body) -> None:
+    """Unknown fields (400 when strict, else ignored with a warning) and the model."""
+    extra = sorted((body.model_extra or {}).keys())
+    if extra and state.cfg.strict_fields:
+        raise ApiError(
+            400,
+            f"Unrecognized request argument supplied: {', '.join(extra)}",
+            param=extra[0],
+            code="unknown_parameter",
+        )
+    if extra:
+        state.warn_ignored_fields(extra)
+    if body.model is not None and body.model not in state.served_names:
+        raise ApiError(
+            404,
+            f"The model {body.model!r} does not exist; this server serves {state.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def check_choices(state: ServerState, prompts: int, n: int) -> None:
@@ -56,7 +68,9 @@ def check_choices(state: ServerState, prompts: int, n: int) -> None:
 # ---------------------------------------------------------------------- prompts
 
 
-async def encode(state: ServerState, text: str, param: str) -> list[int]:
+async def encode(
+    state: ServerState, text: str, param: str, add_special_tokens: bool = True
+) -> list[int]:
     """Token ids of a text prompt (400 without a tokenizer or for invalid UTF-8)."""
     tok = state.loop.info.tokenizer
     if tok is None:
@@ -66,8 +80,8 @@ async def encode(state: ServerState, text: str, param: str) -> list[int]:
     except UnicodeEncodeError:
         raise ApiError(400, f"{param} is not valid UTF-8 text", param=param) from None
     if len(text) > ENCODE_IN_THREAD_CHARS:
-        return await asyncio.to_thread(tok.encode, text)
-    return tok.encode(text)
+        return await asyncio.to_thread(tok.encode, text, add_special_tokens)
+    return tok.encode(text, add_special_tokens)
 
 
 def check_ids(state: ServerState, ids: list[int], param: str) -> list[int]:
@@ -129,19 +143,29 @@ def requested_logprobs(body) -> int | None:
     return lp
 
 
-def sampling_params(body, max_tokens: int, seed: int | None) -> SamplingParams:
+def sampling_params(
+    body, max_tokens: int, seed: int | None, defaults: dict | None = None
+) -> SamplingParams:
     stop = body.stop
     if isinstance(stop, list) and not stop:
         stop = None
     if isinstance(stop, list) and len(stop) > MAX_STOP_SEQUENCES:
         raise ApiError(400, f"at most {MAX_STOP_SEQUENCES} stop sequences", param="stop")
-    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+    # a field the request leaves out takes the model's generation_config.json default
+    # (``--generation-config``), else OpenAI's
+    d = defaults or {}
+    top_k = body.top_k if body.top_k is not None else d.get("top_k", 0)
+    top_k = top_k if top_k > 0 else 0
+    extra = {}
+    if "repetition_penalty" in d and body.repetition_penalty is None:
+        extra["repetition_penalty"] = d["repetition_penalty"]
     try:
         return SamplingParams(
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
+            temperature=d.get("temperature", 1.0) if body.temperature is None else body.temperature,
+            top_p=d.get("top_p", 1.0) if body.top_p is None else body.top_p,
             top_k=top_k,
-            min_p=body.min_p or 0.0,
+            min_p=d.get("min_p", 0.0) if body.min_p is None else body.min_p,
+            **extra,
             max_tokens=max_tokens,
             seed=seed,
             stop=stop,
