@@ -22,7 +22,6 @@ Where things are: ``completions`` and ``chat`` (the two endpoints), ``generation
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from typing import Annotated
 
@@ -38,7 +37,7 @@ from adaserve import __version__
 from adaserve.config import EngineConfig
 from adaserve.server.chat import create_chat
 from adaserve.server.completions import create_completion
-from adaserve.server.config import ServerConfig, Tenant
+from adaserve.server.config import ServerConfig, Tenant, engine_config_for_server
 from adaserve.server.engine_errors import shutdown_error
 from adaserve.server.engine_loop import EngineLoop, model_name_of
 from adaserve.server.errors import ApiError, http_error, internal_error, validation_error
@@ -181,23 +180,6 @@ _ERRORS = {
     429: {"model": ErrorResponse},
     503: {"model": ErrorResponse},
 }
-
-
-def engine_config_for_server(ecfg: EngineConfig, cfg: ServerConfig) -> EngineConfig:
-    """The engine configuration a server runs: the config file's classes, and engine
-    admission control on (with ``server.max_waiting`` as its queue cap when set)."""
-    repl: dict = {"admission": True}
-    if cfg.max_waiting is not None:
-        repl["max_waiting"] = cfg.max_waiting
-    if cfg.classes is not None:
-        names = [c.name for c in cfg.classes]
-        repl["classes"] = cfg.classes
-        repl["default_class"] = cfg.default_class or (
-            ecfg.default_class if ecfg.default_class in names else names[0]
-        )
-    elif cfg.default_class is not None:
-        repl["default_class"] = cfg.default_class
-    return dataclasses.replace(ecfg, **repl)
 
 
 def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:

@@ -32,6 +32,7 @@ from adaserve.server.config import (
     ServerConfig,
     Tenant,
     check_against_classes,
+    engine_config_for_server,
     key_digest,
     load_config,
 )
@@ -211,8 +212,6 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     kw.update({k: v for k, v in flags.items() if v is not None})
     if args.no_draft:
         kw["no_draft"] = True
-    from adaserve.server.app import engine_config_for_server
-
     if cfg.classes is not None:
         kw["classes"] = cfg.classes
         names = [c.name for c in cfg.classes]
@@ -466,9 +465,6 @@ def run(args) -> int:
         level=getattr(logging, args.log_level.upper()),
         format="%(levelname)s %(name)s: %(message)s",
     )
-    from adaserve.server.app import create_app
-    from adaserve.server.engine_loop import EngineLoop
-
     try:
         ecfg, cfg = build_configs(args)
         _check_model_len(ecfg)
@@ -479,6 +475,10 @@ def run(args) -> int:
     except (ConfigError, InvalidRequestError, ModelLoadError) as e:
         print(f"adaserve serve: {e}", file=sys.stderr)
         return 2
+    # the app (FastAPI, the engine, torch) is imported once the configuration is valid
+    from adaserve.server.app import create_app
+    from adaserve.server.engine_loop import EngineLoop
+
     eloop = EngineLoop(ecfg, max_waiting=cfg.max_waiting, step_delay_s=cfg.step_delay_s)
     try:
         eloop.start()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from adaserve.config import EngineConfig
 from adaserve.errors import AdaServeError, InvalidRequestError
 from adaserve.slo import SLOClass
 
@@ -298,3 +299,20 @@ def check_against_classes(cfg: ServerConfig, classes: tuple[SLOClass, ...]) -> N
             raise ConfigError(f"tenants.{t.name}: default_class is not among its classes")
     for c in classes:
         need(f"classes.{c.name}.degrade_to", c.degrade_to)
+
+
+def engine_config_for_server(ecfg: EngineConfig, cfg: ServerConfig) -> EngineConfig:
+    """The engine configuration a server runs: the config file's classes, and engine
+    admission control on (with ``server.max_waiting`` as its queue cap when set)."""
+    repl: dict = {"admission": True}
+    if cfg.max_waiting is not None:
+        repl["max_waiting"] = cfg.max_waiting
+    if cfg.classes is not None:
+        names = [c.name for c in cfg.classes]
+        repl["classes"] = cfg.classes
+        repl["default_class"] = cfg.default_class or (
+            ecfg.default_class if ecfg.default_class in names else names[0]
+        )
+    elif cfg.default_class is not None:
+        repl["default_class"] = cfg.default_class
+    return dataclasses.replace(ecfg, **repl)
