@@ -249,6 +249,7 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_target.layers
         )
         logits = self.target.logits(hidden[vb.hidden_rows])
+        mask_min_tokens(logits, vb, vreqs, self.eos_ids)
         prompt_rows = []
         if extra:
             rows = [i for _, _, row, m in extra for i in range(row, row + m)]
@@ -267,6 +268,43 @@ class ModelRunner:
         if src:
             dev = self.device
             self.kv_target.move_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+
+
+def mask_min_tokens(logits: torch.Tensor, vb, reqs: list[Request], eos_ids: set[int]) -> None:
+    """In place: the logits of EOS and the stop token ids at -inf in every row whose
+    token would be an output token below ``params.min_tokens`` (the row of the node at
+    depth d of request r: output index ``out_index[r] + d``). Done on the target's logits
+    before verification, so greedy, seeded and sampled verification (and the bonus
+    token) all see the same processed distribution: a drafted stop token there is
+    rejected, never accepted."""
+    cu, depth_of = vb.cu_nodes, None
+    for i, r in enumerate(reqs):
+        p = r.params
+        o = len(r.tokens) - r.prompt_len
+        if p.min_tokens <= o:
+            continue
+        ids = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
+        if not ids:
+            continue
+        if depth_of is None:
+            depth_of = _node_depths(vb)
+        lo, hi = int(cu[i]), int(cu[i + 1])
+        rows = [n for n in range(lo, hi) if o + depth_of[n] < p.min_tokens]
+        if rows:
+            dev = logits.device
+            r_idx = torch.tensor(rows, device=dev)[:, None]
+            c_idx = torch.tensor(sorted(ids), device=dev)[None, :]
+            logits[r_idx, c_idx] = float("-inf")
+
+
+def _node_depths(vb) -> list[int]:
+    """Depth of every node of a verify batch (parents precede children)."""
+    par = vb.parents.tolist()
+    depth = [0] * len(par)
+    for n, q in enumerate(par):
+        if q != n:
+            depth[n] = depth[q] + 1
+    return depth
 
 
 def logprob_entries(lsm: torch.Tensor, ids: list[int], k: int) -> list:

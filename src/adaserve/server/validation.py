@@ -33,8 +33,6 @@ def check_body(state: ServerState, body) -> None:
         raise unsupported("repetition_penalty", "repetition_penalty other than 1 is not supported")
     if not body.skip_special_tokens:
         raise unsupported("skip_special_tokens", "skip_special_tokens=false is not supported")
-    if body.min_tokens:
-        raise unsupported("min_tokens", "min_tokens above 0 is not supported yet")
 
 
 def check_body_model(state: ServerState, body) -> None:
@@ -154,6 +152,7 @@ def sampling_params(
     # a field the request leaves out takes the model's generation_config.json default
     # (``--generation-config``), else OpenAI's
     d = defaults or {}
+    explicit_max = getattr(body, "max_completion_tokens", None) or body.max_tokens
     top_k = body.top_k if body.top_k is not None else d.get("top_k", 0)
     top_k = top_k if top_k > 0 else 0
     extra = {}
@@ -171,6 +170,8 @@ def sampling_params(
             stop=stop,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
+            # above an explicit max_tokens: a 400; an implicit budget caps it
+            min_tokens=body.min_tokens if explicit_max else min(body.min_tokens, max_tokens),
             logprobs=requested_logprobs(body),
             prompt_logprobs=body.logprobs if getattr(body, "echo", False) else None,
         )
