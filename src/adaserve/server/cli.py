@@ -95,6 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=cli_args.int_at_least(0), help="seed of unseeded sampling")
     p.add_argument(
         "--kv-cache-bytes",
+        "--kv-cache-memory-bytes",  # vLLM's name
+        dest="kv_cache_bytes",
         type=cli_args.byte_size,
         metavar="SIZE",
         help="KV pool size, target + draft (e.g. 512M, 2GiB; default on CPU: a quarter of "
