@@ -41,6 +41,7 @@ from adaserve.server.config import ServerConfig, Tenant, engine_config_for_serve
 from adaserve.server.engine_errors import shutdown_error
 from adaserve.server.engine_loop import EngineLoop, model_name_of
 from adaserve.server.errors import ApiError, http_error, internal_error, validation_error
+from adaserve.server.generation import precheck_quotas
 from adaserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -68,9 +69,15 @@ AUTH_PATHS = frozenset({"/tokenize", "/detokenize"})
 # ---------------------------------------------------------------------- middleware
 
 
+# the endpoints whose requests the tenant's request quotas count
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
 class _Guard:
-    """Pure ASGI middleware: drain (503), auth (401) for /v1/*, body size limit (413),
-    body read timeout (408: the whole body within ``body_timeout_s`` of the headers)."""
+    """Pure ASGI middleware: drain (503), auth (401) for /v1/*, the tenant's request
+    quotas for generations (429), body size limit (413), body read timeout (408: the
+    whole body within ``body_timeout_s`` of the headers). These cost nothing in the
+    size of the request, so they come before it is read."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
@@ -90,6 +97,8 @@ class _Guard:
                 headers = Headers(scope=scope)
                 tenant = st.tenants.authenticate(headers.get("authorization"))
                 scope.setdefault("state", {})["tenant"] = tenant
+                if method == "POST" and scope["path"] in GENERATION_PATHS:
+                    precheck_quotas(st, tenant)  # before the body is read or parsed
             if method in ("POST", "PUT", "PATCH"):
                 receive = await self._buffer(scope, receive)
         except ApiError as e:
@@ -99,10 +108,11 @@ class _Guard:
 
     async def _buffer(self, scope, receive):
         """Read the whole body (up to the limit) and replay it to the app."""
-        limit = self.state.cfg.max_body_bytes
+        limit = self.state.body_limit
+        why = "" if self.state.cfg.max_body_bytes else " (derived from the model's context)"
         too_big = ApiError(
             413,
-            f"request body larger than {limit} bytes",
+            f"request body larger than {limit} bytes{why}",
             param=None,
             code="request_too_large",
         )

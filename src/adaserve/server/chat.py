@@ -22,7 +22,13 @@ from adaserve.server.protocol import (
     ChatStreamChoice,
 )
 from adaserve.server.state import ServerState
-from adaserve.server.validation import ENCODE_IN_THREAD_CHARS, check_body, check_ids, encode
+from adaserve.server.validation import (
+    ENCODE_IN_THREAD_CHARS,
+    check_body,
+    check_ids,
+    check_text_size,
+    encode,
+)
 
 
 def _choice(index, text, logprobs, finish_reason, metrics) -> ChatChoice:
@@ -130,6 +136,10 @@ def render_chat(state: ServerState, body: ChatCompletionRequest) -> str:
             "chat_template", "a chat_template in the request is not accepted (--chat-template)"
         )
     msgs = [m.template_dict() for m in body.messages]
+    # the contents alone bound the prompt's length: no template run for a hopeless one
+    check_text_size(
+        state, sum(len(m.text().encode("utf-8", "replace")) for m in body.messages), "messages"
+    )
     kw = render_kwargs(body)
     try:
         text = ct.render(msgs, **kw)

@@ -64,7 +64,8 @@ class ServerConfig:
                          as vLLM): they are ignored, with one warning per field name
     chat_template:       a Jinja chat template file (or the template text) replacing the
                          model's (``--chat-template``)
-    max_body_bytes:      larger request bodies get 413
+    max_body_bytes:      larger request bodies get 413 at their headers (None: derived
+                         from the context, ``state.body_limit``)
     max_waiting:         requests queued in the engine beyond this are shed (429)
     shutdown_grace_s:    on SIGINT/SIGTERM, in-flight requests get this long to finish
     default_max_tokens:  chat default when max_tokens is omitted (None = rest of context)
@@ -84,7 +85,7 @@ class ServerConfig:
     port: int = 8000
     strict_fields: bool = False
     chat_template: str | None = None
-    max_body_bytes: int = 8 << 20
+    max_body_bytes: int | None = None
     max_waiting: int | None = None
     shutdown_grace_s: float = 30.0
     default_max_tokens: int | None = None
@@ -101,7 +102,7 @@ class ServerConfig:
     engine: Mapping[str, Any] = field(default_factory=dict)  # EngineConfig overrides
 
     def __post_init__(self) -> None:
-        if self.max_body_bytes <= 0:
+        if self.max_body_bytes is not None and self.max_body_bytes <= 0:
             raise ConfigError("server.max_body_bytes must be positive")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ConfigError("server.max_waiting must be >= 0")

@@ -39,6 +39,9 @@ from adaserve.request import Status
 from adaserve.sampling import SamplingParams
 from adaserve.slo import SLO, SLOClass
 
+# a drifted profile is re-measured only after this many seconds without work
+REPROFILE_QUIET_S = 3.0
+
 log = logging.getLogger("adaserve.server")
 
 SHUTDOWN = "server_shutdown"
@@ -190,6 +193,7 @@ class EngineLoop:
         self._owns_engine = isinstance(source, EngineConfig)
         self._drain_deadline: float | None = None
         self._closed = False  # no more adds (draining past its deadline, or stopping)
+        self._last_busy = time.monotonic()  # when the engine last had work
         self.alive = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -290,10 +294,19 @@ class EngineLoop:
         while True:
             cmds = []
             if not e.has_work():
-                self._idle_reprofile()
                 timeout = None
+                drift = getattr(e, "drift", None)
+                if drift is not None and drift.pending:
+                    # re-measuring blocks the loop for seconds: only once the server
+                    # has been quiet a while, not in a lull between arrivals
+                    quiet = time.monotonic() - self._last_busy
+                    if quiet >= REPROFILE_QUIET_S:
+                        self._idle_reprofile()
+                    else:
+                        timeout = REPROFILE_QUIET_S - quiet + 0.01
                 if self._drain_deadline is not None:
-                    timeout = max(0.0, self._drain_deadline - time.monotonic()) + 0.01
+                    left = max(0.0, self._drain_deadline - time.monotonic()) + 0.01
+                    timeout = left if timeout is None else min(timeout, left)
                 with contextlib.suppress(queue.Empty):
                     cmds.append(self._inbox.get(timeout=timeout))
             while True:
@@ -317,6 +330,7 @@ class EngineLoop:
                 self._drain_deadline = None
                 self._abort_all(SHUTDOWN)
             if e.has_work():
+                self._last_busy = time.monotonic()
                 try:
                     e.step()
                 except Exception:

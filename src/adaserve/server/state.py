@@ -21,6 +21,22 @@ from adaserve.server.quotas import QuotaBook
 from adaserve.server.report import Record, ReportStore
 from adaserve.server.usage import UsageBook
 
+# the derived request-body limit (``derived_body_limit``) stays within these
+MIN_BODY_BYTES = 1 << 20
+MAX_BODY_BYTES = 64 << 20
+# a body may hold this many worst-case contexts (several prompts, JSON escaping)
+BODY_CONTEXTS = 8
+
+
+def derived_body_limit(max_model_len: int, tokenizer) -> int:
+    """The default body limit: room for ``BODY_CONTEXTS`` contexts of the longest
+    tokens the vocabulary has (1 MiB to 64 MiB). A bigger body cannot be a prompt that
+    fits, and is refused at its headers, before it is read or parsed."""
+    per_token = tokenizer.max_token_bytes if tokenizer is not None else 16
+    want = BODY_CONTEXTS * max_model_len * per_token
+    return int(min(max(want, MIN_BODY_BYTES), MAX_BODY_BYTES))
+
+
 log = logging.getLogger("adaserve.server")
 
 
@@ -59,6 +75,7 @@ class ServerState:
         )
         self.draining = False
         self._drain_started = False
+        self.body_limit = cfg.max_body_bytes or MAX_BODY_BYTES  # set at startup
         self.created = int(time.time())
         self.chat_template: ChatTemplate | None = None  # set at start-up
         self._warned_fields: set[str] = set()
@@ -79,6 +96,9 @@ class ServerState:
     async def lifespan(self, app: FastAPI):
         await asyncio.to_thread(self.loop.start)
         info = self.loop.info
+        self.body_limit = self.cfg.max_body_bytes or await asyncio.to_thread(
+            derived_body_limit, info.max_model_len, info.tokenizer
+        )
         check_against_classes(self.cfg, info.classes)
         self.chat_template = self.load_chat_template()
         if info.sampling_defaults:
