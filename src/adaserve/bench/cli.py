@@ -36,7 +36,7 @@ from adaserve.bench.workload_spec import (
     parse_shift,
     strict_share_mix,
 )
-from adaserve.cli_args import byte_size
+from adaserve.cli_args import byte_size, int_at_least
 from adaserve.errors import AdaServeError
 from adaserve.slo import DEFAULT_CLASSES
 
@@ -165,7 +165,9 @@ def _add_common(p: argparse.ArgumentParser, default_duration: float) -> None:
     h.add_argument(
         "--unloaded-tpot-ms", type=float, help="unloaded TPOT for the class targets (else measured)"
     )
-    h.add_argument("--concurrency", type=int, default=None, help="max requests in flight")
+    h.add_argument(
+        "--concurrency", type=int_at_least(1), default=None, help="max requests in flight"
+    )
     h.add_argument("--no-priority", action="store_true", help="do not send vLLM 'priority'")
     h.add_argument("--tokenizer", help="checkpoint dir whose tokenizer.json sizes the prompts")
     h.add_argument("--label", default="server", help="result key of the HTTP run")
