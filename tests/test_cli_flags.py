@@ -18,7 +18,7 @@ from adaserve.cli_args import byte_size, human_int, parse_byte_size, port
 # (argv, text the one error line must contain)
 BAD = [
     (["serve", "--port", "99999"], "--port: port 99999 is not in [0, 65535]"),
-    (["serve", "--kv-cache-bytes", "-5"], "--kv-cache-bytes: bad size '-5'"),
+    (["serve", "--kv-cache-bytes", "-5"], "--kv-cache-memory-bytes: bad size '-5'"),
     (["serve", "--kv-cache-bytes", "0"], "at least 1 byte"),
     (["serve", "--max-num-seqs", "0"], "--max-num-seqs: must be at least 1"),
     (["serve", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),

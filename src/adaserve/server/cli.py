@@ -477,6 +477,13 @@ def run(args) -> int:
     except (ConfigError, InvalidRequestError, ModelLoadError) as e:
         print(f"adaserve serve: {e}", file=sys.stderr)
         return 2
+    if args.gpu_memory_utilization is not None and not ecfg.device.startswith("cuda"):
+        print(
+            "adaserve serve: note: --gpu-memory-utilization sizes the KV pool on CUDA only; "
+            "on CPU the pool is --kv-cache-bytes (default: a quarter of the free RAM, at "
+            "most 4 GiB)",
+            file=sys.stderr,
+        )
     # the app (FastAPI, the engine, torch) is imported once the configuration is valid
     from adaserve.server.app import create_app
     from adaserve.server.engine_loop import EngineLoop
