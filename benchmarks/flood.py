@@ -29,7 +29,8 @@ def probe(base: str, key: str, model: str | None) -> float:
     r = httpx.post(
         base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120
     )
-    r.raise_for_status()
+    if r.status_code != 200:  # the victim was refused: its latency is not a success
+        raise SystemExit(f"the victim's request got {r.status_code}: {r.text[:300]}")
     return (time.perf_counter() - t) * 1000
 
 
@@ -48,7 +49,7 @@ def main() -> int:
         idle += [probe(a.base_url, a.victim_key, a.model) for _ in range(a.probes)]
         stop = threading.Event()
 
-        def flood():
+        def flood(stop=stop):
             with httpx.Client(base_url=a.base_url, timeout=300) as c:
                 while not stop.is_set():
                     r = c.post(

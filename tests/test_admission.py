@@ -151,7 +151,7 @@ def test_relaxed_work_refused_when_it_would_push_a_stricter_class_off_pace():
     assert n_ok > 0
 
 
-def test_a_target_the_hardware_misses_alone_is_not_shed_for():
+def test_a_pace_the_hardware_misses_alone_is_not_shed_for():
     clock = ManualClock(0.0)
     sched = _sched(clock)
     r = _Req(1, _slo("interactive"), 0.0, out=5)
@@ -159,7 +159,8 @@ def test_a_target_the_hardware_misses_alone_is_not_shed_for():
     for i in range(100):  # alone at 60 ms per token against a 30 ms target
         _pass(sched, i * 0.06, (i + 1) * 0.06, [1], {1: 0}, classes={1: "interactive"})
     clock.set(6.0)
-    sched.add(_Req(2, _slo("interactive"), 6.0, out=0))  # one more barely adds
+    for k in range(20):  # more work cannot make it worse than hopeless: never refused
+        sched.add(_Req(2 + k, _slo("interactive"), 6.0, out=0))
     assert sched.counters.shed == {}
 
 
@@ -211,3 +212,19 @@ def test_simulator_at_three_times_capacity_keeps_admitted_requests_on_target(tmp
     for name, c in res["per_class"].items():
         share = c["attained"] / c["completed"]
         assert share >= (0.9 if name == "interactive" else 0.8), (name, c)
+
+
+def test_a_ttft_target_nothing_could_meet_is_served_not_refused_or_expired():
+    clock = ManualClock(0.0)
+    sched = _sched(clock)
+    for _ in range(5):
+        _pass(sched, 0.0, 0.25, prefill={99: 256})
+    for i in range(4):  # four passes of prefill queued ahead, within the 1 s target
+        sched.add(_Req(i, _slo("interactive"), 0.0, prompt=256))
+    # half a millisecond: even alone its prefill takes a 250 ms pass
+    hopeless = _Req(9, SLO(tpot_ms=30.0, ttft_ms=0.5, cls="interactive"), 0.0, prompt=256)
+    sched.add(hopeless)
+    clock.set(0.5)
+    sched.begin_step()
+    assert sched.expired == [] and hopeless in sched.waiting
+    assert sched.counters.shed == {}

@@ -16,7 +16,8 @@ Every error body is OpenAI-shaped: ``{"error": {"message", "type", "param", "cod
 Where things are: ``completions`` and ``chat`` (the two endpoints), ``generation``
 (one request end to end), ``streaming`` (SSE), ``validation``, ``errors`` and
 ``engine_errors`` (error mapping), ``render`` (JSON), ``state`` (what routes share);
-``config``, ``auth``, ``quotas``, ``slo_resolution`` and ``usage`` for tenants.
+``config``, ``auth``, ``quotas``, ``slo_resolution`` and ``usage`` for tenants;
+``dashboard`` (``/dashboard`` and its data) and ``iterations`` (the step timeline).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from adaserve.config import EngineConfig
 from adaserve.server.chat import create_chat
 from adaserve.server.completions import create_completion
 from adaserve.server.config import ServerConfig, Tenant, engine_config_for_server
+from adaserve.server.dashboard import create_dashboard
 from adaserve.server.engine_errors import shutdown_error
 from adaserve.server.engine_loop import EngineLoop, model_name_of
 from adaserve.server.errors import ApiError, http_error, internal_error, validation_error
@@ -115,6 +117,7 @@ class _Guard:
             f"request body larger than {limit} bytes{why}",
             param=None,
             code="request_too_large",
+            headers={"Connection": "close"},  # the rest of the body is not read
         )
         cl = Headers(scope=scope).get("content-length")
         if cl is not None:
@@ -304,31 +307,7 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
         per tenant: usage and charges (only the caller's, unless admin or open mode)."""
         tenant: Tenant = request.state.tenant
         only = None if (state.tenants.open_mode or tenant.admin) else tenant.name
-        info = state.loop.info
-        snap = state.loop.snapshot
-        slos = state.loop.class_slos
-        rep = await asyncio.to_thread(
-            state.report.build,
-            class_targets={
-                c: {"tpot_ms": s.tpot_ms, "ttft_ms": s.ttft_ms} for c, s in slos.items()
-            },
-            prices={c.name: c.price_per_1k for c in info.classes},
-            flops_per_token=info.flops_per_token_target,
-            usage=state.usage.by_tenant(only),
-            engine={
-                "policy": info.policy,
-                "unloaded_tpot_ms": state.loop.unloaded_tpot_ms,
-                "running": snap.running,
-                "waiting": snap.waiting,
-                "kv_usage": snap.kv_usage,
-                "iterations": snap.counters.get("iterations", 0),
-                "fallback_iterations": snap.counters.get("fallback_iterations", {}),
-                "spec_draft_tokens": snap.counters.get("spec_draft_tokens", 0),
-                "spec_accepted_tokens": snap.counters.get("spec_accepted_tokens", 0),
-            },
-            tenant=only,
-        )
-        rep["model"] = state.model_name
+        rep = await asyncio.to_thread(state.slo_report, only)
         return JSON(_jsonable(rep))
 
     @app.get("/health")
@@ -344,6 +323,7 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
     app.add_api_route("/health", health, methods=["HEAD"], operation_id="health_head")
     app.add_api_route("/ping", ping, methods=["GET"], operation_id="ping_get")
     app.add_api_route("/ping", ping, methods=["POST"], operation_id="ping_post")
+    app.include_router(create_dashboard(state))
 
     @app.get("/metrics", responses={401: {"model": ErrorResponse}})
     async def metrics(request: Request, _key: BearerKey):

@@ -16,9 +16,11 @@ from adaserve.generation_config import describe as describe_defaults
 from adaserve.server.auth import TenantRegistry
 from adaserve.server.config import ServerConfig, check_against_classes
 from adaserve.server.engine_loop import EngineLoop, Final, Handle
+from adaserve.server.iterations import IterationLog
 from adaserve.server.metrics import ServerMetrics
 from adaserve.server.quotas import QuotaBook
 from adaserve.server.report import Record, ReportStore
+from adaserve.server.stats_log import StatsLogger, startup_summary
 from adaserve.server.usage import UsageBook
 
 # the derived request-body limit (``derived_body_limit``) stays within these
@@ -71,8 +73,19 @@ class ServerState:
         self.prices = {c.name: c.price_per_1k for c in classes}
         self.report = ReportStore(names)
         self.metrics = ServerMetrics(
-            model_name, names, lambda: self.loop.snapshot, self.report.attainment
+            model_name,
+            names,
+            lambda: self.loop.snapshot,
+            self.report.attainment,
+            lambda: self.loop.class_slos,
         )
+        # the engine's clock (``WallClock``: perf_counter) at start; iteration samples
+        # are stamped in seconds from here
+        self.started_at = time.perf_counter()
+        self.iterations = IterationLog(self.started_at)
+        loop.on_step = self.iterations.record
+        loop.on_step_tokens = self.metrics.observe_step
+        self.stats = StatsLogger(names, lambda: self.loop.snapshot)
         self.draining = False
         self._drain_started = False
         self.body_limit = cfg.max_body_bytes or MAX_BODY_BYTES  # set at startup
@@ -91,6 +104,34 @@ class ServerState:
                 ", ".join(repr(n)[:80] for n in new[:16]),
             )
 
+    def slo_report(self, only: str | None) -> dict:
+        """The ``/v1/slo/report`` body (``only``: that tenant's usage alone)."""
+        info = self.loop.info
+        snap = self.loop.snapshot
+        slos = self.loop.class_slos
+        rep = self.report.build(
+            class_targets={
+                c: {"tpot_ms": s.tpot_ms, "ttft_ms": s.ttft_ms} for c, s in slos.items()
+            },
+            prices={c.name: c.price_per_1k for c in info.classes},
+            flops_per_token=info.flops_per_token_target,
+            usage=self.usage.by_tenant(only),
+            engine={
+                "policy": info.policy,
+                "unloaded_tpot_ms": self.loop.unloaded_tpot_ms,
+                "running": snap.running,
+                "waiting": snap.waiting,
+                "kv_usage": snap.kv_usage,
+                "iterations": snap.counters.get("iterations", 0),
+                "fallback_iterations": snap.counters.get("fallback_iterations", {}),
+                "spec_draft_tokens": snap.counters.get("spec_draft_tokens", 0),
+                "spec_accepted_tokens": snap.counters.get("spec_accepted_tokens", 0),
+            },
+            tenant=only,
+        )
+        rep["model"] = self.model_name
+        return rep
+
     # ------------------------------------------------------------------ lifecycle
     @asynccontextmanager
     async def lifespan(self, app: FastAPI):
@@ -100,6 +141,15 @@ class ServerState:
             derived_body_limit, info.max_model_len, info.tokenizer
         )
         check_against_classes(self.cfg, info.classes)
+        self.metrics.start(
+            info.max_model_len,
+            {
+                "block_size": info.block_size,
+                "num_gpu_blocks": info.kv_blocks,
+                "cache_dtype": info.dtype,
+                "device": info.device,
+            },
+        )
         self.chat_template = self.load_chat_template()
         if info.sampling_defaults:
             log.info("%s", describe_defaults(info.sampling_defaults))
@@ -113,13 +163,17 @@ class ServerState:
                 "%d tenant(s) with API keys configured; requests need a Bearer key",
                 len(self.tenants.tenants),
             )
-        log.info(
-            "serving %s (policy %s, context %d)", self.model_name, info.policy, info.max_model_len
-        )
+        log.info("%s", startup_summary(info, self.model_name))
+        ticker = None
+        if self.cfg.log_stats:
+            self.stats = StatsLogger(self.stats.class_names, lambda: self.loop.snapshot)
+            ticker = asyncio.create_task(self.stats.run(self.cfg.log_stats_interval_s))
         try:
             yield
         finally:
             self.draining = True
+            if ticker is not None:
+                ticker.cancel()
             await asyncio.to_thread(self.loop.stop)
 
     def load_chat_template(self) -> ChatTemplate | None:
@@ -182,7 +236,13 @@ class ServerState:
         m["slo_source"] = ctx.source
         if degraded_from:
             m["degraded_from"] = degraded_from
-        self.metrics.observe_finish(cls, ctx.tenant, final, charge)
+        self.metrics.observe_finish(cls, ctx.tenant, final, charge, h.params.max_tokens)
+        self.stats.observe_finish(
+            cls,
+            bool(m.get("slo_attained")),
+            int(m.get("tree_nodes") or 0),
+            int(m.get("accepted_tokens") or 0),
+        )
         self.report.record(
             Record(
                 cls=cls,
