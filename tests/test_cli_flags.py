@@ -19,11 +19,9 @@ from adaserve.cli_args import byte_size, human_int, parse_byte_size, port
 BAD = [
     (["serve", "--port", "99999"], "--port: port 99999 is not in [0, 65535]"),
     (["serve", "--kv-cache-bytes", "-5"], "--kv-cache-memory-bytes: bad size '-5'"),
-    (["serve", "--kv-cache-bytes", "0"], "at least 1 byte"),
     (["serve", "--max-num-seqs", "0"], "--max-num-seqs: must be at least 1"),
     (["serve", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     (["serve", "--max-model-len", "lots"], "--max-model-len"),
-    (["serve", "--body-timeout", "nan"], "--body-timeout"),
     (["serve", "a", "--model", "b"], "the model is given twice"),
     (["serve", "--chat-template", "/no/such/template.jinja"], "--chat-template"),
     (["serve", "--generation-config", "/no/such/dir"], "--generation-config"),
@@ -31,7 +29,6 @@ BAD = [
     (["serve", "--max-model-len", "99999"], "max_position_embeddings=2048"),
     (["bench", "serve", "--kv-cache-bytes", "lots"], "--kv-cache-bytes"),
     (["generate", "--prompt", "x", "--max-tokens", "0"], "--max-tokens"),
-    (["generate", "--prompt", "x", "--logprobs", "-2"], "--logprobs"),
     ([], "required: COMMAND"),
 ]
 
