@@ -217,7 +217,7 @@ BAD_COMPLETIONS = [
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": [1, 2, 99999]}, 400, "prompt"),
     ({"prompt": [-1]}, 400, "prompt"),
-    ({"prompt": "x", "bogus_field": 1}, 400, "bogus_field"),
+    ({"prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
     ({"prompt": "x", "slo": {"tpot_ms": -5}}, 400, "slo.tpot_ms"),
     ({"prompt": "x", "slo": {"tpot_ms": "fast"}}, 400, "slo.tpot_ms"),
     ({"prompt": "x", "slo": {"tpot_ms": 10, "color": 1}}, 400, "slo.color"),
@@ -253,7 +253,20 @@ BAD_CHAT = [
     ({"messages": "hello"}, 400, "messages"),
     ({}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3}, 400, None),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools"),
+    # tools without tool_choice mean "auto": no tool-call parser, so a clear 400
+    (
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        400,
+        "tool_choice",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+        400,
+        "tool_choice",
+    ),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
     (
         {"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [VOCAB]},

@@ -154,16 +154,29 @@ def test_timeout_and_connection_cap_flags(tmp_path):
     assert (scfg.timeout_keep_alive_s, scfg.header_timeout_s, scfg.body_timeout_s) == (2, 3, 7.5)
     _, scfg = build_configs(_args("--header-timeout", "1", "--max-connections", "9"))
     assert (scfg.header_timeout_s, scfg.max_connections) == (1, 9)
+    with pytest.raises(SystemExit):  # a bad flag value stops the parser
+        _args("--body-timeout", "0")
+    cfg.write_text("[server]\nbody_timeout_s = 0\n")
     with pytest.raises(ConfigError, match="body_timeout_s"):
-        build_configs(_args("--body-timeout", "0"))
+        build_configs(_args("--config", str(cfg)))
 
 
-def test_gpu_memory_utilization_flag_and_its_validation():
+def _toml(tmp_path, text: str):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return p
+
+
+def test_gpu_memory_utilization_flag_and_its_validation(tmp_path):
     ecfg, _ = build_configs(_args("--gpu-memory-utilization", "0.75"))
     assert ecfg.gpu_memory_utilization == 0.75
     for bad in ("0", "1.5", "-0.2"):
-        with pytest.raises(ConfigError, match="gpu_memory_utilization"):
-            build_configs(_args("--gpu-memory-utilization", bad))
+        with pytest.raises(SystemExit):  # a bad flag value stops the parser
+            _args("--gpu-memory-utilization", bad)
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        build_configs(
+            _args("--config", str(_toml(tmp_path, "[engine]\ngpu_memory_utilization = 2\n")))
+        )
 
 
 def test_gpu_kv_budget_fills_the_allowed_share_of_the_card():

@@ -7,14 +7,23 @@ import contextlib
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from adaserve import __version__, cli_args
 from adaserve.errors import AdaServeError
+
+if TYPE_CHECKING:
+    from adaserve.sampling import SamplingParams
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target checkpoint directory (default: shipped pair)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--draft", help="draft checkpoint directory (default: shipped draft)")
+    g.add_argument(
+        "--draft",
+        help="draft checkpoint directory (default: the shipped draft without --model; "
+        "with --model, no draft, so no speculation, unless --draft is given)",
+    )
     g.add_argument("--no-draft", action="store_true", help="run without a draft model")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument(
@@ -25,9 +34,48 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _cmd_generate(args) -> int:
-    from adaserve import LLM, SamplingParams
+def _sampling_from_args(args) -> SamplingParams:
+    """The flags over the model's generation_config.json defaults (unless
+    ``--generation-config vllm``) over greedy decoding."""
+    from adaserve import paths
+    from adaserve.generation_config import sampling_defaults
+    from adaserve.sampling import SamplingParams
 
+    model_dir = args.model or paths.DEFAULT_TARGET
+    kw = sampling_defaults(model_dir, args.generation_config)
+    kw.pop("max_tokens", None)  # --max-tokens has its own default
+    for name in ("temperature", "top_p", "top_k"):
+        v = getattr(args, name)
+        if v is not None:
+            kw[name] = v
+    return SamplingParams(
+        **kw,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        stop=args.stop or None,
+        logprobs=args.logprobs,
+    )
+
+
+def _print_logprobs(out) -> None:
+    """One line per generated token: index, token, logprob, the K likeliest."""
+    tok = out.logprobs
+    print("# token logprobs (index, id, logprob, top alternatives as id:logprob)")
+    for i, t in enumerate(tok):
+        top = " ".join(f"{tid}:{lp:.4f}" for tid, lp in t.top)
+        print(f"{i}\t{t.token_id}\t{t.logprob:.4f}\t{top}")
+
+
+def _cmd_generate(args) -> int:
+    from adaserve import LLM
+
+    if args.model is not None and not args.draft and not args.no_draft:
+        print(
+            "adaserve generate: no --draft given with --model: speculation is off "
+            "(pass --draft DIR to speculate, --no-draft to silence this)",
+            file=sys.stderr,
+        )
+    sp = _sampling_from_args(args)
     llm = LLM(
         model=args.model,
         draft=args.draft,
@@ -44,15 +92,6 @@ def _cmd_generate(args) -> int:
             raise AdaServeError(
                 "--token-ids expects integers separated by spaces or commas"
             ) from None
-    sp = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        stop=args.stop or None,
-        logprobs=args.logprobs,
-    )
     out = llm.generate([prompt], sp, slo=args.slo_class, use_tqdm=False)[0].outputs[0]
     m = out.metrics
     if args.json:
@@ -91,6 +130,8 @@ def _cmd_generate(args) -> int:
         )
     else:
         print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
+        if out.logprobs is not None:
+            _print_logprobs(out)
         print(
             f"[{len(out.token_ids)} tokens, {m['steps']} steps, "
             f"{m['tokens_per_step']:.2f} tokens/step, policy {m['policy']}]",
@@ -201,37 +242,51 @@ def _attach(module: str, fn: str, parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cli_args.Parser(
         prog="adaserve", description="SLO-customized LLM serving with speculative token trees"
     )
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("--version", action="version", version=f"adaserve {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     g = sub.add_parser("generate", help="generate from one prompt")
     _add_model_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--token-ids", action="store_true", help="the prompt is token ids")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int)
+    g.add_argument("--max-tokens", type=cli_args.int_at_least(1), default=64)
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="default: the model's generation_config.json, else 0 (greedy)",
+    )
+    g.add_argument("--top-p", type=float, default=None, help="default: generation_config, else 1")
+    g.add_argument("--top-k", type=int, default=None, help="default: generation_config, else 0")
+    g.add_argument("--seed", type=cli_args.int_at_least(0))
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="sampling defaults: auto (the model's generation_config.json), vllm (none), "
+        "or a directory holding one",
+    )
     g.add_argument("--policy", default="adaserve")
     g.add_argument("--slo-class", default=None, help="SLO class (default: chat)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument(
         "--logprobs",
-        type=int,
+        type=cli_args.int_at_least(0),
         default=None,
         metavar="K",
-        help="with --json: each token's logprob under the target and the K likeliest",
+        help="each token's logprob under the target and the K likeliest (a table after "
+        "the text, or in the --json object)",
     )
     g.set_defaults(func=_cmd_generate)
 
     pr = sub.add_parser("profile", help="measure the pair's latencies (hardware profile)")
     _add_model_args(pr)
     pr.add_argument("--out", required=True, help="profile JSON file to write")
-    pr.add_argument("--reps", type=int, default=5)
+    pr.add_argument("--reps", type=cli_args.int_at_least(1), default=5)
     pr.add_argument(
         "--shapes",
         metavar="TARGET[:DRAFT]",
@@ -281,8 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=lambda a: _delegate("adaserve.train.cli", "main")(a.rest))
 
     d = sub.add_parser("demo", help="serve the shipped pair and drive a mixed-SLO workload")
-    d.add_argument("--duration", type=float, default=20.0)
-    d.add_argument("--port", type=int, default=0)
+    d.add_argument("--duration", type=cli_args.positive_float, default=20.0)
+    d.add_argument("--port", type=cli_args.port, default=0)
     d.add_argument(
         "--baseline",
         default="ar-chunked",
@@ -295,19 +350,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["train"]:
-        # argparse's REMAINDER drops a leading "--option" inside a subparser, so the
-        # train command (which owns its own parser) is dispatched before parsing.
-        return int(_delegate("adaserve.train.cli", "main")(argv[1:]) or 0)
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        if argv[:1] == ["train"]:
+            # argparse's REMAINDER drops a leading "--option" inside a subparser, so the
+            # train command (which owns its own parser) is dispatched before parsing.
+            return int(_delegate("adaserve.train.cli", "main")(argv[1:]) or 0)
+        parser = build_parser()
+        args = parser.parse_args(argv)
         return int(args.func(args) or 0)
     except AdaServeError as e:
         print(f"adaserve: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader of stdout left (``adaserve simulate --list-presets | head``): not
+        # an error of ours; exit quietly, as a command killed by SIGPIPE
+        cli_args.quiet_broken_pipe()
+        return 141
 
 
 if __name__ == "__main__":

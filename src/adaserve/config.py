@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from adaserve.core.config import SchedulerConfig
-from adaserve.errors import InvalidRequestError
+from adaserve.errors import AdaServeError, InvalidRequestError
 from adaserve.sched.drift import DriftConfig
 from adaserve.sched.registry import check_servable
 
@@ -26,6 +26,9 @@ class EngineConfig(SchedulerConfig):
     draft_sample:        sampled drafts (q-based verification) for non-greedy requests
     random_weights:      model directories need only config.json; weights are random
                          (profiling model shapes without their checkpoints)
+    generation_config:   where default sampling parameters come from, as vLLM's flag:
+                         "auto" (the model's generation_config.json), "vllm" (none),
+                         or a directory (see ``adaserve.generation_config``)
     reprofile_on_drift:  re-measure the hardware profile (at an idle moment) when the
                          median measured / profiled iteration time over
                          ``drift_window`` iterations leaves [``drift_low``,
@@ -46,6 +49,8 @@ class EngineConfig(SchedulerConfig):
     auto_profile: bool = True  # measure the pair on first start when no profile is cached
     selection_log: str | None = None
     random_weights: bool = False
+    generation_config: str = "auto"
+    seed: int | None = None  # seeds the generators of requests without their own seed
     # the drift monitor's settings, flat like the rest (defaults: DriftConfig's)
     reprofile_on_drift: bool = DriftConfig.enabled
     drift_window: int = DriftConfig.window
@@ -59,6 +64,8 @@ class EngineConfig(SchedulerConfig):
             raise InvalidRequestError("the engine needs a default SLO class", "default_class")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise InvalidRequestError("kv_cache_bytes must be positive", "kv_cache_bytes")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise InvalidRequestError("seed must be a non-negative integer", "seed")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidRequestError(
                 "gpu_memory_utilization must be in (0, 1]", "gpu_memory_utilization"
@@ -69,6 +76,12 @@ class EngineConfig(SchedulerConfig):
             raise InvalidRequestError(str(e), "drift") from None
         if self.device not in ("cpu",) and not self.device.startswith("cuda"):
             raise InvalidRequestError(f"unsupported device {self.device!r}", "device")
+        from adaserve.generation_config import check_source
+
+        try:
+            check_source(self.generation_config)
+        except AdaServeError as e:
+            raise InvalidRequestError(str(e), "generation_config") from None
         check_servable(self.policy)  # clairvoyant policies are simulator only
 
     @property

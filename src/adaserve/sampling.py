@@ -36,6 +36,10 @@ class SamplingParams:
     stop: tuple[str, ...] | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # vLLM's: no EOS or stop token id is drawn, and no stop string ends the output,
+    # before this many output tokens (the target's logits of those ids are masked at
+    # every position below it, drafted tokens included, so speculation stays lossless)
+    min_tokens: int = 0
     # log-probability of each generated token under the target model (raw logits, before
     # temperature/top-p, as vLLM's default) plus this many most likely alternatives;
     # None = none recorded
@@ -75,6 +79,10 @@ class SamplingParams:
             raise InvalidRequestError(
                 "repetition_penalty must be a finite number greater than 0 (1 = off)",
                 "repetition_penalty",
+            )
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                "min_tokens must be an integer in [0, max_tokens]", "min_tokens"
             )
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise InvalidRequestError("seed must be a non-negative integer", "seed")

@@ -1,4 +1,5 @@
-"""Thin wrapper over a ``tokenizer.json`` (the ``tokenizers`` library), plus chat template."""
+"""Thin wrapper over a ``tokenizer.json`` (the ``tokenizers`` library), plus the chat
+templates of the checkpoint (``adaserve.chat_template``)."""
 
 from __future__ import annotations
 
@@ -6,34 +7,41 @@ import functools
 import json
 from pathlib import Path
 
+from adaserve.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from adaserve.errors import ModelLoadError
 
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}### assistant:\n{% endif %}"
-)
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "Tokenizer", "check_draft_tokenizer", "load_tokenizer"]
 
 
 class Tokenizer:
-    """Encode/decode text; knows EOS and the chat template of its checkpoint."""
+    """Encode/decode text; knows EOS and the chat templates of its checkpoint
+    (``adaserve.chat_template``)."""
 
-    def __init__(self, tok, config: dict):
+    def __init__(self, tok, config: dict, chat: ChatTemplate | None = None):
         self._tok = tok
         self.config = config
         eos = config.get("eos_token")
         if isinstance(eos, dict):
             eos = eos.get("content")
         self.eos_id = tok.token_to_id(eos) if isinstance(eos, str) else None
-        self.chat_template = config.get("chat_template") or DEFAULT_CHAT_TEMPLATE
+        self.chat = chat or ChatTemplate({"default": DEFAULT_CHAT_TEMPLATE}, config)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    @property
+    def chat_template(self) -> str:
+        """The default chat template's text."""
+        return self.chat.pick()
 
-    def encode_released(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._tok.id_to_token(i)
+
+    def encode_released(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``encode`` through the batch call, which releases the GIL while it runs (the
         single call holds it: a long text run in a worker thread would stall every
         other thread, the engine's included)."""
-        return self._tok.encode_batch([text])[0].ids
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
@@ -47,22 +55,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render messages with the checkpoint's template (or the documented default)."""
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        try:
-            tmpl = env.from_string(self.chat_template)
-            return tmpl.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.config.get("bos_token") or "",
-                eos_token=self.config.get("eos_token") or "",
-            )
-        except jinja2.TemplateError as e:
-            raise ModelLoadError(f"chat template failed: {e}") from None
+    def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
+        """Render messages with the checkpoint's template (or the documented default);
+        ``kwargs`` as ``ChatTemplate.render`` (``tools``, ``add_generation_prompt``)."""
+        return self.chat.render(messages, **kwargs)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer | None:
@@ -84,7 +80,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
             cfg = json.loads(cf.read_text())
         except json.JSONDecodeError:
             cfg = {}
-    return Tokenizer(tok, cfg)
+    return Tokenizer(tok, cfg, ChatTemplate.of_checkpoint(path, cfg))
 
 
 def check_draft_tokenizer(target: Tokenizer | None, draft: Tokenizer | None, draft_dir) -> None:

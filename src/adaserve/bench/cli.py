@@ -36,6 +36,7 @@ from adaserve.bench.workload_spec import (
     parse_shift,
     strict_share_mix,
 )
+from adaserve.cli_args import byte_size, int_at_least
 from adaserve.errors import AdaServeError
 from adaserve.slo import DEFAULT_CLASSES
 
@@ -48,15 +49,6 @@ def _rate(s: str) -> float:
     if not v > 0:
         raise argparse.ArgumentTypeError("must be positive (or inf)")
     return v
-
-
-def _bytes(s: str) -> int:
-    s = s.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    try:
-        return int(float(s[:-1] if mult > 1 else s) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad size {s!r} (e.g. 268435456, 256M, 2G)") from None
 
 
 def _floats(s: str) -> list[float]:
@@ -161,7 +153,7 @@ def _add_common(p: argparse.ArgumentParser, default_duration: float) -> None:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="auto: float32 on CPU, the checkpoint's half precision on CUDA",
     )
-    e.add_argument("--kv-cache-bytes", type=_bytes, default=None, help="e.g. 512M")
+    e.add_argument("--kv-cache-bytes", type=byte_size, default=None, help="e.g. 512M, 2GiB")
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--profile", help="hardware profile JSON (default: cached / measured)")
     e.add_argument("--admission", action="store_true", help="enable admission control")
@@ -173,7 +165,9 @@ def _add_common(p: argparse.ArgumentParser, default_duration: float) -> None:
     h.add_argument(
         "--unloaded-tpot-ms", type=float, help="unloaded TPOT for the class targets (else measured)"
     )
-    h.add_argument("--concurrency", type=int, default=None, help="max requests in flight")
+    h.add_argument(
+        "--concurrency", type=int_at_least(1), default=None, help="max requests in flight"
+    )
     h.add_argument("--no-priority", action="store_true", help="do not send vLLM 'priority'")
     h.add_argument("--tokenizer", help="checkpoint dir whose tokenizer.json sizes the prompts")
     h.add_argument("--label", default="server", help="result key of the HTTP run")

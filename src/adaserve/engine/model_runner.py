@@ -7,6 +7,7 @@ requests already hold the KV slots they need.
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,9 +79,13 @@ class ModelRunner:
         self.eos_ids = set(tcfg.eos_token_ids)
         if not self.eos_ids and self.tokenizer is not None and self.tokenizer.eos_id is not None:
             self.eos_ids = {self.tokenizer.eos_id}
-        self.max_model_len = min(
-            cfg.max_model_len or tcfg.max_position_embeddings, tcfg.max_position_embeddings
-        )
+        if cfg.max_model_len is not None and cfg.max_model_len > tcfg.max_position_embeddings:
+            raise ModelLoadError(
+                f"max_model_len {cfg.max_model_len} is larger than the model's context "
+                f"(max_position_embeddings={tcfg.max_position_embeddings} in "
+                f"{model_dir / 'config.json'})"
+            )
+        self.max_model_len = cfg.max_model_len or tcfg.max_position_embeddings
         self.vocab_size = tcfg.vocab_size
         self.flops_per_token_target = 2.0 * tcfg.num_parameters()
         self.flops_per_token_draft = 2.0 * self.draft.cfg.num_parameters() if self.draft else 0.0
@@ -102,6 +107,7 @@ class ModelRunner:
         self.kv_draft = (
             KVCache(self.draft.cfg, num_slots, self.device, self.dtype) if self.draft else None
         )
+        self._seeds = random.Random(cfg.seed) if getattr(cfg, "seed", None) is not None else None
         self.model_time_s = 0.0  # seconds spent in forwards (read and reset by the engine)
         self._tpot_estimate: float | None = None
 
@@ -134,7 +140,11 @@ class ModelRunner:
         return ids
 
     def generator(self, seed: int | None) -> torch.Generator:
-        """A request's own random generator on the device."""
+        """A request's own random generator on the device; an unseeded request's is
+        seeded from the engine's ``seed`` when one is set (reproducible runs, as
+        vLLM's ``--seed``)."""
+        if seed is None and self._seeds is not None:
+            seed = self._seeds.getrandbits(63)
         return make_generator(seed, self.device)
 
     def estimate_tpot_ms(self) -> float:
@@ -240,6 +250,7 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_target.layers
         )
         logits = self.target.logits(hidden[vb.hidden_rows])
+        mask_min_tokens(logits, vb, vreqs, self.eos_ids)
         prompt_rows = []
         if extra:
             rows = [i for _, _, row, m in extra for i in range(row, row + m)]
@@ -258,6 +269,43 @@ class ModelRunner:
         if src:
             dev = self.device
             self.kv_target.move_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+
+
+def mask_min_tokens(logits: torch.Tensor, vb, reqs: list[Request], eos_ids: set[int]) -> None:
+    """In place: the logits of EOS and the stop token ids at -inf in every row whose
+    token would be an output token below ``params.min_tokens`` (the row of the node at
+    depth d of request r: output index ``out_index[r] + d``). Done on the target's logits
+    before verification, so greedy, seeded and sampled verification (and the bonus
+    token) all see the same processed distribution: a drafted stop token there is
+    rejected, never accepted."""
+    cu, depth_of = vb.cu_nodes, None
+    for i, r in enumerate(reqs):
+        p = r.params
+        o = len(r.tokens) - r.prompt_len
+        if p.min_tokens <= o:
+            continue
+        ids = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
+        if not ids:
+            continue
+        if depth_of is None:
+            depth_of = _node_depths(vb)
+        lo, hi = int(cu[i]), int(cu[i + 1])
+        rows = [n for n in range(lo, hi) if o + depth_of[n] < p.min_tokens]
+        if rows:
+            dev = logits.device
+            r_idx = torch.tensor(rows, device=dev)[:, None]
+            c_idx = torch.tensor(sorted(ids), device=dev)[None, :]
+            logits[r_idx, c_idx] = float("-inf")
+
+
+def _node_depths(vb) -> list[int]:
+    """Depth of every node of a verify batch (parents precede children)."""
+    par = vb.parents.tolist()
+    depth = [0] * len(par)
+    for n, q in enumerate(par):
+        if q != n:
+            depth[n] = depth[q] + 1
+    return depth
 
 
 def logprob_entries(lsm: torch.Tensor, ids: list[int], k: int) -> list:

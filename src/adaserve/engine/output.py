@@ -112,11 +112,12 @@ class OutputProcessor:
             r.token_times.append(now)
             self.counters.generation_tokens += 1
             reason = None
-            if tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos):
+            may_stop = r.num_output > p.min_tokens  # stops only after min_tokens
+            if may_stop and (tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos)):
                 reason = "stop"
             elif r.num_output >= p.max_tokens or len(r.tokens) >= self.max_model_len:
                 reason = "length"
-            elif p.stop and self.tokenizer is not None and self._hit_stop_string(r):
+            elif may_stop and p.stop and self.tokenizer is not None and self._hit_stop_string(r):
                 reason = "stop"
             if reason:
                 self.sched.finish(r, reason, now)

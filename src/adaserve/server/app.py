@@ -23,11 +23,10 @@ Where things are: ``completions`` and ``chat`` (the two endpoints), ``generation
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from typing import Annotated
 
-from fastapi import FastAPI, Request, Security
+from fastapi import Body, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -35,10 +34,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from adaserve import __version__
 from adaserve.config import EngineConfig
 from adaserve.server.chat import create_chat
 from adaserve.server.completions import create_completion
-from adaserve.server.config import ServerConfig, Tenant
+from adaserve.server.config import ServerConfig, Tenant, engine_config_for_server
 from adaserve.server.dashboard import create_dashboard
 from adaserve.server.engine_errors import shutdown_error
 from adaserve.server.engine_loop import EngineLoop, model_name_of
@@ -49,14 +49,23 @@ from adaserve.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeResponse,
+    VersionResponse,
 )
 from adaserve.server.render import JSON, error_response
 from adaserve.server.state import ServerState
+from adaserve.server.tokenize import detokenize, parse_tokenize, tokenize
 
 log = logging.getLogger("adaserve.server")
+
+# outside /v1/, the paths that need a key as /v1/* does (model access); /health,
+# /ping, /version and /metrics (which filters by key itself) do not
+AUTH_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
 # ---------------------------------------------------------------------- middleware
@@ -83,7 +92,8 @@ class _Guard:
         st = self.state
         method = scope["method"]
         try:
-            if scope["path"].startswith("/v1/"):
+            path = scope["path"]
+            if path.startswith("/v1/") or path in AUTH_PATHS:
                 if st.draining and method == "POST":
                     raise shutdown_error()
                 headers = Headers(scope=scope)
@@ -163,6 +173,13 @@ def _classes_of(source):
     return source.cfg.classes
 
 
+_ANY_BODY = Body(
+    ...,
+    openapi_examples={
+        "prompt": {"value": {"prompt": "Hello", "add_special_tokens": True}},
+        "messages": {"value": {"messages": [{"role": "user", "content": "Hello"}]}},
+    },
+)
 _bearer = HTTPBearer(auto_error=False, description="API key (not needed in open mode)")
 BearerKey = Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
 
@@ -176,24 +193,6 @@ _ERRORS = {
     429: {"model": ErrorResponse},
     503: {"model": ErrorResponse},
 }
-
-
-def engine_config_for_server(ecfg: EngineConfig, cfg: ServerConfig) -> EngineConfig:
-    """The engine configuration a server runs: the config file's classes, and engine
-    admission control as ``server.admission`` says (on by default; with
-    ``server.max_waiting`` as its queue cap when set)."""
-    repl: dict = {"admission": cfg.admission}
-    if cfg.max_waiting is not None:
-        repl["max_waiting"] = cfg.max_waiting
-    if cfg.classes is not None:
-        names = [c.name for c in cfg.classes]
-        repl["classes"] = cfg.classes
-        repl["default_class"] = cfg.default_class or (
-            ecfg.default_class if ecfg.default_class in names else names[0]
-        )
-    elif cfg.default_class is not None:
-        repl["default_class"] = cfg.default_class
-    return dataclasses.replace(ecfg, **repl)
 
 
 def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
@@ -259,14 +258,48 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models(_key: BearerKey):
         """The served model."""
+        return JSON(ModelList(data=[model_card()]))
+
+    def model_card() -> ModelCard:
         info = state.loop.info
-        card = ModelCard(
+        return ModelCard(
             id=state.model_name,
             created=state.created,
             owned_by="adaserve",
             max_model_len=info.max_model_len if info else None,
         )
-        return JSON(ModelList(data=[card]))
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def model(model_id: str, _key: BearerKey):
+        """One model by id (404 for another id)."""
+        if model_id not in state.served_names:
+            raise ApiError(
+                404,
+                f"The model {model_id!r} does not exist",
+                param="model",
+                type="invalid_request_error",
+                code="model_not_found",
+            )
+        return JSON(model_card())
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize_route(request: Request, _key: BearerKey, body: dict = _ANY_BODY):
+        """vLLM's tokenizer endpoint: a prompt, or messages through the chat template."""
+        return JSON(await tokenize(state, parse_tokenize(body)))
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize_route(body: DetokenizeRequest, _key: BearerKey):
+        """vLLM's detokenizer endpoint: token ids -> text."""
+        return JSON(await detokenize(state, body))
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version():
+        """The server's version (vLLM's ``/version``)."""
+        return JSON(VersionResponse(version=__version__))
+
+    async def ping():
+        """Liveness, as vLLM's ``/ping`` (GET or POST): the same answer as /health."""
+        return await health()
 
     @app.get("/v1/slo/report", responses=_ERRORS)
     async def slo_report(request: Request, _key: BearerKey):
@@ -288,6 +321,8 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
         return JSON({"status": "ok", "model": state.model_name})
 
     app.add_api_route("/health", health, methods=["HEAD"], operation_id="health_head")
+    app.add_api_route("/ping", ping, methods=["GET"], operation_id="ping_get")
+    app.add_api_route("/ping", ping, methods=["POST"], operation_id="ping_post")
     app.include_router(create_dashboard(state))
 
     @app.get("/metrics", responses={401: {"model": ErrorResponse}})

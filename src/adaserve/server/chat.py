@@ -8,7 +8,7 @@ import asyncio
 from fastapi import Request
 
 from adaserve.errors import ModelLoadError
-from adaserve.server.errors import ApiError
+from adaserve.server.errors import ApiError, unsupported
 from adaserve.server.generation import generate
 from adaserve.server.jobs import Endpoint
 from adaserve.server.logprobs import chat_logprobs
@@ -63,40 +63,117 @@ CHAT = Endpoint(
 )
 
 
-async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    """The messages through the tokenizer's chat template, as token ids."""
-    tok = state.loop.info.tokenizer
-    if tok is None:
+# names the template gets from the server, not from chat_template_kwargs
+_RESERVED = {"messages", "tools", "documents", "add_generation_prompt"}
+
+
+def check_tools(body: ChatCompletionRequest) -> None:
+    """``tool_choice``: "none" is served (the tools go to the template, the output is
+    text); anything that asks for tool calls is refused, as there is no tool-call
+    parser. Tools without a tool_choice mean "auto", as vLLM and OpenAI read them."""
+    choice = body.tool_choice
+    if choice is None and body.tools:
+        choice = "auto"
+    if choice is None or choice == "none":
+        return
+    what = choice if isinstance(choice, str) else f"the named function {choice.function.name!r}"
+    raise ApiError(
+        400,
+        f"tool_choice {what} needs tool-call parsing, which this server does not support; "
+        'send tool_choice "none" (the tools are then passed to the chat template and the '
+        "reply is text)",
+        param="tool_choice",
+        code="unsupported_parameter",
+    )
+
+
+def render_kwargs(body: ChatCompletionRequest) -> dict:
+    """Template arguments of a request beyond its messages."""
+    explicit = "add_generation_prompt" in body.model_fields_set
+    if body.continue_final_message and body.add_generation_prompt and explicit:
+        raise ApiError(
+            400,
+            "continue_final_message and add_generation_prompt cannot both be true",
+            "continue_final_message",
+        )
+    kw = dict(body.chat_template_kwargs or {})
+    bad = sorted(_RESERVED & set(kw))
+    if bad:
+        raise ApiError(400, f"chat_template_kwargs may not set {bad}", "chat_template_kwargs")
+    if body.tools is not None:
+        kw["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+    if body.documents is not None:
+        kw["documents"] = body.documents
+    kw["add_generation_prompt"] = body.add_generation_prompt and not body.continue_final_message
+    return kw
+
+
+def _continue_final(text: str, msgs: list[dict]) -> str:
+    """The rendered chat cut after the final message's content (transformers'
+    ``continue_final_message``), so the model continues that message."""
+    final = msgs[-1].get("content") or ""
+    if not final.strip():
+        raise ApiError(400, "continue_final_message needs a non-empty final message", "messages")
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise ApiError(
+            400,
+            "continue_final_message: the template does not render the final message",
+            "messages",
+        )
+    return text[: at + len(final.strip())]
+
+
+def render_chat(state: ServerState, body: ChatCompletionRequest) -> str:
+    """The messages through the model's (or ``--chat-template``'s) chat template."""
+    ct = state.chat_template
+    if ct is None:
         raise ApiError(
             400, "this model has no tokenizer: chat completions are unavailable", "messages"
         )
-    msgs = []
-    for m in body.messages:
-        d = {"role": m.role, "content": m.text()}
-        if m.name is not None:
-            d["name"] = m.name
-        msgs.append(d)
+    if body.chat_template is not None:
+        raise unsupported(
+            "chat_template", "a chat_template in the request is not accepted (--chat-template)"
+        )
+    msgs = [m.template_dict() for m in body.messages]
     # the contents alone bound the prompt's length: no template run for a hopeless one
     check_text_size(
-        state, sum(len(d["content"].encode("utf-8", "replace")) for d in msgs), "messages"
+        state, sum(len(m.text().encode("utf-8", "replace")) for m in body.messages), "messages"
     )
+    kw = render_kwargs(body)
     try:
-        if sum(len(d["content"]) for d in msgs) > ENCODE_IN_THREAD_CHARS:
-            text = await asyncio.to_thread(tok.apply_chat_template, msgs)
-        else:
-            text = tok.apply_chat_template(msgs)
+        text = ct.render(msgs, **kw)
     except ModelLoadError as e:
         raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from e
-    return check_ids(state, await encode(state, text, "messages"), "messages")
+    if body.continue_final_message:
+        text = _continue_final(text, msgs)
+    return text
+
+
+async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    """The rendered chat as token ids (the template writes the special tokens itself:
+    none are added unless ``add_special_tokens``, as vLLM)."""
+    size = sum(len(m.text()) for m in body.messages)
+    if size > ENCODE_IN_THREAD_CHARS:
+        text = await asyncio.to_thread(render_chat, state, body)
+    else:
+        text = render_chat(state, body)
+    ids = await encode(state, text, "messages", add_special_tokens=body.add_special_tokens)
+    return check_ids(state, ids, "messages")
 
 
 async def create_chat(state: ServerState, body: ChatCompletionRequest, request: Request):
     check_body(state, body)
+    check_tools(body)
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     if not body.messages:
         raise ApiError(400, "messages must not be empty", param="messages")
     prompt = await chat_prompt(state, body)
+    default_max = state.cfg.default_max_tokens
+    gen_max = state.loop.info.sampling_defaults.get("max_tokens")
+    if gen_max is not None:  # generation_config.json's max_new_tokens
+        default_max = min(default_max or gen_max, gen_max)
     return await generate(
         state,
         request,
@@ -104,7 +181,7 @@ async def create_chat(state: ServerState, body: ChatCompletionRequest, request: 
         CHAT,
         [prompt],
         body.max_completion_tokens or body.max_tokens,
-        state.cfg.default_max_tokens,
+        default_max,
         None,
         "messages",
     )

@@ -16,59 +16,129 @@ import contextlib
 import dataclasses
 import http
 import logging
+import os
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
+from adaserve import cli_args
+from adaserve.chat_template import load_template_arg
 from adaserve.config import EngineConfig
-from adaserve.errors import AdaServeError, InvalidRequestError
-from adaserve.server.config import ConfigError, ServerConfig, check_against_classes, load_config
+from adaserve.errors import AdaServeError, InvalidRequestError, ModelLoadError
+from adaserve.server.config import (
+    ConfigError,
+    ServerConfig,
+    Tenant,
+    check_against_classes,
+    engine_config_for_server,
+    key_digest,
+    load_config,
+)
 
 log = logging.getLogger("adaserve.server")
 
+CLI_TENANT = "api-key"  # the tenant of --api-key keys
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of ``adaserve serve`` (flags override the config file)."""
-    p.add_argument("--model", help="target checkpoint directory (default: the shipped model)")
-    p.add_argument("--draft", help="draft checkpoint directory (default: the shipped draft)")
+    """Options of ``adaserve serve`` (flags override the config file); vLLM's names
+    where the concept exists (docs/cli.md has the mapping)."""
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="target checkpoint directory, as vllm serve MODEL (default: the shipped model)",
+    )
+    p.add_argument("--model", help="the same as MODEL")
+    p.add_argument(
+        "--draft",
+        help="draft checkpoint directory (default: the shipped draft when no MODEL is "
+        "given; with a MODEL, no draft and no speculation unless --draft is given)",
+    )
     p.add_argument("--no-draft", action="store_true", help="serve without speculation")
     p.add_argument("--policy", help="scheduling policy (default: adaserve)")
     p.add_argument("--host", help="bind address (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (default: 8000)")
+    p.add_argument("--port", type=cli_args.port, help="port (default: 8000)")
     p.add_argument("--config", help="TOML file: server, engine, classes, tenants, service_tiers")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY[,KEY...]",
+        help="require one of these API keys (repeatable or comma-separated; also "
+        "$ADASERVE_API_KEY); they form an admin tenant beside the config file's tenants",
+    )
     p.add_argument("--served-model-name", help="model id in /v1/models and responses")
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template file (or the template itself) instead of the model's",
+    )
+    p.add_argument(
+        "--generation-config",
+        metavar="auto|vllm|DIR",
+        help="default sampling parameters: auto (default) from the model's "
+        "generation_config.json, vllm for none, or a directory holding one",
+    )
+    p.add_argument(
+        "--strict-fields",
+        action="store_true",
+        help="reject requests with unknown fields (400) instead of ignoring them",
+    )
     p.add_argument("--device", help="cpu or cuda[:N]")
     p.add_argument(
-        "--dtype", help="auto (default: float32 on CPU, half on CUDA), float32, bfloat16, float16"
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+        help="auto (default: float32 on CPU, the checkpoint's half precision on CUDA)",
     )
-    p.add_argument("--kv-cache-bytes", type=int, help="KV pool size (target + draft)")
+    p.add_argument("--seed", type=cli_args.int_at_least(0), help="seed of unseeded sampling")
+    p.add_argument(
+        "--kv-cache-bytes",
+        "--kv-cache-memory-bytes",  # vLLM's name
+        dest="kv_cache_bytes",
+        type=cli_args.byte_size,
+        metavar="SIZE",
+        help="KV pool size, target + draft (e.g. 512M, 2GiB; default on CPU: a quarter of "
+        "the free RAM, at most 4 GiB; on CUDA: what --gpu-memory-utilization leaves)",
+    )
     p.add_argument(
         "--gpu-memory-utilization",
-        type=float,
-        help="share of the GPU's memory the engine may fill (default 0.9; CUDA only)",
+        type=cli_args.fraction,
+        help="share of the GPU's memory the engine may fill, weights + KV + activations "
+        "(default 0.9; sizes the KV pool on CUDA, no effect on CPU)",
     )
-    p.add_argument("--max-num-seqs", type=int, help="most requests in the running batch")
-    p.add_argument("--max-model-len", type=int, help="context length cap")
-    p.add_argument("--shutdown-grace", type=float, help="seconds in-flight requests may finish")
+    p.add_argument(
+        "--max-num-seqs", type=cli_args.int_at_least(1), help="most requests in the running batch"
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=cli_args.human_int,
+        help="context length (e.g. 2048, 4k; default and maximum: the model's)",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=cli_args.nonneg_float,
+        help="seconds in-flight requests may finish",
+    )
     p.add_argument(
         "--timeout-keep-alive",
-        type=float,
+        type=cli_args.positive_float,
         help="seconds an idle keep-alive connection stays open (default 5)",
     )
     p.add_argument(
         "--header-timeout",
-        type=float,
+        type=cli_args.positive_float,
         help="seconds a request's line and headers may take to arrive (default 10)",
     )
     p.add_argument(
         "--body-timeout",
-        type=float,
+        type=cli_args.positive_float,
         help="seconds a request's body may take to arrive after its headers (default 60)",
     )
     p.add_argument(
         "--max-connections",
-        type=int,
+        type=cli_args.int_at_least(1),
         help="open connections beyond this get 503 (default 1000)",
     )
     p.add_argument(
@@ -80,26 +150,76 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
+def _model_of(args) -> str | None:
+    tag, flag = getattr(args, "model_tag", None), args.model
+    if tag and flag and tag != flag:
+        raise ConfigError(f"the model is given twice: {tag!r} and --model {flag!r}")
+    return tag or flag
+
+
+def _cli_tenant(args, cfg: ServerConfig) -> Tenant | None:
+    """The tenant of ``--api-key`` / ``$ADASERVE_API_KEY`` keys (None without any)."""
+    raw = list(args.api_key or [])
+    env = os.environ.get("ADASERVE_API_KEY")
+    if env:
+        raw.append(env)
+    keys = [k.strip() for v in raw for k in v.split(",") if k.strip()]
+    if not keys:
+        if raw:
+            raise ConfigError("--api-key: no key given")
+        return None
+    if any(t.name == CLI_TENANT for t in cfg.tenants):
+        raise ConfigError(f"tenant name {CLI_TENANT!r} is taken by --api-key keys")
+    return Tenant(CLI_TENANT, key_digests=tuple(dict.fromkeys(map(key_digest, keys))), admin=True)
+
+
+def _check_model_len(ecfg: EngineConfig) -> None:
+    """--max-model-len above the model's context: an error before the engine loads (the
+    engine checks it too), as vLLM refuses it rather than clamping."""
+    if ecfg.max_model_len is None:
+        return
+    from adaserve import paths
+    from adaserve.models.config import ModelConfig
+
+    d = Path(ecfg.model) if ecfg.model else paths.DEFAULT_TARGET
+    if not (d / "config.json").is_file():
+        return  # the engine reports the missing checkpoint
+    n = ModelConfig.from_dir(d).max_position_embeddings
+    if ecfg.max_model_len > n:
+        raise ConfigError(
+            f"--max-model-len {ecfg.max_model_len} is larger than the model's context "
+            f"(max_position_embeddings={n} in {d / 'config.json'})"
+        )
+
+
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
 def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     """Engine and server configuration from the file and the flags (flags win)."""
     cfg = load_config(args.config) if args.config else ServerConfig()
     kw = dict(cfg.engine)
+    if isinstance(kw.get("kv_cache_bytes"), str):  # "2GiB" in the TOML file
+        try:
+            kw["kv_cache_bytes"] = cli_args.parse_byte_size(kw["kv_cache_bytes"])
+        except ValueError as e:
+            raise ConfigError(f"engine.kv_cache_bytes: {e}") from None
     flags = {
-        "model": args.model,
+        "model": _model_of(args),
         "draft": args.draft,
         "policy": args.policy,
         "device": args.device,
-        "dtype": args.dtype,
+        "dtype": _DTYPE_ALIASES.get(args.dtype, args.dtype),
         "kv_cache_bytes": args.kv_cache_bytes,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len,
+        "generation_config": getattr(args, "generation_config", None),
+        "seed": getattr(args, "seed", None),
     }
     kw.update({k: v for k, v in flags.items() if v is not None})
     if args.no_draft:
         kw["no_draft"] = True
-    from adaserve.server.app import engine_config_for_server
-
     if cfg.classes is not None:
         kw["classes"] = cfg.classes
         names = [c.name for c in cfg.classes]
@@ -112,7 +232,7 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     except InvalidRequestError as e:
         raise ConfigError(f"engine: {e}") from None
     check_against_classes(cfg, ecfg.classes)
-    repl = {}
+    repl: dict = {}
     if args.host is not None:
         repl["host"] = args.host
     if args.port is not None:
@@ -121,6 +241,10 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
         repl["model_name"] = args.served_model_name
     if args.shutdown_grace is not None:
         repl["shutdown_grace_s"] = args.shutdown_grace
+    if getattr(args, "strict_fields", False):
+        repl["strict_fields"] = True
+    if getattr(args, "chat_template", None):
+        repl["chat_template"] = args.chat_template
     for flag, key in (
         ("timeout_keep_alive", "timeout_keep_alive_s"),
         ("header_timeout", "header_timeout_s"),
@@ -130,6 +254,9 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     ):
         if getattr(args, flag) is not None:
             repl[key] = getattr(args, flag)
+    tenant = _cli_tenant(args, cfg)
+    if tenant is not None:
+        repl["tenants"] = (*cfg.tenants, tenant)
     if getattr(args, "disable_log_stats", False):
         repl["log_stats"] = False
     if repl:
@@ -349,14 +476,27 @@ def run(args) -> int:
         level=getattr(logging, args.log_level.upper()),
         format="%(levelname)s %(name)s: %(message)s",
     )
+    try:
+        ecfg, cfg = build_configs(args)
+        _check_model_len(ecfg)
+        if cfg.chat_template is not None:  # a bad template fails before the engine loads
+            from adaserve.chat_template import ChatTemplate
+
+            ChatTemplate({"default": load_template_arg(cfg.chat_template)}).check()
+    except (ConfigError, InvalidRequestError, ModelLoadError) as e:
+        print(f"adaserve serve: {e}", file=sys.stderr)
+        return 2
+    if args.gpu_memory_utilization is not None and not ecfg.device.startswith("cuda"):
+        print(
+            "adaserve serve: note: --gpu-memory-utilization sizes the KV pool on CUDA only; "
+            "on CPU the pool is --kv-cache-bytes (default: a quarter of the free RAM, at "
+            "most 4 GiB)",
+            file=sys.stderr,
+        )
+    # the app (FastAPI, the engine, torch) is imported once the configuration is valid
     from adaserve.server.app import create_app
     from adaserve.server.engine_loop import EngineLoop
 
-    try:
-        ecfg, cfg = build_configs(args)
-    except (ConfigError, InvalidRequestError) as e:
-        print(f"adaserve serve: {e}", file=sys.stderr)
-        return 2
     eloop = EngineLoop(ecfg, max_waiting=cfg.max_waiting, step_delay_s=cfg.step_delay_s)
     try:
         eloop.start()
@@ -385,7 +525,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = cli_args.Parser(
         prog="adaserve serve", description="OpenAI-compatible server with per-request SLOs"
     )
     add_arguments(p)

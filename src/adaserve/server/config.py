@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from adaserve.config import EngineConfig
 from adaserve.errors import AdaServeError, InvalidRequestError
 from adaserve.slo import SLOClass
 
@@ -59,7 +60,10 @@ class ServerConfig:
     """Everything the HTTP layer needs (the engine has its own ``EngineConfig``).
 
     model_name:          id served in /v1/models and responses (None = derived from the model)
-    strict_fields:       reject unknown top-level request fields (400)
+    strict_fields:       reject unknown top-level request fields (400); off (the default,
+                         as vLLM): they are ignored, with one warning per field name
+    chat_template:       a Jinja chat template file (or the template text) replacing the
+                         model's (``--chat-template``)
     max_body_bytes:      larger request bodies get 413 at their headers (None: derived
                          from the context, ``state.body_limit``)
     admission:           admission control (``core.admission``): a request whose class's
@@ -85,7 +89,8 @@ class ServerConfig:
     model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
-    strict_fields: bool = True
+    strict_fields: bool = False
+    chat_template: str | None = None
     max_body_bytes: int | None = None
     admission: bool = True
     max_waiting: int | None = None
@@ -309,3 +314,21 @@ def check_against_classes(cfg: ServerConfig, classes: tuple[SLOClass, ...]) -> N
             raise ConfigError(f"tenants.{t.name}: default_class is not among its classes")
     for c in classes:
         need(f"classes.{c.name}.degrade_to", c.degrade_to)
+
+
+def engine_config_for_server(ecfg: EngineConfig, cfg: ServerConfig) -> EngineConfig:
+    """The engine configuration a server runs: the config file's classes, and engine
+    admission control as ``server.admission`` says (on by default; with
+    ``server.max_waiting`` as its queue cap when set)."""
+    repl: dict = {"admission": cfg.admission}
+    if cfg.max_waiting is not None:
+        repl["max_waiting"] = cfg.max_waiting
+    if cfg.classes is not None:
+        names = [c.name for c in cfg.classes]
+        repl["classes"] = cfg.classes
+        repl["default_class"] = cfg.default_class or (
+            ecfg.default_class if ecfg.default_class in names else names[0]
+        )
+    elif cfg.default_class is not None:
+        repl["default_class"] = cfg.default_class
+    return dataclasses.replace(ecfg, **repl)

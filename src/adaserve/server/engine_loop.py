@@ -34,6 +34,7 @@ from adaserve.api import request_metrics
 from adaserve.config import EngineConfig
 from adaserve.core.config import QUEUE_FULL_RETRY_S
 from adaserve.errors import AdaServeError, AdmissionRejected
+from adaserve.generation_config import sampling_defaults
 from adaserve.request import Status
 from adaserve.sampling import SamplingParams
 from adaserve.slo import SLO, SLOClass
@@ -70,6 +71,9 @@ class EngineInfo:
     kv_blocks: int = 0  # KV pool size in blocks of ``block_size`` tokens
     block_size: int = 0
     kv_bytes: int = 0  # bytes of the pool (target + draft)
+    # SamplingParams field -> the model's generation_config.json default (as vLLM's
+    # --generation-config auto; empty with "vllm")
+    sampling_defaults: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -273,6 +277,9 @@ class EngineLoop:
                 default_class=e.cfg.default_class,
                 policy=e.policy.name,
                 flops_per_token_target=float(e.flops_per_token_target),
+                sampling_defaults=sampling_defaults(
+                    e.model_dir, getattr(e.cfg, "generation_config", "auto")
+                ),
                 **_pool_info(e),
             )
             self._refresh_class_slos(force=True)

@@ -83,7 +83,12 @@ async def generate(
         state.rate_limited(tenant.name, e.reason or "quota")
         raise
     params = [
-        sampling_params(body, reserved[i * n + j], None if body.seed is None else body.seed + j)
+        sampling_params(
+            body,
+            reserved[i * n + j],
+            None if body.seed is None else body.seed + j,
+            state.loop.info.sampling_defaults,
+        )
         for i in range(len(prompts))
         for j in range(n)
     ]

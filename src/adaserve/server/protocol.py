@@ -78,6 +78,14 @@ class _Sampling(_TopLevel):
     slo_class: str | None = Field(None, min_length=1, max_length=128)
     priority: int | None = Field(None, ge=-INT32, le=INT32)
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    # accepted as OpenAI and vLLM accept them, no effect on the output here: metadata
+    # and store (nothing is stored), request_id (responses carry their own id)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    request_id: str | None = Field(None, max_length=256)
+    # vLLM's: no EOS or stop token before this many output tokens
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
+    skip_special_tokens: bool = True
 
 
 class CompletionRequest(_Sampling):
@@ -97,10 +105,27 @@ class TextPart(_Nested):
     text: str
 
 
+class ToolFunctionCall(_Nested):
+    name: str = Field(max_length=256)
+    arguments: str
+
+
+class ToolCall(_Nested):
+    """A tool call of an earlier assistant message (passed to the chat template)."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolFunctionCall
+
+
 class ChatMessage(_Nested):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=256)
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128)
+    tool_call_id: str | None = Field(None, max_length=256)
+    # what reasoning models' templates read back (vLLM accepts it)
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         """The message content as one string (text parts concatenated)."""
@@ -109,6 +134,43 @@ class ChatMessage(_Nested):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def template_dict(self) -> dict:
+        """The message as a chat template sees it (transformers' message dicts)."""
+        d: dict = {"role": self.role, "content": self.text()}
+        if self.content is None and self.tool_calls:
+            d["content"] = None  # dropped before rendering, as transformers does
+        for k in ("name", "tool_call_id", "reasoning_content"):
+            v = getattr(self, k)
+            if v is not None:
+                d[k] = v
+        if self.tool_calls is not None:
+            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return d
+
+
+class FunctionDefinition(BaseModel):
+    """A tool's function (its JSON schema is passed to the template as sent)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str = Field(max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Nested):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Nested):
+    name: str
+
+
+class NamedToolChoice(_Nested):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ResponseFormat(_Nested):
@@ -124,6 +186,18 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+    # tools are passed to the chat template; only tool_choice "none" is served (no
+    # tool-call parsing), and tools without a tool_choice mean "auto" (as vLLM)
+    tools: list[Tool] | None = Field(None, max_length=256)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's chat extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = Field(None, max_length=256)
+    chat_template: str | None = Field(None, max_length=1 << 20)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------- responses
@@ -311,3 +385,52 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------- vLLM's extras
+
+
+class TokenizeCompletionRequest(_TopLevel):
+    """``POST /tokenize`` of a prompt (vLLM's shape)."""
+
+    model: str | None = Field(None, max_length=1024)
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_TopLevel):
+    """``POST /tokenize`` of a conversation, through the chat template (vLLM's shape)."""
+
+    model: str | None = Field(None, max_length=1024)
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    tools: list[Tool] | None = Field(None, max_length=256)
+    documents: list[dict[str, str]] | None = Field(None, max_length=256)
+    chat_template: str | None = Field(None, max_length=1 << 20)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_TopLevel):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model: str | None = Field(None, max_length=1024)
+    tokens: list[Annotated[int, Field(ge=0, le=INT32)]] = Field(max_length=1 << 20)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

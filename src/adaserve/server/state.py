@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
+from adaserve.chat_template import ChatTemplate
+from adaserve.generation_config import describe as describe_defaults
 from adaserve.server.auth import TenantRegistry
 from adaserve.server.config import ServerConfig, check_against_classes
 from adaserve.server.engine_loop import EngineLoop, Final, Handle
@@ -88,6 +90,19 @@ class ServerState:
         self._drain_started = False
         self.body_limit = cfg.max_body_bytes or MAX_BODY_BYTES  # set at startup
         self.created = int(time.time())
+        self.chat_template: ChatTemplate | None = None  # set at start-up
+        self._warned_fields: set[str] = set()
+
+    def warn_ignored_fields(self, names: list[str]) -> None:
+        """Log unknown request fields (ignored, as vLLM), once per field name."""
+        new = [n for n in names if n not in self._warned_fields]
+        if new:
+            self._warned_fields.update(new)
+            log.warning(
+                "ignored unknown request field(s) %s (logged once each; "
+                "--strict-fields rejects them)",
+                ", ".join(repr(n)[:80] for n in new[:16]),
+            )
 
     def slo_report(self, only: str | None) -> dict:
         """The ``/v1/slo/report`` body (``only``: that tenant's usage alone)."""
@@ -136,6 +151,9 @@ class ServerState:
                 "device": info.device,
             },
         )
+        self.chat_template = self.load_chat_template()
+        if info.sampling_defaults:
+            log.info("%s", describe_defaults(info.sampling_defaults))
         if self.tenants.open_mode:
             log.warning(
                 "no API keys configured: open local mode, every request is accepted "
@@ -158,6 +176,19 @@ class ServerState:
             if ticker is not None:
                 ticker.cancel()
             await asyncio.to_thread(self.loop.stop)
+
+    def load_chat_template(self) -> ChatTemplate | None:
+        """The model's chat templates, or ``chat_template`` of the config (which must
+        compile: ``ChatTemplateError`` else); None without a tokenizer."""
+        tok = self.loop.info.tokenizer
+        if self.cfg.chat_template is not None:
+            config = tok.config if tok is not None else {}
+            ct = ChatTemplate.of_checkpoint(
+                self.loop.info.model_dir, config, self.cfg.chat_template
+            )
+            ct.check()
+            return ct
+        return tok.chat if tok is not None else None
 
     def begin_drain(self, grace_s: float | None = None) -> None:
         """Stop taking requests; in-flight ones get ``grace_s`` to finish, then are

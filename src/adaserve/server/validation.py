@@ -17,7 +17,21 @@ MAX_STOP_SEQUENCES = 16
 
 
 def check_body(state: ServerState, body) -> None:
-    """Unknown fields (when strict), model, and options we do not implement."""
+    """Unknown fields (400 when strict, else ignored with a warning), model, and options
+    we do not implement."""
+    check_body_model(state, body)
+    if body.stop_token_ids:
+        in_vocab(state, body.stop_token_ids, "stop_token_ids")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
+    if body.logit_bias:
+        raise unsupported("logit_bias", "logit_bias is not supported")
+    if not body.skip_special_tokens:
+        raise unsupported("skip_special_tokens", "skip_special_tokens=false is not supported")
+
+
+def check_body_model(state: ServerState, body) -> None:
+    """Unknown fields (400 when strict, else ignored with a warning) and the model."""
     extra = sorted((body.model_extra or {}).keys())
     if extra and state.cfg.strict_fields:
         raise ApiError(
@@ -26,6 +40,8 @@ def check_body(state: ServerState, body) -> None:
             param=extra[0],
             code="unknown_parameter",
         )
+    if extra:
+        state.warn_ignored_fields(extra)
     if body.model is not None and body.model not in state.served_names:
         raise ApiError(
             404,
@@ -33,12 +49,6 @@ def check_body(state: ServerState, body) -> None:
             param="model",
             code="model_not_found",
         )
-    if body.stop_token_ids:
-        in_vocab(state, body.stop_token_ids, "stop_token_ids")
-    if body.stream_options is not None and not body.stream:
-        raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
-    if body.logit_bias:
-        raise unsupported("logit_bias", "logit_bias is not supported")
 
 
 def check_choices(state: ServerState, prompts: int, n: int) -> None:
@@ -51,7 +61,9 @@ def check_choices(state: ServerState, prompts: int, n: int) -> None:
 # ---------------------------------------------------------------------- prompts
 
 
-async def encode(state: ServerState, text: str, param: str) -> list[int]:
+async def encode(
+    state: ServerState, text: str, param: str, add_special_tokens: bool = True
+) -> list[int]:
     """Token ids of a text prompt (400 without a tokenizer or for invalid UTF-8)."""
     tok = state.loop.info.tokenizer
     if tok is None:
@@ -62,8 +74,8 @@ async def encode(state: ServerState, text: str, param: str) -> list[int]:
         raise ApiError(400, f"{param} is not valid UTF-8 text", param=param) from None
     check_text_size(state, size, param)
     if len(text) > ENCODE_IN_THREAD_CHARS:
-        return await asyncio.to_thread(tok.encode_released, text)
-    return tok.encode(text)
+        return await asyncio.to_thread(tok.encode_released, text, add_special_tokens)
+    return tok.encode(text, add_special_tokens)
 
 
 def check_text_size(state: ServerState, size: int, param: str) -> None:
@@ -143,27 +155,40 @@ def requested_logprobs(body) -> int | None:
     return lp
 
 
-def sampling_params(body, max_tokens: int, seed: int | None) -> SamplingParams:
+def sampling_params(
+    body, max_tokens: int, seed: int | None, defaults: dict | None = None
+) -> SamplingParams:
     stop = body.stop
     if isinstance(stop, list) and not stop:
         stop = None
     if isinstance(stop, list) and len(stop) > MAX_STOP_SEQUENCES:
         raise ApiError(400, f"at most {MAX_STOP_SEQUENCES} stop sequences", param="stop")
-    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+    # a field the request leaves out takes the model's generation_config.json default
+    # (``--generation-config``), else OpenAI's
+    d = defaults or {}
+    explicit_max = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    top_k = body.top_k if body.top_k is not None else d.get("top_k", 0)
+    top_k = top_k if top_k > 0 else 0
     try:
         return SamplingParams(
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
+            temperature=d.get("temperature", 1.0) if body.temperature is None else body.temperature,
+            top_p=d.get("top_p", 1.0) if body.top_p is None else body.top_p,
             top_k=top_k,
-            min_p=body.min_p or 0.0,
+            min_p=d.get("min_p", 0.0) if body.min_p is None else body.min_p,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            repetition_penalty=(
+                d.get("repetition_penalty", 1.0)
+                if body.repetition_penalty is None
+                else body.repetition_penalty
+            ),
             max_tokens=max_tokens,
             seed=seed,
             stop=stop,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
+            # above an explicit max_tokens: a 400; an implicit budget caps it
+            min_tokens=body.min_tokens if explicit_max else min(body.min_tokens, max_tokens),
             logprobs=requested_logprobs(body),
             prompt_logprobs=body.logprobs if getattr(body, "echo", False) else None,
         )

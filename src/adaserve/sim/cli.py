@@ -19,6 +19,7 @@ import math
 import sys
 from pathlib import Path
 
+from adaserve.cli_args import int_at_least
 from adaserve.errors import AdaServeError
 from adaserve.resources import default_kv_budget
 
@@ -105,8 +106,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "D/(speculating request x depth) + E/drafted + F/verified candidate (default: the "
         "profile's 'host_overhead', else 0)",
     )
-    s.add_argument("--kv-slots", type=int, default=None, help="KV pool in token slots")
-    s.add_argument("--max-model-len", type=int, default=None, help="context limit (tokens)")
+    s.add_argument("--kv-slots", type=int_at_least(1), default=None, help="KV pool in token slots")
+    s.add_argument(
+        "--max-model-len", type=int_at_least(2), default=None, help="context limit (tokens)"
+    )
     s.add_argument("--sim-seed", type=int, default=0, help="seed of the acceptance sampling")
     s.add_argument(
         "--power-cap-w",

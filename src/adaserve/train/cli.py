@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from adaserve import cli_args
 from adaserve.models.loader import load_model, save_pretrained
 from adaserve.train import corpus, stats, tokenizer, trainer
 
@@ -26,7 +27,7 @@ SIZE_LIMIT_BYTES = 48 * 1024 * 1024  # store fp32 only when both models fit comf
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cli_args.Parser(
         prog="adaserve train",
         description="Train the default target/draft model pair on the Python standard library.",
     )
@@ -34,7 +35,10 @@ def _parser() -> argparse.ArgumentParser:
         "--out", required=True, help="output directory (target/, draft/, pair_stats.json)"
     )
     p.add_argument(
-        "--minutes", type=float, default=None, help="total training minutes (default 56; smoke 0.1)"
+        "--minutes",
+        type=cli_args.positive_float,
+        default=None,
+        help="total training minutes (default 56; smoke 0.1)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -44,7 +48,9 @@ def _parser() -> argparse.ArgumentParser:
         help="fraction of the minutes spent on the target; the rest trains and distils the draft",
     )
     p.add_argument("--smoke", action="store_true", help="tiny models, a few seconds (for tests)")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    p.add_argument(
+        "--threads", type=cli_args.int_at_least(1), default=2, help="torch CPU threads (default 2)"
+    )
     p.add_argument(
         "--vocab-size", type=int, default=None, help="BPE vocabulary (default 4096; smoke 512)"
     )

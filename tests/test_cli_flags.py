@@ -1,0 +1,106 @@
+"""The ``adaserve`` command line as a user meets it (real subprocesses, run side by
+side): every bad flag value is one line on stderr and a non-zero exit, never a
+traceback; ``--version``; a closed pipe on stdout; what ``generate`` says and prints
+without ``--draft`` and with ``--logprobs``; byte sizes and ports parsed once for all
+commands."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from adaserve.cli_args import byte_size, human_int, parse_byte_size, port
+
+# (argv, text the one error line must contain)
+BAD = [
+    (["serve", "--port", "99999"], "--port: port 99999 is not in [0, 65535]"),
+    (["serve", "--kv-cache-bytes", "-5"], "--kv-cache-memory-bytes: bad size '-5'"),
+    (["serve", "--max-num-seqs", "0"], "--max-num-seqs: must be at least 1"),
+    (["serve", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    (["serve", "--max-model-len", "lots"], "--max-model-len"),
+    (["serve", "a", "--model", "b"], "the model is given twice"),
+    (["serve", "--chat-template", "/no/such/template.jinja"], "--chat-template"),
+    (["serve", "--generation-config", "/no/such/dir"], "--generation-config"),
+    (["serve", "--api-key", ","], "--api-key: no key given"),
+    (["serve", "--max-model-len", "99999"], "max_position_embeddings=2048"),
+    (["bench", "serve", "--kv-cache-bytes", "lots"], "--kv-cache-bytes"),
+    (["generate", "--prompt", "x", "--max-tokens", "0"], "--max-tokens"),
+    ([], "required: COMMAND"),
+]
+
+
+def _spawn(argv, **kw) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **kw.pop("env", {}))
+    return subprocess.Popen(
+        [sys.executable, "-m", "adaserve", *argv],
+        stdout=kw.pop("stdout", subprocess.PIPE),
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        **kw,
+    )
+
+
+def test_every_bad_flag_value_is_one_line_and_a_nonzero_exit():
+    procs = [(argv, want, _spawn(argv)) for argv, want in BAD]  # side by side
+    for argv, want, p in procs:
+        out, err = p.communicate(timeout=300)
+        lines = err.strip().splitlines()
+        assert p.returncode != 0, (argv, out, err)
+        assert len(lines) == 1 and "Traceback" not in err, (argv, err)
+        assert want in lines[0], (argv, lines[0])
+        assert lines[0].startswith("adaserve"), (argv, lines[0])
+
+
+def test_version_and_a_closed_stdout():
+    p = _spawn(["--version"])
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and out.strip().startswith("adaserve ") and not err
+    # ``adaserve simulate --list-presets | head -0``: the reader is gone before anything
+    # is written
+    r, w = os.pipe()
+    os.close(r)
+    p = _spawn(["simulate", "--list-presets"], stdout=w)
+    os.close(w)
+    _, err = p.communicate(timeout=300)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert p.returncode == 141  # as a command killed by SIGPIPE
+
+
+def test_generate_without_draft_says_so_and_prints_logprobs(tiny_pair, tmp_path):
+    target, _, _ = tiny_pair
+    env = {"ADASERVE_CACHE": str(tmp_path)}
+    p = _spawn(
+        ["generate", "--model", str(target), "--prompt", "5 6 7", "--token-ids"]
+        + ["--max-tokens", "4", "--logprobs", "2", "--policy", "ar"],
+        env=env,
+    )
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert "speculation is off" in err and "--draft" in err
+    lines = out.strip().splitlines()
+    ids = lines[0].split()
+    assert len(ids) == 4
+    rows = [ln.split("\t") for ln in lines[1:] if not ln.startswith("#")]
+    assert [r[1] for r in rows] == ids  # one row per generated token, its id
+    for r in rows:
+        assert float(r[2]) <= 0 and len(r[3].split()) == 2  # logprob, the top 2
+        assert max(float(x.split(":")[1]) for x in r[3].split()) >= float(r[2])
+
+
+def test_value_parsers():
+    assert parse_byte_size("512M") == 512 << 20 == byte_size("512MiB") == byte_size("512mb")
+    assert parse_byte_size("2GiB") == 2 << 30 and parse_byte_size("1.5k") == 1536
+    assert parse_byte_size("268435456") == 268435456
+    for bad in ("", "-1", "1.5.2G", "M", "0", "0.2", "3 GiBs"):
+        with pytest.raises(ValueError):
+            parse_byte_size(bad)
+    assert human_int("4k") == 4000 and human_int("4K") == 4096 and human_int("2048") == 2048
+    assert port("0") == 0 and port("65535") == 65535
+    for bad in ("-1", "65536", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            port(bad)
