@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from tqdm.auto import tqdm
 
@@ -264,8 +263,10 @@ class LLM:
                 "this model has no tokenizer: chat is unavailable", "messages"
             )
         if chat_template is not None:
+            from adaserve.chat_template import ChatTemplate, load_template_arg
+
             tok = copy.copy(tok)
-            tok.chat_template = _template_text(chat_template)
+            tok.chat = ChatTemplate({"default": load_template_arg(chat_template)}, tok.config)
         prompts = []
         for conv in convs:
             if not isinstance(conv, list) or not all(isinstance(m, dict) for m in conv):
@@ -348,13 +349,6 @@ def _prompt_of(p) -> tuple[str | None, str | list[int]]:
     if isinstance(p, list):
         return None, p
     raise InvalidRequestError("a prompt is a string, a list of token ids or a dict", "prompts")
-
-
-def _template_text(t: str) -> str:
-    """A chat template given as its text or as a file holding it."""
-    if "{" not in t and Path(t).is_file():
-        return Path(t).read_text()
-    return t
 
 
 def _per_prompt(value, n: int, name: str) -> list:
