@@ -107,6 +107,18 @@ class QuotaBook:
             self.inflight[tenant.name] = self.inflight.get(tenant.name, 0) + 1
         return outputs
 
+    async def reserve(
+        self,
+        tenant: Tenant,
+        prompt_tokens: int,
+        outputs: Sequence[int] = (),
+        *,
+        fit: bool = False,
+    ) -> list[int]:
+        """``admit`` as the request path awaits it (a book shared across replicas
+        answers from elsewhere: ``adaserve.cluster.shared_quotas``)."""
+        return self.admit(tenant, prompt_tokens, outputs, fit=fit)
+
     def release(self, tenant: Tenant) -> None:
         with self._lock:
             self.inflight[tenant.name] = max(0, self.inflight.get(tenant.name, 0) - 1)

@@ -1,0 +1,141 @@
+"""The Ray Serve ``RequestRouter`` of the engine deployment: Ray Serve's routing
+machinery (queue-length probes, back-off, replica membership, fault handling) with the
+decision delegated to ``adaserve.cluster.routing.make_router``.
+
+Every replica reports its ``routing.ReplicaStats`` through ``record_routing_stats``;
+Ray Serve hands them to the router as ``RunningReplica.routing_stats``. Between two
+reports this router adds the requests it has sent to a replica since that report was
+taken (their prompts queue there), so that a burst does not all go to the replica that
+looked emptiest a moment ago. A replica without stats yet (just started) is taken as
+idle. Requests that are not generations (``/v1/models``, ``/health``) and the
+deployment's other methods go by queue length alone.
+
+``request_router_kwargs``: ``{"router": "slo"|"p2c"|"rr", "seed": int,
+"default_class": str}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import deque
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from adaserve.cluster.routing import ClassHeadroom, ReplicaStats, RouteRequest, make_router
+
+_STATS_FIELDS = {f.name for f in dataclasses.fields(ReplicaStats)}
+_CLASS_FIELDS = {f.name for f in dataclasses.fields(ClassHeadroom)}
+
+
+def stats_of(replica_id: str, d: dict | None, now_s: float) -> ReplicaStats:
+    """``ReplicaStats`` from a reported dict (an idle replica when there is none)."""
+    if not d:
+        return ReplicaStats(replica_id, (), 0, 0, 0, 0, 0, 1.0, 1.0, now_s)
+    kw = {k: v for k, v in d.items() if k in _STATS_FIELDS}
+    kw["classes"] = tuple(
+        ClassHeadroom(**{k: v for k, v in c.items() if k in _CLASS_FIELDS})
+        for c in d.get("classes", ())
+    )
+    kw["replica_id"] = replica_id
+    return ReplicaStats(**kw)
+
+
+def route_request(route: dict, stats: list[ReplicaStats], default_class: str) -> RouteRequest:
+    """The router's view of a request from what the front door read of it; the class's
+    rank and targets come from the replicas' reports (explicit targets win)."""
+    cls = route.get("slo_class") or default_class
+    head = None
+    for s in stats:
+        head = s.headroom(cls)
+        if head is not None:
+            break
+    ranks = sorted({c.rank for s in stats for c in s.classes})
+    rank = head.rank if head is not None else (ranks[-1] if ranks else 0)
+    tpot = route.get("tpot_ms") or (head.tpot_ms if head is not None else math.inf)
+    ttft = route.get("ttft_ms") or (head.ttft_ms if head is not None else math.inf)
+    return RouteRequest(
+        slo_class=cls,
+        rank=int(rank),
+        tpot_ms=float(tpot),
+        ttft_ms=float(ttft),
+        prompt_tokens=int(route.get("prompt_tokens") or 1),
+        max_tokens=int(route.get("max_tokens") or 16),
+    )
+
+
+class AdaServeRequestRouter(RequestRouter):
+    """See the module docstring."""
+
+    def initialize_state(self, router: str = "slo", seed: int = 0, default_class: str = ""):
+        self.policy = make_router(router, seed=seed)
+        self.default_class = default_class
+        # per replica: (time sent, prompt tokens) of requests sent since its last report
+        self._sent: dict[str, deque] = {}
+        self.decisions = 0
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        route = _route_of(pending_request)
+        if route is None:  # not a generation: the least loaded (Ray's probes decide)
+            return [candidate_replicas]
+        now = time.time()
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        stats = [self._with_sent(rid, r.routing_stats, now) for rid, r in by_id.items()]
+        req = route_request(route, stats, self.default_class)
+        order = self.policy.rank(req, stats)
+        self.decisions += 1
+        return [[by_id[rid]] for rid in order if rid in by_id]
+
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        route = _route_of(pending_request)
+        if route is None:
+            return
+        q = self._sent.setdefault(replica_id.unique_id, deque(maxlen=4096))
+        cls = route.get("slo_class") or self.default_class
+        q.append((time.time(), int(route.get("prompt_tokens") or 1), cls))
+
+    def _with_sent(self, rid: str, reported: dict | None, now: float) -> ReplicaStats:
+        s = stats_of(rid, reported, now)
+        q = self._sent.get(rid)
+        if not q:
+            return s
+        while q and q[0][0] < s.at_s:  # already counted in the report
+            q.popleft()
+        if not q:
+            return s
+        per_class: dict[str, list[int]] = {}
+        for _, toks, cls in q:
+            c = per_class.setdefault(cls, [0, 0])
+            c[0] += 1
+            c[1] += toks
+        classes = tuple(
+            dataclasses.replace(
+                c,
+                waiting=c.waiting + per_class[c.name][0],
+                prefill_tokens=c.prefill_tokens + per_class[c.name][1],
+            )
+            if c.name in per_class
+            else c
+            for c in s.classes
+        )
+        n, toks = len(q), sum(t for _, t, _ in q)
+        return dataclasses.replace(
+            s,
+            classes=classes,
+            waiting=s.waiting + n,
+            waiting_prefill_tokens=s.waiting_prefill_tokens + toks,
+        )
+
+
+def _route_of(pending_request: PendingRequest | None) -> dict | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    route = pending_request.args[0]
+    return route if isinstance(route, dict) and route.get("generation") else None
