@@ -9,6 +9,7 @@ import sys
 
 TORCH_FREE = ("adaserve.core", "adaserve.sched", "adaserve.sim")
 TORCH_FREE_MODULES = (
+    "adaserve.cluster.routing",
     "adaserve.bench.workload",
     "adaserve.bench.workload_spec",
     "adaserve.bench.arrivals",

@@ -105,6 +105,9 @@ class Scheduler:
         self._admit_seq = itertools.count()
         self.now = clock.now()
         self._trace: StepTrace | None = None
+        # the latest plan and when it was made (read by ``cluster.routing.replica_stats``)
+        self.last_plan: Plan | None = None
+        self.last_plan_at: float | None = None
         self._admitted: list[int] = []
         self._preempted: list[int] = []
 
@@ -276,6 +279,7 @@ class Scheduler:
         if plan.fallback:
             self.counters.count_fallback(plan.fallback)
         self._apply_degrade(plan)
+        self.last_plan, self.last_plan_at = plan, self.now
         self._trace = StepTrace(plan=plan, t_start=self.now, acc_by_rank=view.acc_by_rank)
         return plan
 

@@ -1,0 +1,384 @@
+"""Request routing across engine replicas (torch-free, no Ray): each replica's SLO
+headroom as plain numbers (``ReplicaStats``), and the routers that rank replicas for a
+request from them.
+
+The same code routes in the simulator (``sim/cluster.py``: N simulated replicas on one
+clock) and in the Ray Serve deployment (a ``RequestRouter`` that calls ``Router.rank``
+on the stats the replicas report).
+
+Routers (``make_router``):
+
+* ``slo``: predicts, for each replica, what adding the request does to the pass time
+  and so to the TPOT of every class the replica serves, and whether the request's TTFT
+  stays reachable behind the prefill queued ahead of it. A replica is *feasible* when
+  every class's predicted TPOT stays within its target less ``margin`` and the TTFT is
+  reachable. Strict requests (rank 0) go to the feasible replica with the most slack;
+  relaxed ones to the feasible replica with the *least* slack still above
+  ``pack_slack`` (bin packing: they fill the room strict requests leave, keeping
+  headroom elsewhere for strict work). When no replica is feasible: the most slack.
+* ``p2c``: Ray Serve's power of two choices: two replicas drawn at random (seeded), the
+  one with the shorter queue (running + waiting) first.
+* ``rr``: round robin.
+
+Slack of a replica for a request: the smallest, over the classes it would serve, of
+``1 - predicted TPOT / (target * (1 - margin))``, and of the request's
+``1 - predicted TTFT / TTFT target``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+ROUTERS = ("slo", "p2c", "rr")
+
+
+@dataclass(frozen=True)
+class ClassHeadroom:
+    """One SLO class on one replica.
+
+    predicted_tpot_ms: the planner's predicted TPOT of the class at the current load
+                       (the pass time over the tokens a request of the class gains a
+                       pass)
+    prefill_tokens:    prompt tokens of the class still to prefill (waiting + running)
+    """
+
+    name: str
+    rank: int
+    tpot_ms: float
+    ttft_ms: float
+    predicted_tpot_ms: float
+    running: int
+    waiting: int
+    prefill_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.running < 0 or self.waiting < 0 or self.prefill_tokens < 0:
+            raise ValueError(f"class {self.name!r}: rank and counts must be >= 0")
+        for k in ("tpot_ms", "ttft_ms", "predicted_tpot_ms"):
+            v = getattr(self, k)
+            if not (v > 0 and not math.isnan(v)):  # inf allowed: no target
+                raise ValueError(f"class {self.name!r}: {k} must be positive")
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """What a replica reports for routing (every fraction of a second).
+
+    budget_tokens:       verification tokens of the current plan's pass
+    spare_budget_tokens: verification tokens the pass could add before the strictest
+                         class with requests reaches its target less the margin
+    pass_ms:             predicted time of the current pass
+    ms_per_token:        predicted pass time one more verification token costs
+    kv_ms_per_token:     predicted pass time one more attended context token costs
+    tokens_per_pass:     verification tokens a decoding request takes per pass (its
+                         root plus its tree, on average)
+    prefill_chunk:       prefill tokens a pass carries at most
+    max_num_seqs:        requests the replica runs at once
+    kv_total_tokens:     KV pool in tokens (0: unknown)
+    """
+
+    replica_id: str
+    classes: tuple[ClassHeadroom, ...]
+    budget_tokens: int
+    spare_budget_tokens: int
+    running: int
+    waiting: int
+    waiting_prefill_tokens: int
+    kv_free_fraction: float
+    pass_ms: float
+    at_s: float
+    ms_per_token: float = 0.2
+    kv_ms_per_token: float = 0.0
+    tokens_per_pass: float = 1.0
+    prefill_chunk: int = 256
+    max_num_seqs: int = 64
+    kv_total_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.kv_free_fraction <= 1.0:
+            raise ValueError("kv_free_fraction must be in [0, 1]")
+        if self.running < 0 or self.waiting < 0 or self.waiting_prefill_tokens < 0:
+            raise ValueError("running, waiting and waiting_prefill_tokens must be >= 0")
+        if not self.pass_ms > 0 or self.prefill_chunk < 1 or self.max_num_seqs < 1:
+            raise ValueError("pass_ms, prefill_chunk and max_num_seqs must be positive")
+
+    @property
+    def queue_len(self) -> int:
+        """Requests on the replica (running + waiting): what ``p2c`` balances."""
+        return self.running + self.waiting
+
+    def headroom(self, name: str) -> ClassHeadroom | None:
+        """The class called ``name`` on this replica (None if it reports none)."""
+        for c in self.classes:
+            if c.name == name:
+                return c
+        return None
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What the router knows of a request before it runs."""
+
+    slo_class: str
+    rank: int
+    tpot_ms: float
+    ttft_ms: float
+    prompt_tokens: int
+    max_tokens: int
+
+
+class Router(Protocol):
+    name: str
+
+    def rank(self, req: RouteRequest, replicas: Sequence[ReplicaStats]) -> list[str]:
+        """replica ids, best first (a caller takes the first that accepts)."""
+        ...
+
+
+# ---------------------------------------------------------------------- baselines
+@dataclass
+class RoundRobinRouter:
+    """Replicas in turn (the order they are given in), whatever their load."""
+
+    name: str = "rr"
+    _next: int = 0
+
+    def rank(self, req: RouteRequest, replicas: Sequence[ReplicaStats]) -> list[str]:
+        ids = [r.replica_id for r in replicas]
+        if not ids:
+            return []
+        k = self._next % len(ids)
+        self._next += 1
+        return ids[k:] + ids[:k]
+
+
+@dataclass
+class PowerOfTwoRouter:
+    """Ray Serve's default: two replicas drawn at random, the shorter queue first (ties:
+    the first drawn); then the others by queue length."""
+
+    seed: int = 0
+    name: str = "p2c"
+    _rng: random.Random = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    def rank(self, req: RouteRequest, replicas: Sequence[ReplicaStats]) -> list[str]:
+        if len(replicas) <= 1:
+            return [r.replica_id for r in replicas]
+        a, b = self._rng.sample(range(len(replicas)), 2)
+        two = sorted((a, b), key=lambda i: (replicas[i].queue_len, i != a))
+        rest = sorted(
+            (i for i in range(len(replicas)) if i not in (a, b)),
+            key=lambda i: (replicas[i].queue_len, i),
+        )
+        return [replicas[i].replica_id for i in two + rest]
+
+
+# ---------------------------------------------------------------------- SLO-aware
+@dataclass(frozen=True)
+class Outlook:
+    """What adding one request predicts on one replica."""
+
+    replica_id: str
+    feasible: bool
+    slack: float  # the smallest slack over the classes served and the request's TTFT
+    pass_ms: float  # the pass time after adding it
+
+
+@dataclass
+class SloRouter:
+    """The SLO-aware router (module docstring). ``margin``: the fraction of each TPOT
+    target predictions must stay below; ``pack_slack``: the slack a relaxed request
+    must leave on the replica it packs onto."""
+
+    margin: float = 0.1
+    pack_slack: float = 0.1
+    name: str = "slo"
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.margin < 1.0 and 0.0 <= self.pack_slack < 1.0):
+            raise ValueError("slo router: margin and pack_slack must be in [0, 1)")
+
+    def outlook(self, req: RouteRequest, s: ReplicaStats) -> Outlook:
+        """The predicted effect of adding ``req`` to replica ``s``."""
+        # the decode cost: one more request's tree in every pass, and its context;
+        # the prefill cost: its prompt spread over the passes of its output
+        ctx = req.prompt_tokens + req.max_tokens / 2.0
+        add = s.ms_per_token * s.tokens_per_pass + s.kv_ms_per_token * ctx
+        passes = max(req.max_tokens / max(s.tokens_per_pass, 1.0), 1.0)
+        add += s.ms_per_token * req.prompt_tokens / passes
+        seats = s.running + 1 > s.max_num_seqs
+        after = s.pass_ms + add
+        grow = after / s.pass_ms
+        slack = math.inf
+        own = s.headroom(req.slo_class)
+        for c in s.classes:
+            if c.running + c.waiting == 0 and c is not own:
+                continue
+            if math.isinf(c.tpot_ms):
+                continue
+            slack = min(slack, 1.0 - c.predicted_tpot_ms * grow / (c.tpot_ms * (1 - self.margin)))
+        if own is None and math.isfinite(req.tpot_ms):  # a class the replica has no data on
+            slack = min(slack, 1.0 - after / (req.tpot_ms * (1 - self.margin)))
+        # TTFT: the prefill of its own and stricter classes runs first
+        ahead = sum(c.prefill_tokens for c in s.classes if c.rank <= req.rank)
+        if not s.classes:
+            ahead = s.waiting_prefill_tokens
+        chunks = math.ceil((ahead + req.prompt_tokens) / s.prefill_chunk)
+        chunk_ms = s.pass_ms + s.ms_per_token * s.prefill_chunk
+        ttft = chunks * chunk_ms + after
+        if seats:  # it waits for a seat: about one request's output
+            ttft += s.pass_ms * max(1, s.waiting + 1) * 8
+        if math.isfinite(req.ttft_ms):
+            slack = min(slack, 1.0 - ttft / req.ttft_ms)
+        if s.kv_total_tokens > 0:
+            kv_need = (req.prompt_tokens + req.max_tokens) / s.kv_total_tokens
+            slack = min(slack, s.kv_free_fraction - kv_need)
+        if math.isinf(slack):
+            slack = 1.0
+        return Outlook(s.replica_id, slack >= 0.0, slack, after)
+
+    def rank(self, req: RouteRequest, replicas: Sequence[ReplicaStats]) -> list[str]:
+        outs = [self.outlook(req, s) for s in replicas]
+        order = list(range(len(outs)))
+        most_slack = sorted(order, key=lambda i: (-outs[i].slack, i))
+        if req.rank == 0:
+            return [outs[i].replica_id for i in most_slack]
+        pack = [i for i in order if outs[i].feasible and outs[i].slack >= self.pack_slack]
+        pack.sort(key=lambda i: (outs[i].slack, i))
+        rest = [i for i in most_slack if i not in pack]
+        return [outs[i].replica_id for i in pack + rest]
+
+
+def make_router(spec: str, seed: int = 0) -> Router:
+    """The router called ``spec``: "slo", "p2c" or "rr" (``slo`` takes options:
+    ``slo:margin=0.1:pack_slack=0.1``). ValueError on anything else."""
+    if not isinstance(spec, str):
+        raise ValueError(f"router must be a string, one of {', '.join(ROUTERS)}")
+    head, *opts = spec.strip().split(":")
+    kwargs: dict[str, float] = {}
+    for o in opts:
+        k, eq, v = o.partition("=")
+        if head != "slo" or not eq or k not in ("margin", "pack_slack"):
+            raise ValueError(f"unknown router option {o!r} in {spec!r}")
+        try:
+            kwargs[k] = float(v)
+        except ValueError:
+            raise ValueError(f"router option {k} must be a number, got {v!r}") from None
+    if head == "slo":
+        return SloRouter(**kwargs)
+    if head == "p2c":
+        return PowerOfTwoRouter(seed=seed)
+    if head == "rr":
+        return RoundRobinRouter()
+    raise ValueError(f"unknown router {spec!r}; known: {', '.join(ROUTERS)}")
+
+
+# ---------------------------------------------------------------------- the report
+def replica_stats(replica_id: str, scheduler, policy, now_s: float) -> ReplicaStats:
+    """What a replica reports, read from its ``core.scheduler.Scheduler`` (queues, KV,
+    the latest plan) and its policy (the calibrated acceptance of a budgeted planner);
+    the simulator's replicas and the engine's call the same function.
+
+    The pass time is the latest plan's prediction (the hardware model's price of the
+    running batch when there is none); a decoding request of a class gains
+    ``1 + gain`` tokens a pass, gain being what its planned tree is expected to accept
+    (0 without speculation), so its class's predicted TPOT is the pass time over that.
+    """
+    from adaserve.sched.typical_tree import gain_curve
+
+    cfg, hw = scheduler.cfg, scheduler.hw
+    running, waiting = list(scheduler.running), list(scheduler.waiting)
+    plan = scheduler.last_plan
+    acc = tuple(getattr(policy, "acc_by_rank", ()) or ())
+    # tokens gained and verified per pass, per planned decoding request
+    gained: dict[int, float] = {}
+    verified: dict[int, float] = {}
+    state = getattr(plan, "state", None) if plan is not None else None
+    choice = getattr(state, "choice", None)
+    arrays = getattr(state, "arrays", None)
+    if choice is not None and arrays is not None and acc:
+        g = gain_curve(int(choice.depth), int(choice.width), acc)
+        for rid, k in zip(arrays.rid.tolist(), choice.alloc.tolist()):
+            gained[int(rid)] = 1.0 + float(g[min(int(k), len(g) - 1)])
+            verified[int(rid)] = 1.0 + float(k)
+    default_gain = 1.0
+    if acc and getattr(policy, "uses_draft", False):
+        g = gain_curve(4, 1, acc)
+        default_gain = 1.0 + float(g[min(4, len(g) - 1)])
+    if gained:
+        default_gain = sum(gained.values()) / len(gained)
+    kv = float(sum(r.num_tokens for r in running))
+    if plan is not None and plan.t_iter_ms:
+        pass_ms = float(plan.t_iter_ms)
+    elif hw is not None:
+        pass_ms = float(hw.iteration_ms(max(1, len(running)), kv))
+    else:
+        pass_ms = float(scheduler._unloaded())
+    pass_ms = max(pass_ms, 1e-3)
+    budget = plan.bounded_budget if plan is not None else None
+    if budget is None:
+        budget = int(sum(verified.values()) or len(running))
+    if hw is not None:
+        v = hw.verify_latency
+        ms_per_token = max(float(v(budget + 16) - v(budget)) / 16.0, 1e-6)
+        kv_ms = float(hw.kv_ms_per_token)
+    else:
+        ms_per_token, kv_ms = 0.2, 0.0
+    tpp = sum(verified.values()) / len(verified) if verified else 1.0
+
+    def prefill_left(r) -> int:  # prompt (or recomputed context) tokens still to prefill
+        return int(r.uncached) if r.in_prefill else 0
+
+    heads = []
+    extra_ms = math.inf
+    for c in cfg.classes:
+        slo = scheduler.class_slo(c.name)
+        mine = [r for r in running if r.slo.cls == c.name]
+        queued = [r for r in waiting if r.slo.cls == c.name]
+        gains = [gained[r.rid] for r in mine if r.rid in gained]
+        per_pass = sum(gains) / len(gains) if gains else default_gain
+        pred = pass_ms / per_pass
+        tpot = float(slo.tpot_ms) if slo.tpot_ms else math.inf
+        heads.append(
+            ClassHeadroom(
+                name=c.name,
+                rank=c.rank,
+                tpot_ms=tpot,
+                ttft_ms=float(slo.ttft_ms) if slo.ttft_ms else math.inf,
+                predicted_tpot_ms=pred,
+                running=len(mine),
+                waiting=len(queued),
+                prefill_tokens=sum(prefill_left(r) for r in mine + queued),
+            )
+        )
+        if mine and math.isfinite(tpot):
+            margin = float(getattr(policy, "margin", 0.0) or 0.0)
+            extra_ms = min(extra_ms, (tpot * (1.0 - margin) / pred - 1.0) * pass_ms)
+    spare = 0 if extra_ms < 0 else int(min(extra_ms / ms_per_token, 1 << 20))
+    alloc = scheduler.allocator
+    return ReplicaStats(
+        replica_id=str(replica_id),
+        classes=tuple(heads),
+        budget_tokens=int(budget),
+        spare_budget_tokens=spare,
+        running=len(running),
+        waiting=len(waiting),
+        waiting_prefill_tokens=sum(prefill_left(r) for r in waiting),
+        kv_free_fraction=min(max(alloc.num_free / max(alloc.num_blocks, 1), 0.0), 1.0),
+        pass_ms=pass_ms,
+        at_s=float(now_s),
+        ms_per_token=ms_per_token,
+        kv_ms_per_token=kv_ms,
+        tokens_per_pass=tpp,
+        prefill_chunk=int(getattr(getattr(policy, "cfg", None), "prefill_chunk", 0) or 0)
+        or int(cfg.max_prefill_tokens),
+        max_num_seqs=int(cfg.max_num_seqs),
+        kv_total_tokens=int(alloc.num_blocks * cfg.block_size),
+    )

@@ -1,0 +1,244 @@
+"""The routers' choices on hand-built replica stats (no Ray, no simulation), and
+``replica_stats`` read from a real scheduler and planner."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+
+from adaserve.cluster.routing import (
+    ClassHeadroom,
+    ReplicaStats,
+    RouteRequest,
+    SloRouter,
+    make_router,
+    replica_stats,
+)
+
+TARGETS = {"interactive": (30.0, 2000.0, 0), "chat": (50.0, 4000.0, 1), "batch": (150.0, 3e4, 2)}
+
+
+def replica(rid, pass_ms=20.0, tpot=None, running=None, prefill=None, waiting=0, **kw):
+    """A replica whose classes have the given predicted TPOT / running / prefill."""
+    tpot, running, prefill = tpot or {}, running or {}, prefill or {}
+    classes = tuple(
+        ClassHeadroom(
+            name=n,
+            rank=rk,
+            tpot_ms=t,
+            ttft_ms=f,
+            predicted_tpot_ms=tpot.get(n, pass_ms / 2.0),
+            running=running.get(n, 0),
+            waiting=0,
+            prefill_tokens=prefill.get(n, 0),
+        )
+        for n, (t, f, rk) in TARGETS.items()
+    )
+    return ReplicaStats(
+        replica_id=rid,
+        classes=classes,
+        budget_tokens=64,
+        spare_budget_tokens=0,
+        running=sum(running.values()),
+        waiting=waiting,
+        waiting_prefill_tokens=sum(prefill.values()),
+        kv_free_fraction=kw.pop("kv_free", 0.8),
+        pass_ms=pass_ms,
+        at_s=0.0,
+        ms_per_token=0.2,
+        tokens_per_pass=3.0,
+        **kw,
+    )
+
+
+def request(cls="interactive", prompt=200, out=150):
+    t, f, rk = TARGETS[cls]
+    return RouteRequest(cls, rk, t, f, prompt, out)
+
+
+def test_strict_requests_keep_off_a_replica_whose_strict_class_is_near_its_target():
+    near = replica("near", tpot={"interactive": 26.5}, running={"interactive": 20})
+    roomy = replica("roomy", pass_ms=40.0, tpot={"interactive": 18.0}, running={"interactive": 10})
+    r = SloRouter()
+    assert not r.outlook(request(), near).feasible  # 26.5 grows past 30 * 0.9
+    assert r.outlook(request(), roomy).feasible
+    assert r.rank(request(), [near, roomy]) == ["roomy", "near"]
+    assert r.rank(request(), [roomy, near]) == ["roomy", "near"]
+
+
+def test_strict_requests_take_the_replica_with_the_most_strict_headroom():
+    a = replica("a", tpot={"interactive": 22.0}, running={"interactive": 8})
+    b = replica("b", tpot={"interactive": 15.0}, running={"interactive": 4})
+    c = replica("c", tpot={"interactive": 19.0}, running={"interactive": 6})
+    assert make_router("slo").rank(request(), [a, b, c]) == ["b", "c", "a"]
+
+
+def test_relaxed_work_is_packed_onto_the_feasible_replica_with_the_least_slack():
+    busy = replica("busy", tpot={"batch": 60.0, "chat": 30.0}, running={"batch": 8, "chat": 4})
+    idle = replica("idle")
+    full = replica("full", tpot={"chat": 44.0}, running={"chat": 30})  # chat near 45 ms aim
+    r = SloRouter()
+    assert r.outlook(request("chat"), busy).slack < r.outlook(request("chat"), idle).slack
+    assert not r.outlook(request("chat"), full).feasible
+    assert r.rank(request("chat"), [idle, full, busy])[0] == "busy"
+    # the strict request goes the other way: to the idle replica
+    assert r.rank(request(), [idle, full, busy])[0] == "idle"
+
+
+def test_relaxed_work_does_not_pack_onto_a_replica_it_would_push_strict_past_its_target():
+    # chat alone would fit, but the interactive class there is at its aim
+    tight = replica("tight", tpot={"interactive": 26.0, "chat": 26.0}, running={"interactive": 9})
+    loose = replica("loose", tpot={"interactive": 12.0}, running={"interactive": 2})
+    assert make_router("slo").rank(request("chat"), [tight, loose])[0] == "loose"
+
+
+def test_ttft_unreachable_behind_a_long_prefill_queue_is_infeasible():
+    # 40 chunks of strict prefill ahead at ~71 ms a chunk pass: past the 2 s TTFT
+    queued = replica("queued", prefill={"interactive": 40 * 256})
+    free = replica("free", pass_ms=30.0, tpot={"interactive": 20.0}, running={"interactive": 5})
+    r = SloRouter()
+    assert not r.outlook(request(), queued).feasible
+    assert r.rank(request(), [queued, free])[0] == "free"
+    # relaxed prefill queued there does not delay a strict request (it runs first)...
+    relaxed_q = replica("relaxed_q", prefill={"batch": 40 * 256})
+    assert r.outlook(request(), relaxed_q).feasible
+    # ...and prefill of a stricter class delays a looser one's TTFT, not the reverse
+    chat_q = replica("chat_q", prefill={"chat": 60 * 256})
+    assert not r.outlook(request("chat"), chat_q).feasible
+    assert r.outlook(request("batch"), chat_q).slack < r.outlook(request("batch"), relaxed_q).slack
+
+
+def test_when_no_replica_stays_feasible_the_one_with_the_most_slack_comes_first():
+    a = replica("a", tpot={"interactive": 40.0}, running={"interactive": 30})
+    b = replica("b", tpot={"interactive": 33.0}, running={"interactive": 30})
+    c = replica("c", tpot={"interactive": 36.0}, running={"interactive": 30})
+    r = SloRouter()
+    for req in (request(), request("chat")):
+        assert not any(r.outlook(req, s).feasible for s in (a, b, c))
+    assert r.rank(request(), [a, b, c]) == ["b", "c", "a"]
+    assert r.rank(request("chat"), [a, b, c])[0] == "b"
+
+
+def test_kv_that_cannot_hold_the_request_makes_a_replica_infeasible():
+    small = replica("small", kv_free=0.01, kv_total_tokens=10000)
+    big = replica("big", pass_ms=25.0, kv_free=0.9, kv_total_tokens=10000)
+    assert not SloRouter().outlook(request(prompt=400, out=400), small).feasible
+    assert make_router("slo").rank(request("batch"), [small, big])[0] == "big"
+
+
+def stats_q(rid, q):
+    return replica(rid, running={"chat": q})
+
+
+def test_p2c_puts_the_shorter_of_two_random_replicas_first_and_is_seeded():
+    reps = [stats_q(f"r{i}", q) for i, q in enumerate((5, 1, 9, 3))]
+    firsts = []
+    for _ in range(400):
+        order = make_router("p2c", seed=3).rank(request(), reps)
+        assert sorted(order) == ["r0", "r1", "r2", "r3"]
+    p = make_router("p2c", seed=3)
+    firsts = [p.rank(request(), reps)[0] for _ in range(600)]
+    # the longest queue never wins a pair; the shortest wins every pair it is drawn in (1/2)
+    counts = Counter(firsts)
+    assert "r2" not in counts
+    assert 0.4 < counts["r1"] / 600 < 0.6
+    assert {"r0", "r3"} <= set(counts)
+    again = make_router("p2c", seed=3)
+    assert [again.rank(request(), reps)[0] for _ in range(600)] == firsts
+    other = make_router("p2c", seed=4)
+    assert [other.rank(request(), reps)[0] for _ in range(600)] != firsts
+
+
+def test_p2c_with_two_replicas_always_takes_the_shorter_queue():
+    reps = [stats_q("a", 7), stats_q("b", 2)]
+    p = make_router("p2c")
+    assert all(p.rank(request(), reps) == ["b", "a"] for _ in range(50))
+    assert p.rank(request(), reps[:1]) == ["a"] and p.rank(request(), []) == []
+
+
+def test_round_robin_takes_replicas_in_turn_whatever_their_load():
+    reps = [stats_q("a", 50), stats_q("b", 0), stats_q("c", 3)]
+    rr = make_router("rr")
+    assert [rr.rank(request(), reps)[0] for _ in range(7)] == list("abcabca")
+    assert rr.rank(request(), reps) == ["b", "c", "a"]
+
+
+@pytest.mark.parametrize(
+    "spec, msg",
+    [
+        ("least-loaded", "unknown router 'least-loaded'; known: slo, p2c, rr"),
+        ("", "unknown router"),
+        ("p2c:margin=0.1", "unknown router option"),
+        ("slo:margin=x", "must be a number"),
+        ("slo:margin=1.5", "margin and pack_slack must be in [0, 1)"),
+        ("slo:depth=3", "unknown router option 'depth=3'"),
+    ],
+)
+def test_a_bad_router_spec_is_a_clear_value_error(spec, msg):
+    with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace(")", r"\)")):
+        make_router(spec)
+
+
+def test_bad_stats_are_refused():
+    with pytest.raises(ValueError, match="kv_free_fraction"):
+        replica("x", kv_free=1.5)
+    with pytest.raises(ValueError, match="predicted_tpot_ms must be positive"):
+        ClassHeadroom("c", 0, 30.0, 2000.0, 0.0, 0, 0)
+
+
+def test_replica_stats_reads_a_real_scheduler_and_planner():
+    """Load raises the predicted pass time and TPOT the stats report; counts, prefill
+    and KV follow the scheduler."""
+    from adaserve.bench.workload_spec import WorkItem
+    from adaserve.core.clock import ManualClock
+    from adaserve.core.scheduler import Scheduler
+    from adaserve.sched.registry import make_policy
+    from adaserve.sim import presets
+    from adaserve.sim.loop import SimConfig, SimRequest
+
+    hw = presets.deployment("A100-80GB:llama-70b").hardware_model()
+    cfg = SimConfig(classes=presets.gpu_classes(), default_class=None)
+
+    def loaded(n_decoding: int, n_waiting: int):
+        policy = make_policy("adaserve")
+        sched = Scheduler(
+            cfg,
+            policy,
+            ManualClock(1.0),
+            4096,
+            max_model_len=1 << 20,
+            unloaded_tpot_ms=hw.unloaded_tpot_ms,
+            hw=hw,
+        )
+        reqs = []
+        for i in range(n_decoding + n_waiting):
+            cls = ("interactive", "chat")[i % 2]
+            it = WorkItem(i, 0.0, cls, None, None, prompt_len=100, max_tokens=200)
+            reqs.append(SimRequest(it, sched.class_slo(cls)))
+        for r in reqs[:n_decoding]:
+            sched.add(r)
+        sched.begin_step()
+        sched.admit()
+        for r in reqs[:n_decoding]:  # prefilled, one token out
+            r.num_cached = r.n_tokens
+            r.n_tokens += 1
+            r.first_token_at = 0.5
+        for r in reqs[n_decoding:]:
+            sched.add(r)
+        sched.reserve(sched.plan(sched.view((0.7, 0.15, 0.07, 0.04))), can_draft=True)
+        return replica_stats("r0", sched, policy, 1.0)
+
+    light, heavy = loaded(2, 0), loaded(40, 3)
+    assert (light.running, light.waiting, light.waiting_prefill_tokens) == (2, 0, 0)
+    assert (heavy.running, heavy.waiting, heavy.waiting_prefill_tokens) == (40, 3, 300)
+    assert heavy.pass_ms > light.pass_ms and heavy.kv_free_fraction < light.kv_free_fraction
+    li, hi = light.headroom("interactive"), heavy.headroom("interactive")
+    assert (li.running, hi.running) == (1, 20)
+    assert hi.predicted_tpot_ms > li.predicted_tpot_ms
+    assert light.spare_budget_tokens > heavy.spare_budget_tokens
+    assert light.tokens_per_pass > 1.0  # the planner speculates
+    assert math.isinf(light.headroom("batch").ttft_ms) is False
+    r = SloRouter()
+    assert r.rank(request(), [heavy, light])[0] == "r0" and r.outlook(request(), light).feasible
