@@ -13,10 +13,10 @@ cannot parse). Per request:
   output lengths). The replica's app answers; its messages are relayed as they come
   (SSE chunk by chunk), with an ``x-adaserve-replica`` header.
 
-Faults: a replica that fails before it has answered anything (it died, or is being
-replaced) gets the request sent elsewhere (``retries`` times); one that fails mid-stream
-ends the stream with an SSE ``error`` event and ``data: [DONE]``; a failure with no
-replica left to try is a 503 OpenAI-shaped error. A client that leaves cancels the
+Faults: a request that fails before a replica has taken it (the replica died, or is
+being replaced) is sent elsewhere (``retries`` times); one in flight on a replica that
+fails ends with a 503 ``replica_failed`` OpenAI-shaped error, or, once its SSE stream
+has begun, with an SSE ``error`` event and ``data: [DONE]``. None is run twice. A client that leaves cancels the
 replica's stream, which aborts the engine request.
 """
 
@@ -182,7 +182,7 @@ class FrontDoor:
         req = request_data(scope, body)
         route = route_of(scope["path"], Headers(scope=scope), body)
         gone = asyncio.ensure_future(_wait_disconnect(receive))
-        started = False
+        accepted = started = False
         sse = False
         last: BaseException | None = None
         try:
@@ -199,9 +199,11 @@ class FrontDoor:
                             return
                         try:
                             msg = nxt.result()
-                        except StopAsyncIteration:
-                            return
-                        if msg[0] == "start":
+                        except StopAsyncIteration:  # ended without a whole response
+                            raise RuntimeError("the replica's response ended early") from None
+                        if msg[0] == "accepted":
+                            accepted = True
+                        elif msg[0] == "start":
                             started = True
                             sse = _is_sse(msg[2])
                             await send(
@@ -218,7 +220,7 @@ class FrontDoor:
                     return
                 except Exception as e:  # the replica (or the way to it) failed
                     last = e
-                    if started:
+                    if accepted:
                         break
                     log.warning("replica failed before answering (try %d): %r", attempt + 1, e)
                     await asyncio.sleep(min(0.05 * 2**attempt, 1.0))

@@ -4,9 +4,10 @@ decision delegated to ``adaserve.cluster.routing.make_router``.
 
 Every replica reports its ``routing.ReplicaStats`` through ``record_routing_stats``;
 Ray Serve hands them to the router as ``RunningReplica.routing_stats``. Between two
-reports this router adds the requests it has sent to a replica since that report was
-taken (their prompts queue there), so that a burst does not all go to the replica that
-looked emptiest a moment ago. A replica without stats yet (just started) is taken as
+reports this router adds the requests it has chosen a replica for since that report
+was taken (their prompts queue there), so that a burst does not all go to the replica that
+looked emptiest a moment ago (``with_request``: the router's own prediction of what
+each such request adds). A replica without stats yet (just started) is taken as
 idle. Requests that are not generations (``/v1/models``, ``/health``) and the
 deployment's other methods go by queue length alone.
 
@@ -16,6 +17,7 @@ deployment's other methods go by queue length alone.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -71,8 +73,10 @@ class AdaServeRequestRouter(RequestRouter):
     def initialize_state(self, router: str = "slo", seed: int = 0, default_class: str = ""):
         self.policy = make_router(router, seed=seed)
         self.default_class = default_class
-        # per replica: (time sent, prompt tokens) of requests sent since its last report
+        # per replica: (time, route) of the requests sent there since its last report
         self._sent: dict[str, deque] = {}
+        self._chosen: dict = {}  # request id -> the replica it was sent to
+        self._entries: dict = {}  # request id -> its entry in ``_sent``
         self.decisions = 0
 
     async def choose_replicas(
@@ -91,47 +95,66 @@ class AdaServeRequestRouter(RequestRouter):
         req = route_request(route, stats, self.default_class)
         order = self.policy.rank(req, stats)
         self.decisions += 1
-        return [[by_id[rid]] for rid in order if rid in by_id]
+        ranked = [[by_id[rid]] for rid in order if rid in by_id]
+        if ranked:  # Ray sends it to the first that accepts: almost always this one
+            self._note_sent(pending_request, order[0], route, now)
+        return ranked
 
-    def on_request_routed(self, pending_request, replica_id, result) -> None:
-        route = _route_of(pending_request)
-        if route is None:
-            return
-        q = self._sent.setdefault(replica_id.unique_id, deque(maxlen=4096))
-        cls = route.get("slo_class") or self.default_class
-        q.append((time.time(), int(route.get("prompt_tokens") or 1), cls))
+    def _note_sent(self, pending_request, rid: str, route: dict, now: float) -> None:
+        key = getattr(pending_request.metadata, "internal_request_id", None) or id(
+            pending_request
+        )
+        prev = self._chosen.pop(key, None)
+        if prev is not None:  # chosen again (the first choice refused it): move it
+            q = self._sent.get(prev)
+            if q is not None:
+                with contextlib.suppress(ValueError):
+                    q.remove(self._entries.pop(key))
+        entry = (now, route)
+        self._sent.setdefault(rid, deque(maxlen=4096)).append(entry)
+        self._chosen[key] = rid
+        self._entries[key] = entry
+        if len(self._chosen) > 8192:  # forget the oldest
+            old = next(iter(self._chosen))
+            self._chosen.pop(old)
+            self._entries.pop(old, None)
 
     def _with_sent(self, rid: str, reported: dict | None, now: float) -> ReplicaStats:
         s = stats_of(rid, reported, now)
         q = self._sent.get(rid)
-        if not q:
-            return s
         while q and q[0][0] < s.at_s:  # already counted in the report
             q.popleft()
-        if not q:
-            return s
-        per_class: dict[str, list[int]] = {}
-        for _, toks, cls in q:
-            c = per_class.setdefault(cls, [0, 0])
-            c[0] += 1
-            c[1] += toks
-        classes = tuple(
-            dataclasses.replace(
-                c,
-                waiting=c.waiting + per_class[c.name][0],
-                prefill_tokens=c.prefill_tokens + per_class[c.name][1],
-            )
-            if c.name in per_class
-            else c
-            for c in s.classes
+        for _, route in q or ():
+            s = with_request(self.policy, route_request(route, [s], self.default_class), s)
+        return s
+
+
+def with_request(policy, req: RouteRequest, s: ReplicaStats) -> ReplicaStats:
+    """``s`` once ``req`` has joined it, as ``policy`` predicts (the requests sent to a
+    replica since its last report): a waiting request whose prompt is still to prefill,
+    and, for a policy that predicts pass times (``outlook``), the pass time and every
+    class's TPOT that far longer."""
+    grow, pass_ms = 1.0, s.pass_ms
+    outlook = getattr(policy, "outlook", None)
+    if outlook is not None:
+        pass_ms = max(outlook(req, s).pass_ms, s.pass_ms)
+        grow = pass_ms / s.pass_ms
+    classes = tuple(
+        dataclasses.replace(
+            c,
+            predicted_tpot_ms=c.predicted_tpot_ms * grow,
+            waiting=c.waiting + (c.name == req.slo_class),
+            prefill_tokens=c.prefill_tokens + (req.prompt_tokens if c.name == req.slo_class else 0),
         )
-        n, toks = len(q), sum(t for _, t, _ in q)
-        return dataclasses.replace(
-            s,
-            classes=classes,
-            waiting=s.waiting + n,
-            waiting_prefill_tokens=s.waiting_prefill_tokens + toks,
-        )
+        for c in s.classes
+    )
+    return dataclasses.replace(
+        s,
+        classes=classes,
+        pass_ms=pass_ms,
+        waiting=s.waiting + 1,
+        waiting_prefill_tokens=s.waiting_prefill_tokens + req.prompt_tokens,
+    )
 
 
 def _route_of(pending_request: PendingRequest | None) -> dict | None:

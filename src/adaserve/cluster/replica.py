@@ -3,8 +3,9 @@
 Each replica builds the engine thread (``EngineLoop``) and the same FastAPI app as
 ``adaserve serve`` (``server.app.create_app``): endpoints, validation, SLO resolution,
 streaming and errors are that code, not a copy. The front door hands it each HTTP
-request as plain data (``http``) and gets back the ASGI messages the app sends, as a
-stream (``("start", status, headers)`` then ``("body", bytes, more)``); a cancelled
+request as plain data (``http``) and gets back ``("accepted",)``, then the ASGI
+messages the app sends, as a stream (``("start", status, headers)`` then
+``("body", bytes, more)``); a cancelled
 stream (the client left) is an ``http.disconnect`` to the app, which aborts the
 engine request.
 
@@ -76,6 +77,7 @@ class EngineReplica:
         """Run one HTTP request through the app; yields its response as messages."""
         from adaserve.cluster.asgi import call_app
 
+        yield ("accepted",)  # from here on a failure is one in flight, not retried
         async for msg in call_app(self.app, req, extra_headers={REPLICA_HEADER: self.replica_id}):
             yield msg
 
