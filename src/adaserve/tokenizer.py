@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -27,6 +28,21 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
+
+    def encode_released(self, text: str) -> list[int]:
+        """``encode`` through the batch call, which releases the GIL while it runs (the
+        single call holds it: a long text run in a worker thread would stall every
+        other thread, the engine's included)."""
+        return self._tok.encode_batch([text])[0].ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token of the vocabulary stands for: a text of ``b``
+        bytes has at least ``b / max_token_bytes`` tokens, which bounds a prompt's
+        length before it is tokenised."""
+        n = self._tok.get_vocab_size(with_added_tokens=True)
+        dec = self._tok.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+        return max(1, max(len(t.encode("utf-8")) for t in dec))
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

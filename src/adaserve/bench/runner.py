@@ -23,6 +23,7 @@ import time
 
 from adaserve.bench.metrics import RequestRecord
 from adaserve.bench.workload_spec import WorkItem, WorkloadSpec, item_slo
+from adaserve.core.admission import TTFT_DEADLINE
 from adaserve.core.trace import ModelCosts, RunRecorder, RunTimeline
 from adaserve.errors import AdaServeError, AdmissionRejected
 from adaserve.slo import DEFAULT_CLASSES, SLO, SLOClass
@@ -246,7 +247,10 @@ def run_in_process(
                     recorder.record(tr)
                 for rid in [rid for rid, (_, r, _) in live.items() if r.finished]:
                     it, r, slo = live.pop(rid)
-                    collect(r, it, slo)
+                    if r.finish_reason == TTFT_DEADLINE:  # never started: answered 429
+                        fail(it, slo, f"shed: {r.finish_reason}", shed=True)
+                    else:
+                        collect(r, it, slo)
                 continue
             nxt = [items[i].arrival_s] if i < len(items) else []
             if shifts:

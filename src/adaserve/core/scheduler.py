@@ -32,14 +32,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from adaserve.core.admission import AdmissionControl
 from adaserve.core.blocks import BlockAllocator, BlockTable, OutOfBlocks
 from adaserve.core.clock import Clock
-from adaserve.core.config import CAPACITY_RETRY_S, QUEUE_FULL_RETRY_S, SchedulerConfig
+from adaserve.core.config import SchedulerConfig
 from adaserve.core.counters import Counters
 from adaserve.core.seq import SeqState, Status
 from adaserve.core.trace import StepTrace
 from adaserve.core.tree import scratch_slots_needed
-from adaserve.errors import AdmissionRejected, InvalidRequestError, PromptTooLongError
+from adaserve.errors import InvalidRequestError, PromptTooLongError
 from adaserve.sched.base import BatchView, Plan, Policy, ReqView
 from adaserve.slo import SLO, SLOClass
 
@@ -110,6 +111,10 @@ class Scheduler:
         self.last_plan_at: float | None = None
         self._admitted: list[int] = []
         self._preempted: list[int] = []
+        self.admission = AdmissionControl(self)
+        self._last: StepTrace | None = None  # the last pass, for admission's measurements
+        # queued requests ended at their TTFT deadline in this step (``begin_step``)
+        self.expired: list[SeqState] = []
 
     # ------------------------------------------------------------------ classes
     def class_slo(self, name: str) -> SLO:
@@ -135,29 +140,16 @@ class Scheduler:
         if -(-(prompt_len + 1) // self.cfg.block_size) > self.allocator.num_blocks:
             raise PromptTooLongError("prompt does not fit in the KV cache", "prompt")
 
-    def check_admission(self, slo: SLO) -> None:
-        """Shed a new request (``AdmissionRejected``) when the queue is full or its
-        strict class's demand would exceed capacity; counts the shed."""
-        if not self.cfg.admission:
-            return
-        if len(self.waiting) >= self.cfg.max_waiting:
-            self.counters.count_shed("queue_full")
-            raise AdmissionRejected("server queue is full", "queue_full", QUEUE_FULL_RETRY_S)
-        cls = self._classes.get(slo.cls)
-        strict = cls is None or cls.rank == 0
-        if slo.tpot_ms and strict and self.hw is not None:
-            demand = 1000.0 / slo.tpot_ms + sum(
-                1000.0 / r.slo.tpot_ms
-                for r in itertools.chain(self.running, self.waiting)
-                if r.slo.tpot_ms and r.slo.cls == slo.cls
-            )
-            if demand > self.capacity_tok_s():
-                self.counters.count_shed("capacity")
-                raise AdmissionRejected(
-                    f"predicted demand of class {slo.cls!r} exceeds capacity",
-                    "capacity",
-                    CAPACITY_RETRY_S,
-                )
+    def check_admission(self, seq: SeqState) -> None:
+        """Shed a new request (``AdmissionRejected``, counted) when its class's promise
+        cannot be kept: queue full, decode capacity, or TTFT (``core.admission``)."""
+        if self.cfg.admission:
+            self.admission.check(seq, self.clock.now())
+
+    def rank_of(self, cls: str | None) -> int:
+        """The strictness rank of class ``cls`` (0, the strictest, when unknown)."""
+        c = self._classes.get(cls)
+        return c.rank if c is not None else 0
 
     def capacity_tok_s(self) -> float:
         """Largest token rate the pair sustains at full batch (from the hardware model)."""
@@ -167,7 +159,7 @@ class Scheduler:
     def add(self, seq: SeqState) -> None:
         """Queue a validated request after the admission check (may raise
         ``AdmissionRejected``)."""
-        self.check_admission(seq.slo)
+        self.check_admission(seq)
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
@@ -179,6 +171,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        if seq.status is Status.RUNNING:
+            self.admission.observe_finish(seq.finished_at)
         seq.status = Status.FINISHED
         if seq.table is not None:
             seq.table.release()
@@ -211,10 +205,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step
     def begin_step(self) -> None:
-        """Read the clock for this step; start its trace."""
+        """Read the clock for this step; start its trace; with admission control, end
+        the queued requests past their TTFT deadline (``expired``)."""
         self.now = self.clock.now()
         self._admitted = []
         self._preempted = []
+        if self._last is not None:  # the previous pass, its token counts filled in
+            self.admission.observe(self._last)
+            self._last = None
+        self.expired = self.admission.expire(self.now) if self.cfg.admission else []
 
     def admit(self) -> None:
         """Move waiting requests to running in ``policy.admission_key`` order while
@@ -363,6 +362,7 @@ class Scheduler:
         tr.running = len(self.running)
         tr.waiting = len(self.waiting)
         tr.kv_usage = self.allocator.usage
+        self._last = tr
         return tr
 
     # ------------------------------------------------------------------ KV

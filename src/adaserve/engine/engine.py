@@ -116,10 +116,10 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one iteration; returns the requests that finished in it."""
         sched = self.scheduler
-        sched.begin_step()
+        sched.begin_step()  # (ends queued requests past their TTFT deadline)
         sched.admit()  # --- admit
         if not sched.running:
-            return []
+            return list(sched.expired)
         view = sched.view(self.calibrator.acceptance_by_rank())  # --- plan
         plan = sched.plan(view)
         batch = sched.reserve(plan, can_draft=self.runner.draft is not None)
@@ -136,6 +136,7 @@ class Engine:
             self.output.record_prompt_logprobs(r, p, lsm)
         generated = self.counters.generation_tokens
         finished, accepted = self.output.commit(batch, trees, result, self.calibrator, now)
+        finished = [*sched.expired, *finished]
         generated = self.counters.generation_tokens - generated
         trace = sched.end_step(batch, now)
         self._fill_trace(trace, plan, batch, trees, accepted, drafts, generated)

@@ -9,7 +9,7 @@ from fastapi import Request
 
 from adaserve.errors import ModelLoadError
 from adaserve.server.errors import ApiError
-from adaserve.server.generation import generate
+from adaserve.server.generation import generate, precheck_quotas
 from adaserve.server.jobs import Endpoint
 from adaserve.server.logprobs import chat_logprobs
 from adaserve.server.protocol import (
@@ -22,7 +22,13 @@ from adaserve.server.protocol import (
     ChatStreamChoice,
 )
 from adaserve.server.state import ServerState
-from adaserve.server.validation import ENCODE_IN_THREAD_CHARS, check_body, check_ids, encode
+from adaserve.server.validation import (
+    ENCODE_IN_THREAD_CHARS,
+    check_body,
+    check_ids,
+    check_text_size,
+    encode,
+)
 
 
 def _choice(index, text, logprobs, finish_reason, metrics) -> ChatChoice:
@@ -70,6 +76,10 @@ async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[i
         if m.name is not None:
             d["name"] = m.name
         msgs.append(d)
+    # the contents alone bound the prompt's length: no template run for a hopeless one
+    check_text_size(
+        state, sum(len(d["content"].encode("utf-8", "replace")) for d in msgs), "messages"
+    )
     try:
         if sum(len(d["content"]) for d in msgs) > ENCODE_IN_THREAD_CHARS:
             text = await asyncio.to_thread(tok.apply_chat_template, msgs)
@@ -86,6 +96,7 @@ async def create_chat(state: ServerState, body: ChatCompletionRequest, request: 
         raise ApiError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     if not body.messages:
         raise ApiError(400, "messages must not be empty", param="messages")
+    precheck_quotas(state, request)  # before any work proportional to the input
     prompt = await chat_prompt(state, body)
     return await generate(
         state,

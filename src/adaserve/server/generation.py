@@ -40,6 +40,16 @@ def _resolve(state: ServerState, body, headers, tenant: Tenant) -> SLOChoice:
     )
 
 
+def precheck_quotas(state: ServerState, request: Request) -> None:
+    """The tenant's request-count quotas (429), before the prompt is read or tokenised."""
+    tenant: Tenant = request.state.tenant
+    try:
+        state.quotas.precheck(tenant)
+    except ApiError as e:
+        state.rate_limited(tenant.name, e.reason or "quota")
+        raise
+
+
 async def generate(
     state: ServerState,
     request: Request,

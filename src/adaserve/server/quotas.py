@@ -68,6 +68,25 @@ class QuotaBook:
             if t.tokens_per_minute:
                 self._tpm[t.name] = TokenBucket(t.tokens_per_minute, clock)
 
+    def precheck(self, tenant: Tenant) -> None:
+        """Raise the 429 ``admit`` would for the request-count quotas (concurrency,
+        requests per minute) without taking anything: run before a prompt is
+        tokenised, so a tenant over its limits costs the server nothing."""
+        with self._lock:
+            self._check_counts(tenant)
+
+    def _check_counts(self, tenant: Tenant) -> None:
+        busy = self.inflight.get(tenant.name, 0)
+        if tenant.max_concurrent is not None and busy >= tenant.max_concurrent:
+            raise _quota_error(
+                "max_concurrent", f"at most {tenant.max_concurrent} concurrent requests", 1
+            )
+        rpm = self._rpm.get(tenant.name)
+        if rpm is not None and (w := rpm.wait_for(1)) > 0:
+            raise _quota_error(
+                "requests_per_minute", f"{tenant.requests_per_minute:g} requests per minute", w
+            )
+
     def admit(
         self,
         tenant: Tenant,
@@ -82,16 +101,8 @@ class QuotaBook:
         client set no ``max_tokens``) each shrunk to an equal share of what is left."""
         outputs = list(outputs)
         with self._lock:
-            busy = self.inflight.get(tenant.name, 0)
-            if tenant.max_concurrent is not None and busy >= tenant.max_concurrent:
-                raise _quota_error(
-                    "max_concurrent", f"at most {tenant.max_concurrent} concurrent requests", 1
-                )
+            self._check_counts(tenant)
             rpm = self._rpm.get(tenant.name)
-            if rpm is not None and (w := rpm.wait_for(1)) > 0:
-                raise _quota_error(
-                    "requests_per_minute", f"{tenant.requests_per_minute:g} requests per minute", w
-                )
             tpm = self._tpm.get(tenant.name)
             if tpm is not None:
                 if fit and outputs:

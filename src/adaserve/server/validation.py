@@ -62,12 +62,31 @@ async def encode(state: ServerState, text: str, param: str) -> list[int]:
     if tok is None:
         raise ApiError(400, "this model has no tokenizer: send prompts as token ids", param=param)
     try:
-        text.encode("utf-8")
+        size = len(text.encode("utf-8"))
     except UnicodeEncodeError:
         raise ApiError(400, f"{param} is not valid UTF-8 text", param=param) from None
+    check_text_size(state, size, param)
     if len(text) > ENCODE_IN_THREAD_CHARS:
-        return await asyncio.to_thread(tok.encode, text)
+        return await asyncio.to_thread(tok.encode_released, text)
     return tok.encode(text)
+
+
+def check_text_size(state: ServerState, size: int, param: str) -> None:
+    """400 ``context_length_exceeded`` at once for a text of ``size`` UTF-8 bytes that
+    cannot fit the context whatever its tokens: it has at least ``size /
+    max_token_bytes`` of them. Checked before tokenising, which costs time in
+    proportion to the text."""
+    tok = state.loop.info.tokenizer
+    limit = state.loop.info.max_model_len
+    if tok is None or size <= limit:  # every token stands for at least one byte
+        return
+    least = size // tok.max_token_bytes
+    if least >= limit:
+        raise context_error(
+            f"{param} has {size} bytes, so at least {least} tokens (a token stands for at "
+            f"most {tok.max_token_bytes} bytes); the model's context is {limit} tokens",
+            param,
+        )
 
 
 def check_ids(state: ServerState, ids: list[int], param: str) -> list[int]:

@@ -344,6 +344,8 @@ class _Run:
         sched = self.sched
         self.clock.set(self.now)
         sched.begin_step()
+        for r in sched.expired:  # queued past their TTFT deadline: answered 429
+            self._fail(r.item, r.slo, f"shed: {r.finish_reason}", True)
         sched.admit()
         if not sched.running:
             return
