@@ -25,6 +25,8 @@ import ray  # noqa: E402
 from server_fixtures import scrape, wait_for  # noqa: E402
 
 from adaserve.cluster.front_door import FrontDoor  # noqa: E402
+from adaserve.cluster.ray_router import route_request, stats_of, with_request  # noqa: E402
+from adaserve.cluster.routing import make_router  # noqa: E402
 from adaserve.cluster.serve_app import Cluster  # noqa: E402
 from adaserve.config import EngineConfig  # noqa: E402
 from adaserve.server import parse_config  # noqa: E402
@@ -228,9 +230,7 @@ def test_metrics_and_report_aggregate_both_replicas(svc):
     assert {lab["tenant"] for lab, _ in mine.get("adaserve:tenant_output_tokens_total", [])} <= {
         "limited"
     }
-    rep = httpx.get(
-        svc.url + "/v1/slo/report", headers={"Authorization": "Bearer sk-ops"}
-    ).json()
+    rep = httpx.get(svc.url + "/v1/slo/report", headers={"Authorization": "Bearer sk-ops"}).json()
     assert rep["requests"] - rep0.json()["requests"] >= len(res)
     assert rep["engine"]["live_replicas"] == 2
     assert set(rep["engine"]["replicas"]) >= set(svc.live())
@@ -300,3 +300,78 @@ def test_killed_replica_every_request_answered_and_service_recovers(svc):
     assert wait_for(idle, 30, every=0.1), svc.snapshots()[survivor]["report"]["engine"]
     # Ray Serve replaces the dead replica
     assert wait_for(lambda: len(set(svc.live()) - {victim}) == 2, 180, every=0.5)
+
+
+def test_graceful_shutdown_drains_every_replica(svc):
+    """(Last: it drains the module's service.)"""
+    svc.front.front.begin_drain(30.0)
+    r = httpx.post(
+        svc.url + "/v1/completions",
+        json={"model": "adaserve", "prompt": "x", "max_tokens": 1},
+        headers={"Authorization": "Bearer sk-user"},
+    )
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown"
+
+    def drained():
+        live = svc.live()
+        return live and all(s["report"]["engine"]["draining"] for s in live.values())
+
+    assert wait_for(drained, 20, every=0.1), "a replica never began draining"
+
+
+# ---------------------------------------------------------------------- the Ray router
+
+
+def _stats(rid: str, at_s: float = 0.0) -> dict:
+    """A replica's report as ``record_routing_stats`` sends it (an idle replica)."""
+    cls = [
+        {"name": "interactive", "rank": 0, "tpot_ms": 14.0, "ttft_ms": 2000.0},
+        {"name": "chat", "rank": 1, "tpot_ms": 21.0, "ttft_ms": 4000.0},
+    ]
+    return {
+        "replica_id": rid,
+        "classes": [
+            {**c, "predicted_tpot_ms": 5.0, "running": 0, "waiting": 0, "prefill_tokens": 0}
+            for c in cls
+        ],
+        "budget_tokens": 16,
+        "spare_budget_tokens": 100,
+        "running": 0,
+        "waiting": 0,
+        "waiting_prefill_tokens": 0,
+        "kv_free_fraction": 1.0,
+        "pass_ms": 10.0,
+        "at_s": at_s,
+        "ms_per_token": 0.25,
+        "unknown_future_field": 1,  # a newer replica's extra field is ignored
+    }
+
+
+def test_router_adapter_spreads_strict_and_packs_relaxed_between_reports():
+    """Between two reports the adapter adds what it has sent (``with_request``), so a
+    burst of strict requests alternates between two idle replicas while relaxed ones
+    pack onto one (the router's bin packing)."""
+    for cls, spread in (("interactive", True), ("chat", False)):
+        policy = make_router("slo")
+        stats = [stats_of(r, _stats(r), 0.0) for r in ("r0", "r1")]
+        chosen = []
+        for _ in range(6):
+            route = {"generation": True, "slo_class": cls, "prompt_tokens": 8, "max_tokens": 8}
+            req = route_request(route, stats, "chat")
+            best = policy.rank(req, stats)[0]
+            chosen.append(best)
+            i = [s.replica_id for s in stats].index(best)
+            stats[i] = with_request(policy, req, stats[i])
+        assert (len(set(chosen)) == 2) == spread, (cls, chosen)
+    assert stats[0].waiting + stats[1].waiting == 6
+    assert sum(c.prefill_tokens for s in stats for c in s.classes) == 48
+
+
+def test_route_request_takes_rank_and_targets_from_reports():
+    stats = [stats_of("r0", _stats("r0"), 0.0)]
+    req = route_request({"slo_class": None, "prompt_tokens": 3}, stats, "chat")
+    assert (req.slo_class, req.rank, req.tpot_ms, req.ttft_ms) == ("chat", 1, 21.0, 4000.0)
+    req = route_request({"slo_class": "interactive", "tpot_ms": 30.0}, stats, "chat")
+    assert (req.rank, req.tpot_ms, req.ttft_ms) == (0, 30.0, 2000.0)
+    idle = stats_of("new", None, 5.0)  # no report yet: an idle replica
+    assert idle.running == 0 and idle.classes == () and idle.at_s == 5.0

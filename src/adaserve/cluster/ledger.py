@@ -69,7 +69,8 @@ class Ledger:
         fit: bool,
         settlements: list | None = None,
     ) -> tuple:
-        """("ok", reserved max_tokens per choice) or ("error", error_tuple)."""
+        """("ok", reserved max_tokens per choice) or ("error", error_tuple, seconds until
+        a requests-per-minute refusal can end)."""
         self.settle(replica_id, settlements or [])
         self._forget_dead()
         t = self.tenants.get(tenant)
@@ -78,7 +79,10 @@ class Ledger:
         try:
             reserved = self.quotas.admit(t, prompt_tokens, outputs, fit=fit)
         except ApiError as e:
-            return ("error", error_tuple(e))
+            wait = 0.0
+            if e.reason == "requests_per_minute":
+                wait = self.quotas.requests_wait(tenant)
+            return ("error", error_tuple(e), wait)
         k = (replica_id, tenant)
         self.held[k] = self.held.get(k, 0) + 1
         return ("ok", reserved)

@@ -101,9 +101,7 @@ class AdaServeRequestRouter(RequestRouter):
         return ranked
 
     def _note_sent(self, pending_request, rid: str, route: dict, now: float) -> None:
-        key = getattr(pending_request.metadata, "internal_request_id", None) or id(
-            pending_request
-        )
+        key = getattr(pending_request.metadata, "internal_request_id", None) or id(pending_request)
         prev = self._chosen.pop(key, None)
         if prev is not None:  # chosen again (the first choice refused it): move it
             q = self._sent.get(prev)

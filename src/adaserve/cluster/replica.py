@@ -162,6 +162,7 @@ class EngineReplica:
                 "spec_draft_tokens": snap.counters.get("spec_draft_tokens", 0),
                 "spec_accepted_tokens": snap.counters.get("spec_accepted_tokens", 0),
                 "pid": os.getpid(),
+                "draining": st.draining,
             },
         }
 

@@ -20,6 +20,7 @@ every replica drains (``shutdown_grace_s``), then the application is deleted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -156,10 +157,8 @@ class Cluster:
         except Exception:
             log.exception("stopping the Serve application failed")
         if self.ledger is not None:
-            try:
+            with contextlib.suppress(Exception):
                 ray.kill(self.ledger)
-            except Exception:
-                pass
         if self._owns_ray:
             ray.shutdown()
 
@@ -170,13 +169,13 @@ def run(args, ecfg: EngineConfig, cfg: ServerConfig) -> int:
     from adaserve.server.cli import make_server
     from adaserve.server.engine_loop import model_name_of
 
-    cluster = Cluster(
-        ecfg, cfg, args.replicas, router=args.router, ray_address=args.ray_address
-    )
+    cluster = Cluster(ecfg, cfg, args.replicas, router=args.router, ray_address=args.ray_address)
     try:
         handle = cluster.start()
     except Exception as e:  # one line, not a traceback
-        print(f"adaserve serve: cannot start the replicas: {type(e).__name__}: {e}", file=sys.stderr)
+        print(
+            f"adaserve serve: cannot start the replicas: {type(e).__name__}: {e}", file=sys.stderr
+        )
         cluster.shutdown()
         return 1
     name = cfg.model_name or model_name_of(ecfg)

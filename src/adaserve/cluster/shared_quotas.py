@@ -12,6 +12,7 @@ charged one by one.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 from adaserve.cluster.ledger import error_of
@@ -26,6 +27,18 @@ class SharedQuotaBook:
         self.replica_id = replica_id
         self._lock = threading.Lock()
         self._pending: list[tuple] = []
+        # tenant -> (monotonic time its requests-per-minute refusal lasts until, error)
+        self._blocked: dict[str, tuple[float, tuple]] = {}
+
+    def precheck(self, tenant: Tenant) -> None:
+        """The request-count quotas before any work on the prompt: refused here while
+        the service's last requests-per-minute refusal of the tenant lasts (its bucket
+        only refills with time), else left to ``reserve``."""
+        b = self._blocked.get(tenant.name)
+        if b is not None:
+            if time.monotonic() < b[0]:
+                raise error_of(b[1])
+            self._blocked.pop(tenant.name, None)
 
     async def reserve(
         self,
@@ -39,7 +52,10 @@ class SharedQuotaBook:
             self.replica_id, tenant.name, prompt_tokens, list(outputs), fit, self.take_pending()
         )
         if res[0] == "error":
-            raise error_of(res[1])
+            err = error_of(res[1])
+            if err.reason == "requests_per_minute" and res[2] > 0:
+                self._blocked[tenant.name] = (time.monotonic() + res[2], res[1])
+            raise err
         return list(res[1])
 
     def admit(self, *args, **kwargs):

@@ -150,6 +150,13 @@ class QuotaBook:
         """Give back a reservation that never reached the engine."""
         self.settle(tenant_name, tokens, 0)
 
+    def requests_wait(self, tenant_name: str) -> float:
+        """Seconds until the tenant's requests-per-minute bucket has a request (0: now,
+        or no such quota)."""
+        with self._lock:
+            rpm = self._rpm.get(tenant_name)
+            return 0.0 if rpm is None else rpm.wait_for(1)
+
     def tokens_available(self, tenant_name: str) -> float | None:
         """The tenant's tokens-per-minute bucket level now (None: no such quota)."""
         with self._lock:
