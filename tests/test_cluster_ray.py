@@ -115,7 +115,8 @@ def _complete(client, **kw):
 
 
 async def _burst(svc, n: int, key: str = "sk-user", **kw) -> list:
-    """``n`` concurrent strict-class completions: [(replica or None, result or error)]."""
+    """``n`` concurrent strict-class completions, prompts of ~200 tokens (enough that
+    each one weighs in the router's prediction): [(replica, result or error)]."""
     kw.setdefault("max_tokens", 4)
     async with svc.async_client(key) as c:
 
@@ -123,7 +124,7 @@ async def _burst(svc, n: int, key: str = "sk-user", **kw) -> list:
             try:
                 raw = await c.completions.with_raw_response.create(
                     model="adaserve",
-                    prompt=f"request {i}:",
+                    prompt=f"request {i}: " + "lorem ipsum " * 65,
                     extra_body={"slo_class": "interactive"},
                     **kw,
                 )
