@@ -4,7 +4,8 @@ A plain ASGI app, run by the single server's uvicorn set-up (``server.cli.make_s
 the same header and body timeouts, connection cap and JSON errors for what uvicorn
 cannot parse). Per request:
 
-- ``POST`` while draining: 503 ``server_shutdown``, as the single server;
+- ``POST`` while draining: 503 ``server_shutdown``, and ``/health`` 503, as the single
+  server;
 - ``/metrics`` and ``/v1/slo/report``: answered here for the whole service, from the
   replicas' reports in the ``Ledger`` (``merge``), with the single server's key rules;
 - everything else is read (body limit and timeout as the single server) and forwarded
@@ -144,6 +145,10 @@ class FrontDoor:
         try:
             if path.startswith("/v1/") and method == "POST" and self.front.draining:
                 raise shutdown_error()
+            if path == "/health" and self.front.draining:
+                body = b"" if method == "HEAD" else b'{"status": "draining"}'
+                await _send(send, 503, body, "application/json")
+                return
             if path == "/metrics" and method == "GET":
                 await self._metrics(scope, send)
                 return
