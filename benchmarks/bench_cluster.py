@@ -167,6 +167,7 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=4.0, help="mixed workload arrivals per s")
     p.add_argument("--router", default="slo", choices=["slo", "p2c", "rr"])
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every engine")
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="adaserve-bench-cluster-"))
@@ -174,7 +175,14 @@ def main() -> int:
     # cache): nothing measured under another load decides admission
     (work / "cache").mkdir()
     (work / "engine.toml").write_text(ENGINE_TOML)
-    env = {**os.environ, "ADASERVE_CACHE": str(work / "cache")}
+    # one intra-op thread each, as Ray gives a replica with no CPU reservation (on a
+    # small shared machine a thread pool per engine costs several times more than it
+    # brings); --threads to change it for both
+    env = {
+        **os.environ,
+        "ADASERVE_CACHE": str(work / "cache"),
+        "OMP_NUM_THREADS": str(args.threads),
+    }
     conf = ["--config", str(work / "engine.toml"), "--log-level", "warning"]
     single, s_url, s_up = _start(conf, env, work / "single.log")
     cluster, c_url, c_up = _start(
