@@ -6,6 +6,7 @@ router of a request."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from prometheus_client import generate_latest
@@ -232,3 +233,66 @@ def test_replicas_without_ray_is_one_clear_line(monkeypatch, capsys):
     assert "at least 1" in capsys.readouterr().err
     assert cli.main(["--ray-address", "ray://x:10001"]) == 2
     assert "needs --replicas" in capsys.readouterr().err
+
+
+def test_asgi_relay_whole_response_in_one_item_stream_as_it_comes():
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    from adaserve.cluster.asgi import call_app, request_data
+
+    seen_disconnect = asyncio.Event()
+
+    async def whole(request):
+        return JSONResponse({"echo": (await request.body()).decode()})
+
+    async def stream(request):
+        async def gen():
+            for i in range(3):
+                yield f"data: {i}\n\n"
+                await asyncio.sleep(0.01)  # chunks made apart arrive apart
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    async def forever(request):
+        async def gen():
+            try:
+                while True:
+                    yield "x"
+                    await asyncio.sleep(0.01)
+            finally:
+                seen_disconnect.set()
+
+        return StreamingResponse(gen())
+
+    app = Starlette(
+        routes=[
+            Route(p, f, methods=["POST"])
+            for p, f in (("/whole", whole), ("/stream", stream), ("/forever", forever))
+        ]
+    )
+
+    def req(path, body=b""):
+        scope = {"method": "POST", "path": path, "headers": [], "client": ("1.2.3.4", 5)}
+        return request_data(scope, body)
+
+    async def run():
+        items = [m async for m in call_app(app, req("/whole", b"hi"), {"x-r": "r0"})]
+        assert len(items) == 1 and items[0][0] == "many"
+        (start, body) = items[0][1]
+        assert start[1] == 200 and (b"x-r", b"r0") in start[2]
+        assert json.loads(body[1]) == {"echo": "hi"} and body[2] is False
+        items = [m async for m in call_app(app, req("/stream"))]
+        flat = [x for m in items for x in (m[1] if m[0] == "many" else [m])]
+        chunks = [x[1] for x in flat if x[0] == "body" and x[1]]
+        assert chunks == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n"]
+        assert len(items) >= 3  # not held back until the end
+        gen = call_app(app, req("/forever"))
+        async for m in gen:
+            if m[0] == "body":
+                break
+        await gen.aclose()  # the consumer left: the app sees a disconnect
+        await asyncio.wait_for(seen_disconnect.wait(), 5)
+
+    asyncio.run(run())

@@ -2,7 +2,8 @@
 
 The front door sends ``request_data(scope, body)`` across the process boundary; the
 replica runs it with ``call_app`` and streams back ``("start", status, headers)`` and
-``("body", bytes, more_body)``. When the consumer stops (the stream is cancelled: the
+``("body", bytes, more_body)`` (those the app sent at once as one ``("many", [...])``:
+a whole JSON response is one item). When the consumer stops (the stream is cancelled: the
 client left), the app's ``receive`` answers ``http.disconnect``, as uvicorn would.
 """
 
@@ -66,19 +67,30 @@ async def call_app(app, req: dict, extra_headers: dict[str, str] | None = None):
     task = asyncio.ensure_future(app(scope, receive, send))
     task.add_done_callback(lambda _t: out.put_nowait(None))
     try:
-        while True:
-            msg = await out.get()
-            if msg is None:
-                break
-            kind = msg["type"]
-            if kind == "http.response.start":
-                headers = [tuple(h) for h in msg.get("headers", [])] + extra
-                yield ("start", msg["status"], headers)
-            elif kind == "http.response.body":
-                more = bool(msg.get("more_body", False))
-                yield ("body", bytes(msg.get("body", b"")), more)
-                if not more:
+        done = False
+        while not done:
+            msgs = [await out.get()]
+            while not out.empty():  # what the app sent meanwhile goes in one item
+                msgs.append(out.get_nowait())
+            items = []
+            for msg in msgs:
+                if msg is None:
+                    done = True
                     break
+                kind = msg["type"]
+                if kind == "http.response.start":
+                    headers = [tuple(h) for h in msg.get("headers", [])] + extra
+                    items.append(("start", msg["status"], headers))
+                elif kind == "http.response.body":
+                    more = bool(msg.get("more_body", False))
+                    items.append(("body", bytes(msg.get("body", b"")), more))
+                    if not more:
+                        done = True
+                        break
+            if len(items) == 1:
+                yield items[0]
+            elif items:
+                yield ("many", items)
     finally:
         gone.set()
         if not task.done():
@@ -86,5 +98,3 @@ async def call_app(app, req: dict, extra_headers: dict[str, str] | None = None):
                 await asyncio.wait_for(asyncio.shield(task), 5.0)
         if not task.done():
             task.cancel()
-        elif not task.cancelled() and task.exception() is not None:
-            pass  # the app's own exception handlers already answered

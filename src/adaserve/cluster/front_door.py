@@ -208,18 +208,20 @@ class FrontDoor:
                             raise RuntimeError("the replica's response ended early") from None
                         if msg[0] == "accepted":
                             accepted = True
-                        elif msg[0] == "start":
-                            started = True
-                            sse = _is_sse(msg[2])
-                            await send(
-                                {"type": "http.response.start", "status": msg[1], "headers": msg[2]}
-                            )
-                        else:
-                            await send(
-                                {"type": "http.response.body", "body": msg[1], "more_body": msg[2]}
-                            )
-                            if not msg[2]:
-                                return
+                            continue
+                        for m in msg[1] if msg[0] == "many" else (msg,):
+                            if m[0] == "start":
+                                started = True
+                                sse = _is_sse(m[2])
+                                await send(
+                                    {"type": "http.response.start", "status": m[1], "headers": m[2]}
+                                )
+                            else:
+                                await send(
+                                    {"type": "http.response.body", "body": m[1], "more_body": m[2]}
+                                )
+                                if not m[2]:
+                                    return
                 except OSError:  # the client's connection is gone
                     gen.cancel()
                     return
