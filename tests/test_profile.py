@@ -5,6 +5,7 @@ here is injected (fake timers, a tick clock): nothing depends on the machine's s
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,10 @@ def test_profile_spread_cached_and_reloaded(tiny_pair, tmp_path, monkeypatch, ca
     path = profile.cached_profile_path(eng)
     assert "measuring the hardware profile: verify 1-256 tokens" in err
     assert f"caching it in {path}" in err
+    # how long it took and where it went, once measured
+    assert re.search(
+        rf"measured the hardware profile in [0-9.]+ s; cached in {re.escape(str(path))}", err
+    )
     raw = json.loads(path.read_text())
     spread = raw["verify"]["spread_by_kv"]["64"]
     assert spread["reps"] == 3 and len(spread["p90_ms"]) == len(profile.VERIFY_TOKENS)
@@ -95,6 +100,17 @@ def test_profile_spread_cached_and_reloaded(tiny_pair, tmp_path, monkeypatch, ca
     again = profile.load_or_profile(eng, auto=True, timer=None)
     assert "using the cached hardware profile" in capsys.readouterr().err
     assert again.verify_ms == hw.verify_ms
+
+
+def test_unwritable_cache_folder_measures_for_this_run(tiny_pair, tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("")  # a file where the cache folder should be
+    monkeypatch.setenv("ADASERVE_CACHE", str(tmp_path / "file" / "cache"))
+    target, draft, _ = tiny_pair
+    eng = Engine(EngineConfig(model=str(target), draft=str(draft), policy="ar", kv_cache_bytes=KV))
+    hw = profile.load_or_profile(eng, auto=True, timer=_fake_timer())
+    err = capsys.readouterr().err
+    assert hw is not None and hw.verify_ms
+    assert "cannot write the profile cache" in err and "; not cached" in err
 
 
 def test_sanity_check_flags_impossible_and_inverted_profiles():

@@ -35,7 +35,9 @@ _env = pytest.fixture(scope="module", autouse=True)(server_test_env)
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     target, draft = model_pair(tmp_path_factory)
-    s = LiveServer(engine_config(target, draft), ServerConfig(max_body_bytes=1 << 20))
+    # admission off: these tests are about the API (test_server_overload covers shedding)
+    cfg = ServerConfig(max_body_bytes=1 << 20, admission=False)
+    s = LiveServer(engine_config(target, draft), cfg)
     yield s
     s.stop()
 

@@ -1,6 +1,7 @@
-"""Issue 22 finding 2: one tenant's huge prompts cost the others nothing. Quotas are
-checked before a prompt is read, a text that cannot fit the context is refused without
-being tokenised, and long texts are tokenised with the GIL released."""
+"""Issue 22 finding 2: one tenant's huge prompts cost the others nothing. Request quotas
+are checked before a body is read, a body bigger than any prompt that fits the context
+is refused at its headers (413), a text that cannot fit is refused without being
+tokenised (400), and long texts are tokenised with the GIL released."""
 
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ requests_per_minute = 1
 keys = ["sk-other-secret"]
 """
 
-# just under the 8 MiB body limit, as in the attack (7.9 MB prompts)
+# as in the attack (7.9 MB prompts), and one under the body limit the shipped-size
+# context gives (1 MiB) that still cannot fit the context
 HUGE = "def f(x):\n    return x  # " + "x" * (7_900_000 - 28)
+BIG = "def f(x):\n    return x  # " + "x" * 600_000
 
 _env = pytest.fixture(scope="module", autouse=True)(server_test_env)
 
@@ -76,16 +79,29 @@ def test_tenant_over_its_request_quota_gets_429_before_its_prompt_is_read(srv, e
     assert max(encode_calls) < 100  # only the small prompt was ever tokenised
 
 
+def test_body_bigger_than_any_fitting_prompt_is_refused_at_its_headers(srv, encode_calls):
+    assert srv.state.body_limit == 1 << 20  # 8 contexts of 512 x the longest token: 1 MiB
+    with httpx.Client(base_url=srv.url, timeout=60) as h:
+        r = h.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": HUGE, "max_tokens": 1},
+            headers={"Authorization": "Bearer sk-other-secret"},
+        )
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert "derived from the model's context" in r.json()["error"]["message"]
+    assert encode_calls == []
+
+
 def test_text_that_cannot_fit_the_context_is_refused_without_tokenising(srv, encode_calls):
     c = srv.client("sk-other-secret")
     with pytest.raises(openai.BadRequestError) as ei:
-        c.completions.create(model="tiny", prompt=HUGE, max_tokens=1)
+        c.completions.create(model="tiny", prompt=BIG, max_tokens=1)
     e = ei.value.body
     assert e["code"] == "context_length_exceeded" and e["param"] == "prompt"
     assert "bytes" in e["message"] and "context" in e["message"]
     with pytest.raises(openai.BadRequestError) as ei:
         c.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": HUGE}], max_tokens=1
+            model="tiny", messages=[{"role": "user", "content": BIG}], max_tokens=1
         )
     assert ei.value.body["code"] == "context_length_exceeded"
     assert encode_calls == []
@@ -99,27 +115,28 @@ def test_text_that_cannot_fit_the_context_is_refused_without_tokenising(srv, enc
 
 
 def test_flood_of_huge_prompts_leaves_other_tenants_served(srv):
-    """Four huge prompts at once (refused) and a small request of another tenant
-    beside them: every huge one is answered 400, the small one 200."""
+    """Four huge and four big prompts at once (refused) and a small request of another
+    tenant beside them: every huge one is answered 413, every big one 400, the small
+    one 200."""
     out: list[int] = []
 
-    def huge():
+    def huge(text):
         r = httpx.post(
             srv.url + "/v1/completions",
-            json={"model": "tiny", "prompt": HUGE, "max_tokens": 1},
+            json={"model": "tiny", "prompt": text, "max_tokens": 1},
             headers={"Authorization": "Bearer sk-other-secret"},
             timeout=120,
         )
         out.append(r.status_code)
 
-    ts = [threading.Thread(target=huge) for _ in range(4)]
+    ts = [threading.Thread(target=huge, args=(t,)) for t in (HUGE, BIG) * 4]
     for t in ts:
         t.start()
     r = srv.client("sk-other-secret").completions.create(model="tiny", prompt="x", max_tokens=2)
     assert r.usage.completion_tokens == 2
     for t in ts:
         t.join(120)
-    assert out == [400] * 4
+    assert sorted(out) == [400] * 4 + [413] * 4
 
 
 def test_size_bound_is_a_lower_bound_on_tokens(tmp_path_factory):

@@ -1,19 +1,126 @@
 """Compiled loops for the hot paths of the planner and the simulator (numba).
 
-``compiled`` is ``numba.njit`` with the machine code cached on disk (next to the
-source, or in the user's cache directory when the package is read-only). Where no
-cache location is writable at all, the functions are compiled in each process
+``compiled`` is ``numba.njit`` with the machine code cached on disk in adaserve's cache
+folder (``paths.cache_dir() / "numba"``: ``$ADASERVE_CACHE``, else
+``$XDG_CACHE_HOME/adaserve``, else ``~/.cache/adaserve``), never inside the installed
+package; a user's own ``NUMBA_CACHE_DIR`` wins. numba fixes a function's cache path
+when it is decorated, so the folder is set for adaserve's functions only (numba's
+config is restored after each decoration: other numba users in the process are left
+alone). Where no cache folder is writable, the functions are compiled in each process
 instead of failing at import.
+
+The first run compiles (up to a minute on a slow machine; later runs load the cache).
+The first compilation in a process says on stderr what it compiles and where it is
+cached; each one, when it is done, what it compiled and how long it took.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import numba
 from numba import njit
+from numba.core import event
+
+from adaserve import paths
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def cache_folder() -> Path | None:
+    """Where adaserve's numba cache lives: ``$NUMBA_CACHE_DIR`` when the user set it,
+    else ``paths.cache_dir() / "numba"``; None when that folder cannot be written."""
+    user = os.environ.get("NUMBA_CACHE_DIR")
+    if user:
+        return Path(user)
+    try:
+        d = paths.cache_dir() / "numba"
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return d if os.access(d, os.W_OK) else None
+
+
+@contextlib.contextmanager
+def _numba_cache_dir(folder: Path):
+    """numba's ``CACHE_DIR`` set to ``folder`` for one decoration, then restored."""
+    old = numba.config.CACHE_DIR
+    numba.config.CACHE_DIR = str(folder)
+    try:
+        yield
+    finally:
+        numba.config.CACHE_DIR = old
 
 
 def compiled(fn):
-    """``njit(cache=True)``, or ``njit`` when no cache location is writable."""
+    """``njit(cache=True)`` with the cache in adaserve's cache folder, or ``njit``
+    when no cache folder is writable."""
+    _install_notice()
+    folder = cache_folder()
+    if folder is None:
+        return njit(fn)
     try:
-        return njit(cache=True)(fn)
+        with _numba_cache_dir(folder):
+            return njit(cache=True)(fn)
     except RuntimeError:  # numba: "cannot cache function ...: no locator available"
         return njit(fn)
+
+
+def _say(msg: str) -> None:
+    print(f"adaserve: {msg}", file=sys.stderr, flush=True)
+
+
+def _name(dispatcher) -> str | None:
+    """``module.function`` of one of adaserve's compiled functions, else None."""
+    f = getattr(dispatcher, "py_func", None)
+    mod = getattr(f, "__module__", "") or ""
+    if not mod.startswith("adaserve."):
+        return None
+    return f"{mod.removeprefix('adaserve.')}.{f.__name__}"
+
+
+class _CompileNotice(event.Listener):
+    """Says on stderr when one of adaserve's functions is compiled (not when it is
+    loaded from the cache: numba fires ``numba:compile`` only for a real compile), and
+    how long it took. Nested compiles (a function calling another) count in the
+    outermost one; numba holds its compiler lock across them."""
+
+    def __init__(self):
+        self.depth = 0
+        self.t0 = 0.0
+        self.top: str | None = None
+        self.announced = False
+
+    def on_start(self, ev) -> None:
+        name = _name(ev.data.get("dispatcher"))
+        if name is None:
+            return
+        self.depth += 1
+        if self.depth == 1:
+            self.top, self.t0 = name, time.perf_counter()
+            if not self.announced:
+                self.announced = True
+                folder = cache_folder()
+                where = f"cached in {folder}" if folder else "not cached: no writable folder"
+                _say(f"compiling numba kernels on first use (first run only; {where}): {name}")
+
+    def on_end(self, ev) -> None:
+        if _name(ev.data.get("dispatcher")) is None or self.depth == 0:
+            return
+        self.depth -= 1
+        if self.depth == 0:
+            _say(f"compiled {self.top} (numba) in {time.perf_counter() - self.t0:.1f} s")
+
+
+_NOTICE: _CompileNotice | None = None
+
+
+def _install_notice() -> None:
+    global _NOTICE
+    if _NOTICE is None:
+        _NOTICE = _CompileNotice()
+        event.register("numba:compile", _NOTICE)

@@ -11,11 +11,18 @@ DEFAULT_DRAFT = ASSETS / "draft"
 DEFAULT_STATS = ASSETS / "pair_stats.json"
 
 
-def cache_dir() -> Path:
-    """Per-user cache directory (hardware profiles); ``ADASERVE_CACHE`` overrides it."""
+def cache_root() -> Path:
+    """Per-user cache folder (hardware profiles in ``profiles/``, compiled kernels in
+    ``numba/``; see docs/caches.md): ``$ADASERVE_CACHE``, else
+    ``$XDG_CACHE_HOME/adaserve``, else ``~/.cache/adaserve``. Not created."""
     base = os.environ.get("ADASERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "adaserve"
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "adaserve"
     )
-    p = Path(base)
+    return Path(base)
+
+
+def cache_dir() -> Path:
+    """``cache_root()``, created when missing (``OSError`` when it cannot be)."""
+    p = cache_root()
     p.mkdir(parents=True, exist_ok=True)
     return p

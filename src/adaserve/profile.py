@@ -245,11 +245,11 @@ def profile_engine(engine, reps: int = 5, timer=None) -> dict:
 
 
 def cached_profile_path(engine) -> Path:
-    from adaserve.paths import cache_dir
+    from adaserve.paths import cache_root
 
     dtype = str(engine.dtype).removeprefix("torch.")
     key = profile_key(engine.model_dir, engine.draft_dir, engine.cfg.device, dtype)
-    return cache_dir() / "profiles" / f"{key}.json"
+    return cache_root() / "profiles" / f"{key}.json"
 
 
 def _say(msg: str) -> None:
@@ -294,8 +294,12 @@ def _save(prof: dict, path: Path) -> bool:
     if (prof.get("sanity") or {}).get("impossible"):
         _say(f"not caching an impossible profile (faster than the roofline allows): {path}")
         return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(prof, indent=1))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(prof, indent=1))
+    except OSError as e:
+        _say(f"cannot write the profile cache ({e}); the profile serves this run only")
+        return False
     return True
 
 
@@ -320,9 +324,18 @@ def load_or_profile(engine, auto: bool, timer=None) -> HardwareModel | None:
     if not auto:
         return None
     reps = 3
-    _say(f"measuring the hardware profile: {_what(engine, reps)}; caching it in {path}")
+    _say(
+        f"measuring the hardware profile: {_what(engine, reps)}; caching it in {path} "
+        "(once per machine, model pair, device and dtype)"
+    )
+    t0 = time.perf_counter()
     prof = measure_checked(engine, reps=reps, timer=timer)
-    _save(prof, path)
+    saved = _save(prof, path)
+    took = time.perf_counter() - t0
+    _say(
+        f"measured the hardware profile in {took:.1f} s"
+        + (f"; cached in {path} (later starts load it)" if saved else "; not cached")
+    )
     return HardwareModel.from_dict(prof, source=str(path))
 
 

@@ -342,6 +342,8 @@ def _extra(tl, records, spec, strict: str, energy, window: float) -> dict:
         "shed_by_reason",
         "degraded_total",
         "preemptions",
+        "spec_drafts",
+        "accepted_per_pos",
         "model_time_s",
         "step_time_s",
         "peak_kv_usage",

@@ -7,6 +7,8 @@ Files written to ``out_dir``:
 - ``summary.md``: overall and per-class tables (sweep: one row per point).
 - ``requests.jsonl`` (when records are given): one line per request and policy.
 - ``timeline.json`` (when timelines are given): per-iteration samples per policy.
+- ``report.html`` (serve): the live dashboard's page with this run's data, one
+  self-contained file that opens offline (``adaserve.bench.html``).
 - PNGs. serve: ``overview.png`` (attainment and goodput per policy and class),
   ``latency_cdf.png`` (per-class TPOT and TTFT CDFs), ``timeline.png`` (tree size and
   the strict class's rolling attainment over time, shifts marked). sweep:
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from adaserve.bench.html import write_html
 from adaserve.bench.markdown import serve_summary_md, sweep_summary_md
 from adaserve.bench.plots import _plot_cdfs, _plot_overview, _plot_sweep, _plot_timeline
 from adaserve.bench.tables import format_class_table
@@ -68,7 +71,8 @@ def write_report(
     records: dict | None = None,
     plots: bool = True,
 ) -> list[Path]:
-    """Write ``result.json``, ``summary.md`` and the PNGs to ``out_dir``; returns paths.
+    """Write ``result.json``, ``summary.md``, ``report.html`` and the PNGs to ``out_dir``;
+    returns paths.
 
     ``timelines``: {policy: [per-iteration samples]} (serve; timeline plot);
     ``records``: {policy: [RequestRecord or dict]} (serve; latency CDFs, rolling
@@ -97,6 +101,8 @@ def write_report(
         p = out / "timeline.json"
         p.write_text(_dumps(timelines) + "\n")
         written.append(p)
+    if kind == "serve" and result.get("results"):
+        written.append(write_html(out, result, timelines, records))
     if not plots:
         return written
     if kind == "serve":

@@ -40,6 +40,7 @@ from adaserve.server.engine_errors import shutdown_error
 from adaserve.server.errors import ApiError, retry_after
 from adaserve.server.render import dumps, error_response
 from adaserve.server.slo_resolution import SLO_HEADERS
+from adaserve.server.state import MAX_BODY_BYTES
 
 log = logging.getLogger("adaserve.cluster")
 
@@ -109,6 +110,8 @@ class FrontState:
         self.model_name = model_name
         self.ledger = ledger
         self.tenants = TenantRegistry(cfg.tenants)
+        # the replicas hold the limit derived from the model; this one bounds memory
+        self.body_limit = cfg.max_body_bytes or MAX_BODY_BYTES
         self.loop = _InFlight()
         self.draining = False
         self._drain_started = False

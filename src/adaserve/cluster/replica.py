@@ -36,7 +36,7 @@ REPLICA_HEADER = "x-adaserve-replica"
 class EngineReplica:
     """The body of the Ray Serve deployment (``serve_app`` wraps it)."""
 
-    def __init__(
+    async def __init__(
         self,
         ecfg: EngineConfig,
         cfg: ServerConfig,
@@ -49,16 +49,17 @@ class EngineReplica:
 
         from adaserve.cluster.shared_quotas import SharedQuotaBook
         from adaserve.server.app import create_app
-        from adaserve.server.config import check_against_classes
         from adaserve.server.engine_loop import EngineLoop
 
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         self.eloop = EngineLoop(ecfg, max_waiting=cfg.max_waiting, step_delay_s=cfg.step_delay_s)
-        self.eloop.start()
-        check_against_classes(cfg, self.eloop.info.classes)
         self.app = create_app(self.eloop, cfg)
         self.state = self.app.state.adaserve
+        # the app's own start-up, as uvicorn runs it for a single server (the engine
+        # thread, the checks against the classes, the body limit, the stats log line)
+        self._lifespan = self.app.router.lifespan_context(self.app)
+        await self._lifespan.__aenter__()
         self.ledger = ray.get_actor(ledger_name, namespace=namespace)
         self.quotas = SharedQuotaBook(self.ledger, self.replica_id)
         self.state.quotas = self.quotas
@@ -115,15 +116,16 @@ class EngineReplica:
         if not self.eloop.alive:
             raise RuntimeError("the engine thread is down")
 
-    def __del__(self) -> None:
-        # Ray Serve calls this after the replica's requests have drained (or its
-        # graceful shutdown timeout has passed): cancel what is left, end the thread
+    async def __del__(self) -> None:
+        # Ray Serve calls (and awaits) this after the replica's requests have drained,
+        # or its graceful shutdown timeout has passed: the app's shutdown cancels what
+        # is left and ends the engine thread
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
-        eloop = getattr(self, "eloop", None)
-        if eloop is not None:
-            eloop.stop()
+        lifespan, self._lifespan = getattr(self, "_lifespan", None), None
+        if lifespan is not None:
+            await lifespan.__aexit__(None, None, None)
 
     # ------------------------------------------------------------------ sync thread
     def _on_record(self, rec) -> None:

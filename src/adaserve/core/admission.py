@@ -10,9 +10,14 @@ Every class gets its own decision (not only the strictest):
   by the measured/predicted pass time. Each class ``c`` at or above the new one's
   strictness must still be on pace: ``pass_ms(N) / tokens_per_pass(c) <= tpot(c)``,
   with ``tokens_per_pass(c)`` the accepted tokens per pass measured for the class (1
-  until measured). A relaxed request is thus judged against what the stricter classes
-  leave, and never admitted at the expense of a stricter class's TPOT;
-* **TTFT**: the predicted time to its first token must be within its TTFT target. The
+  until measured), within ``PACE_TOLERANCE``. A relaxed request is thus judged
+  against what the stricter classes leave (those in the batch and those seen lately),
+  and never admitted at the expense of a stricter class's TPOT. A class whose target
+  the hardware misses even for a request alone is not kept on pace (shedding cannot
+  fix a target the machine cannot reach);
+* **TTFT**: the predicted time to its first token must be within its TTFT target
+  (when its own prefill alone fits it: a target nothing could meet is served as
+  best it can, behind the others, and not refused). The
   prediction is earliest-deadline-first, as the planner prefills: the prompt tokens of
   every queued or prefilling request whose TTFT deadline falls before the new one's
   (and has not passed: a request that is already late goes last) plus its own, at one
@@ -157,6 +162,13 @@ class AdmissionControl:
         ctx = self.context if self.context is not None else _DEFAULT_CONTEXT
         return float(hw.iteration_ms(tokens, n * ctx)) * (self.speed or 1.0)
 
+    def alone_ms(self, seq: SeqState) -> float:
+        """Predicted ms of ``seq``'s prefill with nothing ahead of it (0 without a model
+        of the pass time)."""
+        t_pass = self.prefill_pass_ms()
+        chunk = self.sched.cfg.max_prefill_tokens
+        return 0.0 if t_pass is None else math.ceil(seq.uncached / chunk) * t_pass
+
     def predicted_ttft_ms(self, seq: SeqState, now: float) -> float | None:
         """Predicted ms from ``now`` to ``seq``'s first token (None without a model of
         the pass time); see the module docstring."""
@@ -229,7 +241,13 @@ class AdmissionControl:
                 continue
             # scaled from the batch its pace was measured at to the batch with seq
             was_ms = self.decode_pass_ms(self.class_batch[cls])
-            pred = pace * then_ms / was_ms if was_ms else pace
+            if not was_ms:
+                continue
+            pred = pace * then_ms / was_ms
+            # a target this hardware misses even for a request alone is not load's
+            # doing, and refusing work cannot meet it: the class runs best effort
+            if pace * self.decode_pass_ms(1) / was_ms > targets[cls]:
+                continue
             if pred > targets[cls] * (1.0 + PACE_TOLERANCE):
                 return cls, pred, targets[cls]
         return None
@@ -258,7 +276,7 @@ class AdmissionControl:
         if slo.ttft_ms:
             t = self.predicted_ttft_ms(seq, now)
             waited = (now - seq.arrival) * 1000.0
-            if t is not None and waited + t > slo.ttft_ms:
+            if t is not None and waited + t > slo.ttft_ms >= waited + self.alone_ms(seq):
                 s.counters.count_shed("ttft")
                 over_s = (waited + t - slo.ttft_ms) / 1000.0
                 raise AdmissionRejected(
@@ -270,7 +288,8 @@ class AdmissionControl:
 
     def expire(self, now: float) -> list[SeqState]:
         """End (reason ``ttft_deadline``) every queued request never started that is past
-        its TTFT deadline; returns them."""
+        its TTFT deadline (one whose target its own prefill alone misses is served as
+        it can); returns them."""
         s = self.sched
         late = [
             r
@@ -278,7 +297,7 @@ class AdmissionControl:
             if r.num_output == 0
             and r.num_cached == 0
             and r.slo.ttft_ms is not None
-            and (now - r.arrival) * 1000.0 > r.slo.ttft_ms
+            and (now - r.arrival) * 1000.0 > r.slo.ttft_ms >= self.alone_ms(r)
         ]
         for r in late:
             s.counters.count_shed(TTFT_DEADLINE)

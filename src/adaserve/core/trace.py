@@ -201,6 +201,8 @@ class RunRecorder:
             "shed_by_reason": dict(c.shed),
             "degraded_total": c.degraded,
             "preemptions": c.preemptions,
+            "spec_drafts": c.spec_drafts,
+            "accepted_per_pos": {int(k): v for k, v in sorted(c.accepted_per_pos.items())},
             "peak_kv_usage": self.peak_kv,
             "peak_kv_bytes": self.peak_kv * pool_bytes,
             "kv_pool_bytes": pool_bytes,
@@ -221,10 +223,24 @@ def sample(tr: StepTrace, t: float) -> dict:
     """One timeline sample of ``tr`` stamped ``t`` (seconds from the run's start)."""
     nodes = tr.tree_nodes
     by_cls: dict[str, list[int]] = {}
+    acc_cls: dict[str, list[int]] = {}
     for rid, n in nodes.items():
         cls = tr.classes.get(rid)
         if cls is not None:
             by_cls.setdefault(cls, []).append(n)
+            acc_cls.setdefault(cls, []).append(tr.accepted.get(rid, 0))
+    # the pass's tokens by class (prefill chunks; a decoding request's root plus its
+    # verified candidates), against the budget B when the plan set one
+    tok_cls: dict[str, int] = {}
+    for rid, n in tr.prefill.items():
+        cls = tr.classes.get(rid)
+        if cls is not None:
+            tok_cls[cls] = tok_cls.get(cls, 0) + n
+    for rid in tr.decode:
+        cls = tr.classes.get(rid)
+        if cls is not None:
+            tok_cls[cls] = tok_cls.get(cls, 0) + 1 + nodes.get(rid, 0)
+    budget = tr.plan.bounded_budget
     return {
         "t": t,
         "iter_ms": tr.duration_s * 1000.0,
@@ -234,9 +250,16 @@ def sample(tr: StepTrace, t: float) -> dict:
         "tree_nodes": int(sum(nodes.values())),
         "tree_mean": (sum(nodes.values()) / len(nodes)) if nodes else 0.0,
         "tree_by_class": {k: sum(v) / len(v) for k, v in by_cls.items()},
+        # mean candidates accepted per decoding request of the class in this pass
+        "accepted_by_class": {k: sum(v) / len(v) for k, v in acc_cls.items()},
+        "tokens_by_class": tok_cls,
+        # share of the budget B each class's tokens took (None: the plan set no budget)
+        "budget_share_by_class": ({k: v / budget for k, v in tok_cls.items()} if budget else None),
+        # the deepest tree the plan chose this pass (0: nothing speculated)
+        "depth": max((d for d, _ in tr.spec.values()), default=0),
         "accepted": int(sum(tr.accepted.values())),
         "kv_usage": float(tr.kv_usage),
-        "budget": tr.plan.bounded_budget,
+        "budget": budget,
         "fallback": tr.plan.fallback,
         # the work of the pass, for pricing it afterwards (benchmarks/fidelity.py):
         # context tokens of the batch and the (depth, width) of each drafted tree

@@ -16,7 +16,8 @@ Every error body is OpenAI-shaped: ``{"error": {"message", "type", "param", "cod
 Where things are: ``completions`` and ``chat`` (the two endpoints), ``generation``
 (one request end to end), ``streaming`` (SSE), ``validation``, ``errors`` and
 ``engine_errors`` (error mapping), ``render`` (JSON), ``state`` (what routes share);
-``config``, ``auth``, ``quotas``, ``slo_resolution`` and ``usage`` for tenants.
+``config``, ``auth``, ``quotas``, ``slo_resolution`` and ``usage`` for tenants;
+``dashboard`` (``/dashboard`` and its data) and ``iterations`` (the step timeline).
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ from adaserve.config import EngineConfig
 from adaserve.server.chat import create_chat
 from adaserve.server.completions import create_completion
 from adaserve.server.config import ServerConfig, Tenant
+from adaserve.server.dashboard import create_dashboard
 from adaserve.server.engine_errors import shutdown_error
 from adaserve.server.engine_loop import EngineLoop, model_name_of
 from adaserve.server.errors import ApiError, http_error, internal_error, validation_error
+from adaserve.server.generation import precheck_quotas
 from adaserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -59,9 +62,15 @@ log = logging.getLogger("adaserve.server")
 # ---------------------------------------------------------------------- middleware
 
 
+# the endpoints whose requests the tenant's request quotas count
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
 class _Guard:
-    """Pure ASGI middleware: drain (503), auth (401) for /v1/*, body size limit (413),
-    body read timeout (408: the whole body within ``body_timeout_s`` of the headers)."""
+    """Pure ASGI middleware: drain (503), auth (401) for /v1/*, the tenant's request
+    quotas for generations (429), body size limit (413), body read timeout (408: the
+    whole body within ``body_timeout_s`` of the headers). These cost nothing in the
+    size of the request, so they come before it is read."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
@@ -80,6 +89,8 @@ class _Guard:
                 headers = Headers(scope=scope)
                 tenant = st.tenants.authenticate(headers.get("authorization"))
                 scope.setdefault("state", {})["tenant"] = tenant
+                if method == "POST" and scope["path"] in GENERATION_PATHS:
+                    precheck_quotas(st, tenant)  # before the body is read or parsed
             if method in ("POST", "PUT", "PATCH"):
                 receive = await self._buffer(scope, receive)
         except ApiError as e:
@@ -89,12 +100,14 @@ class _Guard:
 
     async def _buffer(self, scope, receive):
         """Read the whole body (up to the limit) and replay it to the app."""
-        limit = self.state.cfg.max_body_bytes
+        limit = self.state.body_limit
+        why = "" if self.state.cfg.max_body_bytes else " (derived from the model's context)"
         too_big = ApiError(
             413,
-            f"request body larger than {limit} bytes",
+            f"request body larger than {limit} bytes{why}",
             param=None,
             code="request_too_large",
+            headers={"Connection": "close"},  # the rest of the body is not read
         )
         cl = Headers(scope=scope).get("content-length")
         if cl is not None:
@@ -167,8 +180,9 @@ _ERRORS = {
 
 def engine_config_for_server(ecfg: EngineConfig, cfg: ServerConfig) -> EngineConfig:
     """The engine configuration a server runs: the config file's classes, and engine
-    admission control on (with ``server.max_waiting`` as its queue cap when set)."""
-    repl: dict = {"admission": True}
+    admission control as ``server.admission`` says (on by default; with
+    ``server.max_waiting`` as its queue cap when set)."""
+    repl: dict = {"admission": cfg.admission}
     if cfg.max_waiting is not None:
         repl["max_waiting"] = cfg.max_waiting
     if cfg.classes is not None:
@@ -260,31 +274,7 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
         per tenant: usage and charges (only the caller's, unless admin or open mode)."""
         tenant: Tenant = request.state.tenant
         only = None if (state.tenants.open_mode or tenant.admin) else tenant.name
-        info = state.loop.info
-        snap = state.loop.snapshot
-        slos = state.loop.class_slos
-        rep = await asyncio.to_thread(
-            state.report.build,
-            class_targets={
-                c: {"tpot_ms": s.tpot_ms, "ttft_ms": s.ttft_ms} for c, s in slos.items()
-            },
-            prices={c.name: c.price_per_1k for c in info.classes},
-            flops_per_token=info.flops_per_token_target,
-            usage=state.usage.by_tenant(only),
-            engine={
-                "policy": info.policy,
-                "unloaded_tpot_ms": state.loop.unloaded_tpot_ms,
-                "running": snap.running,
-                "waiting": snap.waiting,
-                "kv_usage": snap.kv_usage,
-                "iterations": snap.counters.get("iterations", 0),
-                "fallback_iterations": snap.counters.get("fallback_iterations", {}),
-                "spec_draft_tokens": snap.counters.get("spec_draft_tokens", 0),
-                "spec_accepted_tokens": snap.counters.get("spec_accepted_tokens", 0),
-            },
-            tenant=only,
-        )
-        rep["model"] = state.model_name
+        rep = await asyncio.to_thread(state.slo_report, only)
         return JSON(_jsonable(rep))
 
     @app.get("/health")
@@ -298,6 +288,7 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
         return JSON({"status": "ok", "model": state.model_name})
 
     app.add_api_route("/health", health, methods=["HEAD"], operation_id="health_head")
+    app.include_router(create_dashboard(state))
 
     @app.get("/metrics", responses={401: {"model": ErrorResponse}})
     async def metrics(request: Request, _key: BearerKey):

@@ -9,7 +9,7 @@ from fastapi import Request
 
 from adaserve.errors import ModelLoadError
 from adaserve.server.errors import ApiError
-from adaserve.server.generation import generate, precheck_quotas
+from adaserve.server.generation import generate
 from adaserve.server.jobs import Endpoint
 from adaserve.server.logprobs import chat_logprobs
 from adaserve.server.protocol import (
@@ -96,7 +96,6 @@ async def create_chat(state: ServerState, body: ChatCompletionRequest, request: 
         raise ApiError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     if not body.messages:
         raise ApiError(400, "messages must not be empty", param="messages")
-    precheck_quotas(state, request)  # before any work proportional to the input
     prompt = await chat_prompt(state, body)
     return await generate(
         state,

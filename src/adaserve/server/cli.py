@@ -72,6 +72,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="open connections beyond this get 503 (default 1000)",
     )
     p.add_argument(
+        "--log-stats-interval",
+        type=float,
+        help="seconds between two stats log lines (default 10)",
+    )
+    p.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
+    p.add_argument(
         "--replicas",
         type=int,
         help="serve N engine replicas on Ray Serve behind this one address (needs the "
@@ -137,9 +143,12 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
         ("header_timeout", "header_timeout_s"),
         ("body_timeout", "body_timeout_s"),
         ("max_connections", "max_connections"),
+        ("log_stats_interval", "log_stats_interval_s"),
     ):
         if getattr(args, flag) is not None:
             repl[key] = getattr(args, flag)
+    if getattr(args, "disable_log_stats", False):
+        repl["log_stats"] = False
     if repl:
         cfg = dataclasses.replace(cfg, **repl)
     return ecfg, cfg

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import Request
 
 from adaserve.server.errors import ApiError, unsupported
-from adaserve.server.generation import generate, precheck_quotas
+from adaserve.server.generation import generate
 from adaserve.server.jobs import Endpoint
 from adaserve.server.logprobs import completion_logprobs
 from adaserve.server.protocol import (
@@ -74,7 +74,6 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
         )
     if score_only and body.stream:
         raise unsupported("max_tokens", "max_tokens=0 (scoring the prompt) is not streamed")
-    precheck_quotas(state, request)  # before any work proportional to the input
     prompts = await _prompts(state, body.prompt)
     echo = None
     if body.echo:

@@ -60,7 +60,11 @@ class ServerConfig:
 
     model_name:          id served in /v1/models and responses (None = derived from the model)
     strict_fields:       reject unknown top-level request fields (400)
-    max_body_bytes:      larger request bodies get 413
+    max_body_bytes:      larger request bodies get 413 at their headers (None: derived
+                         from the context, ``state.body_limit``)
+    admission:           admission control (``core.admission``): a request whose class's
+                         TTFT or TPOT promise the server cannot keep gets 429 at once,
+                         and a queued one past its TTFT deadline gets 429 then
     max_waiting:         requests queued in the engine beyond this are shed (429)
     shutdown_grace_s:    on SIGINT/SIGTERM, in-flight requests get this long to finish
     default_max_tokens:  chat default when max_tokens is omitted (None = rest of context)
@@ -73,13 +77,17 @@ class ServerConfig:
     body_timeout_s:      a request's body must arrive within this long of its headers
                          (408, and the connection is closed)
     max_connections:     open connections beyond this get 503 (None = no cap)
+    log_stats:           log a stats line (throughput, queue, KV use, per-class
+                         attainment and acceptance) every ``log_stats_interval_s``
+    log_stats_interval_s: seconds between two stats lines (vLLM's default: 10)
     """
 
     model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     strict_fields: bool = True
-    max_body_bytes: int = 8 << 20
+    max_body_bytes: int | None = None
+    admission: bool = True
     max_waiting: int | None = None
     shutdown_grace_s: float = 30.0
     default_max_tokens: int | None = None
@@ -90,13 +98,15 @@ class ServerConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     max_connections: int | None = 1000
+    log_stats: bool = True
+    log_stats_interval_s: float = 10.0
     service_tiers: Mapping[str, str] = field(default_factory=dict)
     tenants: tuple[Tenant, ...] = ()
     classes: tuple[SLOClass, ...] | None = None  # None = the engine's classes
     engine: Mapping[str, Any] = field(default_factory=dict)  # EngineConfig overrides
 
     def __post_init__(self) -> None:
-        if self.max_body_bytes <= 0:
+        if self.max_body_bytes is not None and self.max_body_bytes <= 0:
             raise ConfigError("server.max_body_bytes must be positive")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ConfigError("server.max_waiting must be >= 0")
@@ -112,6 +122,11 @@ class ServerConfig:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
                 raise ConfigError(f"server.{k} must be a positive number of seconds")
+        v = self.log_stats_interval_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise ConfigError("server.log_stats_interval_s must be a positive number of seconds")
+        if not isinstance(self.log_stats, bool):
+            raise ConfigError("server.log_stats must be true or false")
         if self.max_connections is not None and (
             isinstance(self.max_connections, bool)
             or not isinstance(self.max_connections, int)

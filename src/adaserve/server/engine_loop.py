@@ -38,6 +38,9 @@ from adaserve.request import Status
 from adaserve.sampling import SamplingParams
 from adaserve.slo import SLO, SLOClass
 
+# a drifted profile is re-measured only after this many seconds without work
+REPROFILE_QUIET_S = 3.0
+
 log = logging.getLogger("adaserve.server")
 
 SHUTDOWN = "server_shutdown"
@@ -62,6 +65,11 @@ class EngineInfo:
     default_class: str
     policy: str
     flops_per_token_target: float
+    device: str = ""
+    dtype: str = ""
+    kv_blocks: int = 0  # KV pool size in blocks of ``block_size`` tokens
+    block_size: int = 0
+    kv_bytes: int = 0  # bytes of the pool (target + draft)
 
 
 @dataclass(frozen=True)
@@ -169,9 +177,14 @@ class EngineLoop:
         self.max_waiting = max_waiting
         self.step_delay_s = step_delay_s
         self.on_finish = on_finish  # callback(handle, final), called on the engine thread
+        # callback(tokens): after every engine step, the prompt + generated tokens it
+        # processed (engine thread)
+        self.on_step_tokens = None
         # callback(handle) for an add that never reached the engine (refused, cancelled,
         # shutting down): whatever was reserved for it can be given back
         self.on_reject = None
+        # callback(trace): each iteration's ``StepTrace``, on the engine thread
+        self.on_step = None
         self._inbox: queue.Queue = queue.Queue()
         self._tracked: dict[int, Handle] = {}
         self._thread: threading.Thread | None = None
@@ -186,6 +199,7 @@ class EngineLoop:
         self._owns_engine = isinstance(source, EngineConfig)
         self._drain_deadline: float | None = None
         self._closed = False  # no more adds (draining past its deadline, or stopping)
+        self._last_busy = time.monotonic()  # when the engine last had work
         self.alive = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -259,6 +273,7 @@ class EngineLoop:
                 default_class=e.cfg.default_class,
                 policy=e.policy.name,
                 flops_per_token_target=float(e.flops_per_token_target),
+                **_pool_info(e),
             )
             self._refresh_class_slos(force=True)
             self._publish_snapshot()
@@ -283,10 +298,19 @@ class EngineLoop:
         while True:
             cmds = []
             if not e.has_work():
-                self._idle_reprofile()
                 timeout = None
+                drift = getattr(e, "drift", None)
+                if drift is not None and drift.pending:
+                    # re-measuring blocks the loop for seconds: only once the server
+                    # has been quiet a while, not in a lull between arrivals
+                    quiet = time.monotonic() - self._last_busy
+                    if quiet >= REPROFILE_QUIET_S:
+                        self._idle_reprofile()
+                    else:
+                        timeout = REPROFILE_QUIET_S - quiet + 0.01
                 if self._drain_deadline is not None:
-                    timeout = max(0.0, self._drain_deadline - time.monotonic()) + 0.01
+                    left = max(0.0, self._drain_deadline - time.monotonic()) + 0.01
+                    timeout = left if timeout is None else min(timeout, left)
                 with contextlib.suppress(queue.Empty):
                     cmds.append(self._inbox.get(timeout=timeout))
             while True:
@@ -310,11 +334,17 @@ class EngineLoop:
                 self._drain_deadline = None
                 self._abort_all(SHUTDOWN)
             if e.has_work():
+                self._last_busy = time.monotonic()
+                before = getattr(e, "last_trace", None)
+                tokens_before = _step_tokens(e)
                 try:
                     e.step()
                 except Exception:
                     log.exception("engine step failed; aborting the requests in flight")
                     self._abort_all(ENGINE_ERROR)
+                else:
+                    self._stepped(_step_tokens(e) - tokens_before)
+                self._traced(before)
                 if self.step_delay_s:
                     time.sleep(self.step_delay_s)
             self._publish()
@@ -436,6 +466,23 @@ class EngineLoop:
                 log.exception("finish callback failed")
         return final
 
+    def _traced(self, before) -> None:
+        """Hand the step's trace to ``on_step`` (when the step ran one)."""
+        tr = getattr(self.engine, "last_trace", None)
+        if self.on_step is None or tr is None or tr is before:
+            return
+        try:
+            self.on_step(tr)
+        except Exception:
+            log.exception("step callback failed")
+
+    def _stepped(self, tokens: int) -> None:
+        if self.on_step_tokens is not None:
+            try:
+                self.on_step_tokens(tokens)
+            except Exception:
+                log.exception("step callback failed")
+
     def _rejected(self, h: Handle) -> None:
         if self.on_reject is not None:
             try:
@@ -488,6 +535,27 @@ class EngineLoop:
         if self.engine is not None and self._tracked:
             self._abort_all(SHUTDOWN)
             self._publish()
+
+
+def _step_tokens(e) -> int:
+    """Prompt + generated tokens the engine has processed so far."""
+    c = e.counters
+    return int(c.prompt_tokens) + int(c.generation_tokens)
+
+
+def _pool_info(e) -> dict:
+    """Device, dtype and KV pool size of an engine (what its runner knows)."""
+    run = getattr(e, "runner", None)
+    blocks = int(getattr(run, "num_blocks", 0) or 0)
+    bs = int(getattr(e.cfg, "block_size", 0) or 0)
+    per_slot = int(getattr(run, "kv_bytes_per_slot", 0) or 0)
+    return {
+        "device": str(getattr(e, "device", "") or ""),
+        "dtype": str(getattr(e, "dtype", "") or "").removeprefix("torch."),
+        "kv_blocks": blocks,
+        "block_size": bs,
+        "kv_bytes": blocks * bs * per_slot,
+    }
 
 
 def _clean(v):

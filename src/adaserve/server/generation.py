@@ -40,9 +40,8 @@ def _resolve(state: ServerState, body, headers, tenant: Tenant) -> SLOChoice:
     )
 
 
-def precheck_quotas(state: ServerState, request: Request) -> None:
-    """The tenant's request-count quotas (429), before the prompt is read or tokenised."""
-    tenant: Tenant = request.state.tenant
+def precheck_quotas(state: ServerState, tenant: Tenant) -> None:
+    """The tenant's request-count quotas (429), before the body is read or parsed."""
     try:
         state.quotas.precheck(tenant)
     except ApiError as e:

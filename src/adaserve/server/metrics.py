@@ -1,9 +1,16 @@
 """Prometheus metrics: vLLM names (labelled ``model_name``) plus ``adaserve:`` ones.
 
+The ``vllm:`` series follow vLLM's v1 ``PrometheusStatLogger`` (names, types, the
+``finished_reason`` label, the 1-2-5 token buckets up to the context length, the
+per-step token buckets), so that vLLM's Grafana dashboard works unchanged; the
+``adaserve:`` ones add what vLLM has no concept for (SLO classes, attainment, goodput,
+tenants). ``docs/grafana/adaserve.json`` is a dashboard over both.
+
 Each app owns its ``CollectorRegistry``. Per-request histograms and per-class counters
 are updated when a request finishes (on the engine thread; prometheus-client is
-thread-safe); engine gauges and counters are read from the engine snapshot at scrape
-time by a custom collector, so they always equal the engine's own numbers.
+thread-safe), the per-step token histogram after every engine step; engine gauges and
+counters are read from the engine snapshot at scrape time by a custom collector, so
+they always equal the engine's own numbers.
 
 The per-tenant series (labelled ``tenant``: usage, charges, quota refusals) are billing
 data and live in a registry of their own, so that ``render`` can leave them out (a
@@ -30,12 +37,29 @@ E2E_BUCKETS = (
     30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+# vLLM's FinishReason values; adaserve's other reasons (client_disconnected,
+# server_shutdown, engine_error, timeouts) are aborts
+FINISHED_REASONS = ("stop", "length", "abort")
+
 VLLM_NAMES = (
     "vllm:time_to_first_token_seconds",
     "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",
     "vllm:request_time_per_output_token_seconds",
     "vllm:e2e_request_latency_seconds",
     "vllm:request_queue_time_seconds",
+    "vllm:request_inference_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+    "vllm:request_params_max_tokens",
+    "vllm:iteration_tokens_total",
+    "vllm:request_success_total",
+    "vllm:num_preemptions_total",
+    "vllm:cache_config_info",
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
     "vllm:kv_cache_usage_perc",
@@ -49,6 +73,24 @@ VLLM_NAMES = (
 
 SHED_REASONS = ("queue_full", "server_shutdown")
 
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+def finished_reason(reason: str | None) -> str:
+    """vLLM's ``finished_reason`` label for an adaserve finish reason."""
+    return reason if reason in ("stop", "length") else "abort"
+
+
 TENANT_NAMES = (
     "adaserve:rate_limited_requests",
     "adaserve:charges",
@@ -59,7 +101,7 @@ TENANT_NAMES = (
 class ServerMetrics:
     """The app's registries (engine-wide, per-tenant) and the hooks that feed them."""
 
-    def __init__(self, model_name: str, class_names, snapshot_fn, attainment_fn):
+    def __init__(self, model_name: str, class_names, snapshot_fn, attainment_fn, targets_fn=None):
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.tenant_registry = CollectorRegistry(auto_describe=True)
@@ -92,6 +134,52 @@ class ServerMetrics:
             "Arrival to admission into the running batch.",
             m, buckets=E2E_BUCKETS, registry=reg,
         )  # fmt: skip
+        self.step_tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Time between the engine steps that gave a request output tokens (vLLM's "
+            "per-iteration figure; one speculative step counts once).",
+            m, buckets=TOKEN_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.inference = Histogram(
+            "vllm:request_inference_time_seconds",
+            "Admission to the last token (prefill + decode).",
+            m, buckets=E2E_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.prefill = Histogram(
+            "vllm:request_prefill_time_seconds",
+            "Admission to the first token.",
+            m, buckets=E2E_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.decode = Histogram(
+            "vllm:request_decode_time_seconds",
+            "First token to the last.",
+            m, buckets=E2E_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total",
+            "Prompt + generated tokens per engine step.",
+            m, buckets=ITERATION_TOKEN_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.success = Counter(
+            "vllm:request_success",
+            "Finished requests by vLLM finish reason (stop, length, abort).",
+            ["model_name", "finished_reason"], registry=reg,
+        )  # fmt: skip
+        # per class: what the SLO targets are measured on (request-level TTFT and mean TPOT)
+        self.class_ttft = Histogram(
+            "adaserve:time_to_first_token_seconds",
+            "Time to first token, by SLO class.",
+            mc, buckets=TTFT_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.class_tpot = Histogram(
+            "adaserve:time_per_output_token_seconds",
+            "Mean time per output token after the first, per request, by SLO class.",
+            mc, buckets=TOKEN_BUCKETS, registry=reg,
+        )  # fmt: skip
+        # set by ``start`` once the context length is known (the buckets depend on it)
+        self.prompt_tokens: Histogram | None = None
+        self.generation_tokens: Histogram | None = None
+        self.max_tokens: Histogram | None = None
         self.finished = Counter(
             "adaserve:requests_finished",
             "Finished requests by class and finish reason.",
@@ -140,9 +228,16 @@ class ServerMetrics:
             "Output tokens by tenant and class.",
             ["model_name", "tenant", "slo_class"], registry=treg,
         )  # fmt: skip
-        for h in (self.ttft, self.itl, self.tpot, self.e2e, self.queue):
+        for h in (
+            self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.step_tpot,
+            self.inference, self.prefill, self.decode, self.iteration_tokens,
+        ):  # fmt: skip
             h.labels(model_name)
+        for r in FINISHED_REASONS:
+            self.success.labels(model_name, r)
         for c in class_names:
+            self.class_ttft.labels(model_name, c)
+            self.class_tpot.labels(model_name, c)
             for ctr in (
                 self.attained,
                 self.verify_tokens,
@@ -153,25 +248,75 @@ class ServerMetrics:
                 ctr.labels(model_name, c)
             for r in SHED_REASONS:
                 self.shed.labels(model_name, c, r)
-        reg.register(_EngineCollector(model_name, snapshot_fn, attainment_fn))
+        self._collector = _EngineCollector(model_name, snapshot_fn, attainment_fn, targets_fn)
+        reg.register(self._collector)
 
-    def observe_finish(self, cls: str, tenant: str, final: Final, charge: float) -> None:
+    def start(self, max_model_len: int, cache_info: dict | None = None) -> None:
+        """What needs the loaded engine: the token-count histograms (1-2-5 buckets up to
+        ``max_model_len``, as vLLM) and ``vllm:cache_config_info`` (``cache_info``:
+        label -> value)."""
+        if self.prompt_tokens is not None:
+            return
+        reg, m, mn = self.registry, ["model_name"], self.model_name
+        buckets = build_1_2_5_buckets(max(1, int(max_model_len)))
+        self.prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per finished request.",
+            m, buckets=buckets, registry=reg,
+        )  # fmt: skip
+        self.generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Generated tokens per finished request.",
+            m, buckets=buckets, registry=reg,
+        )  # fmt: skip
+        self.max_tokens = Histogram(
+            "vllm:request_params_max_tokens", "The max_tokens request parameter.",
+            m, buckets=buckets, registry=reg,
+        )  # fmt: skip
+        for h in (self.prompt_tokens, self.generation_tokens, self.max_tokens):
+            h.labels(mn)
+        self._collector.cache_info = dict(cache_info or {})
+
+    def observe_step(self, tokens: int) -> None:
+        """One engine step that processed ``tokens`` prompt + generated tokens."""
+        if tokens > 0:
+            self.iteration_tokens.labels(self.model_name).observe(tokens)
+
+    def observe_finish(
+        self, cls: str, tenant: str, final: Final, charge: float, max_tokens: int | None = None
+    ) -> None:
         """Record one finished request."""
         mn = self.model_name
         m = final.metrics
         self.finished.labels(mn, cls, final.reason).inc()
-        if m.get("ttft_ms") is not None:
-            self.ttft.labels(mn).observe(m["ttft_ms"] / 1000)
+        self.success.labels(mn, finished_reason(final.reason)).inc()
+        ttft, queue, e2e = m.get("ttft_ms"), m.get("queue_ms"), m.get("e2e_ms")
+        if ttft is not None:
+            self.ttft.labels(mn).observe(ttft / 1000)
+            self.class_ttft.labels(mn, cls).observe(ttft / 1000)
         if m.get("tpot_ms") is not None:
             self.tpot.labels(mn).observe(m["tpot_ms"] / 1000)
-        if m.get("e2e_ms") is not None:
-            self.e2e.labels(mn).observe(m["e2e_ms"] / 1000)
-        if m.get("queue_ms") is not None:
-            self.queue.labels(mn).observe(m["queue_ms"] / 1000)
+            self.class_tpot.labels(mn, cls).observe(m["tpot_ms"] / 1000)
+        if e2e is not None:
+            self.e2e.labels(mn).observe(e2e / 1000)
+        if queue is not None:
+            self.queue.labels(mn).observe(queue / 1000)
+        # vLLM's phases: queued -> admitted (scheduled) -> first token -> last token
+        if queue is not None and ttft is not None:
+            self.prefill.labels(mn).observe(max(0.0, ttft - queue) / 1000)
+            if e2e is not None:
+                self.decode.labels(mn).observe(max(0.0, e2e - ttft) / 1000)
+                self.inference.labels(mn).observe(max(0.0, e2e - queue) / 1000)
+        if self.prompt_tokens is not None:
+            self.prompt_tokens.labels(mn).observe(final.prompt_tokens)
+            self.generation_tokens.labels(mn).observe(final.completion_tokens)
+            if max_tokens:
+                self.max_tokens.labels(mn).observe(max_tokens)
         times = final.token_times
         itl = self.itl.labels(mn)
+        step = self.step_tpot.labels(mn)
         for a, b in zip(times, times[1:]):
             itl.observe(max(0.0, b - a))
+            if b > a:  # a new step (tokens of one speculative step share a time)
+                step.observe(b - a)
         n = final.completion_tokens
         self.output_tokens.labels(mn, cls).inc(n)
         self.verify_tokens.labels(mn, cls).inc(m.get("tree_nodes") or 0)
@@ -216,10 +361,12 @@ class _OneTenant:
 class _EngineCollector:
     """Engine gauges and counters, read from the latest snapshot at scrape time."""
 
-    def __init__(self, model_name: str, snapshot_fn, attainment_fn):
+    def __init__(self, model_name: str, snapshot_fn, attainment_fn, targets_fn=None):
         self.model_name = model_name
         self.snapshot_fn = snapshot_fn
         self.attainment_fn = attainment_fn
+        self.targets_fn = targets_fn  # () -> {class: SLO} (the current class targets)
+        self.cache_info: dict | None = None
 
     def describe(self):
         return []
@@ -276,7 +423,29 @@ class _EngineCollector:
             fb.add_metric([mn, str(reason)], v)
         yield fb
         yield counter("adaserve:engine_iterations", "Engine iterations.", c.get("iterations", 0))
-        yield counter("adaserve:preemptions", "Preempted requests.", c.get("preemptions", 0))
+        yield counter(
+            "vllm:num_preemptions", "Cumulative number of preemptions.", c.get("preemptions", 0)
+        )
+        if self.cache_info is not None:
+            info = GaugeMetricFamily(
+                "vllm:cache_config_info",
+                "Information of the engine's KV cache configuration.",
+                labels=["model_name", *self.cache_info],
+            )
+            info.add_metric([mn, *(str(v) for v in self.cache_info.values())], 1)
+            yield info
+        if self.targets_fn is not None:
+            slos = self.targets_fn() or {}
+            for key, name, doc in (
+                ("ttft_ms", "adaserve:slo_ttft_target_seconds", "The class's TTFT target."),
+                ("tpot_ms", "adaserve:slo_tpot_target_seconds", "The class's TPOT target."),
+            ):
+                g = GaugeMetricFamily(name, doc, labels=["model_name", "slo_class"])
+                for cls, slo in slos.items():
+                    v = getattr(slo, key, None)
+                    if v is not None:
+                        g.add_metric([mn, cls], v / 1000)
+                yield g
         att = GaugeMetricFamily(
             "adaserve:slo_attainment",
             "Share of finished requests of the class that met their SLO.",

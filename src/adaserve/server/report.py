@@ -97,6 +97,25 @@ class ReportStore:
         with self._lock:
             return {c: (a / n if n else 0.0) for c, (n, a) in self._counts.items()}
 
+    def rolling(self, now: float, window_s: float) -> dict[str, dict]:
+        """Class -> requests, attained and attainment (None without requests) of the
+        requests that finished in the last ``window_s`` seconds before ``now`` (the
+        clock of ``Record.finished_at``: the engine's)."""
+        since = now - window_s
+        out = {c: [0, 0] for c in self.class_names}
+        with self._lock:
+            # records are appended as requests finish: newest last
+            for r in reversed(self._records):
+                if r.finished_at < since:
+                    break
+                n = out.setdefault(r.cls, [0, 0])
+                n[0] += 1
+                n[1] += int(r.attained)
+        return {
+            c: {"requests": n, "attained": a, "attainment": a / n if n else None}
+            for c, (n, a) in out.items()
+        }
+
     def build(
         self,
         *,

@@ -14,10 +14,28 @@ from fastapi import FastAPI
 from adaserve.server.auth import TenantRegistry
 from adaserve.server.config import ServerConfig, check_against_classes
 from adaserve.server.engine_loop import EngineLoop, Final, Handle
+from adaserve.server.iterations import IterationLog
 from adaserve.server.metrics import ServerMetrics
 from adaserve.server.quotas import QuotaBook
 from adaserve.server.report import Record, ReportStore
+from adaserve.server.stats_log import StatsLogger, startup_summary
 from adaserve.server.usage import UsageBook
+
+# the derived request-body limit (``derived_body_limit``) stays within these
+MIN_BODY_BYTES = 1 << 20
+MAX_BODY_BYTES = 64 << 20
+# a body may hold this many worst-case contexts (several prompts, JSON escaping)
+BODY_CONTEXTS = 8
+
+
+def derived_body_limit(max_model_len: int, tokenizer) -> int:
+    """The default body limit: room for ``BODY_CONTEXTS`` contexts of the longest
+    tokens the vocabulary has (1 MiB to 64 MiB). A bigger body cannot be a prompt that
+    fits, and is refused at its headers, before it is read or parsed."""
+    per_token = tokenizer.max_token_bytes if tokenizer is not None else 16
+    want = BODY_CONTEXTS * max_model_len * per_token
+    return int(min(max(want, MIN_BODY_BYTES), MAX_BODY_BYTES))
+
 
 log = logging.getLogger("adaserve.server")
 
@@ -53,18 +71,70 @@ class ServerState:
         self.prices = {c.name: c.price_per_1k for c in classes}
         self.report = ReportStore(names)
         self.metrics = ServerMetrics(
-            model_name, names, lambda: self.loop.snapshot, self.report.attainment
+            model_name,
+            names,
+            lambda: self.loop.snapshot,
+            self.report.attainment,
+            lambda: self.loop.class_slos,
         )
+        # the engine's clock (``WallClock``: perf_counter) at start; iteration samples
+        # are stamped in seconds from here
+        self.started_at = time.perf_counter()
+        self.iterations = IterationLog(self.started_at)
+        loop.on_step = self.iterations.record
+        loop.on_step_tokens = self.metrics.observe_step
+        self.stats = StatsLogger(names, lambda: self.loop.snapshot)
         self.draining = False
         self._drain_started = False
+        self.body_limit = cfg.max_body_bytes or MAX_BODY_BYTES  # set at startup
         self.created = int(time.time())
+
+    def slo_report(self, only: str | None) -> dict:
+        """The ``/v1/slo/report`` body (``only``: that tenant's usage alone)."""
+        info = self.loop.info
+        snap = self.loop.snapshot
+        slos = self.loop.class_slos
+        rep = self.report.build(
+            class_targets={
+                c: {"tpot_ms": s.tpot_ms, "ttft_ms": s.ttft_ms} for c, s in slos.items()
+            },
+            prices={c.name: c.price_per_1k for c in info.classes},
+            flops_per_token=info.flops_per_token_target,
+            usage=self.usage.by_tenant(only),
+            engine={
+                "policy": info.policy,
+                "unloaded_tpot_ms": self.loop.unloaded_tpot_ms,
+                "running": snap.running,
+                "waiting": snap.waiting,
+                "kv_usage": snap.kv_usage,
+                "iterations": snap.counters.get("iterations", 0),
+                "fallback_iterations": snap.counters.get("fallback_iterations", {}),
+                "spec_draft_tokens": snap.counters.get("spec_draft_tokens", 0),
+                "spec_accepted_tokens": snap.counters.get("spec_accepted_tokens", 0),
+            },
+            tenant=only,
+        )
+        rep["model"] = self.model_name
+        return rep
 
     # ------------------------------------------------------------------ lifecycle
     @asynccontextmanager
     async def lifespan(self, app: FastAPI):
         await asyncio.to_thread(self.loop.start)
         info = self.loop.info
+        self.body_limit = self.cfg.max_body_bytes or await asyncio.to_thread(
+            derived_body_limit, info.max_model_len, info.tokenizer
+        )
         check_against_classes(self.cfg, info.classes)
+        self.metrics.start(
+            info.max_model_len,
+            {
+                "block_size": info.block_size,
+                "num_gpu_blocks": info.kv_blocks,
+                "cache_dtype": info.dtype,
+                "device": info.device,
+            },
+        )
         if self.tenants.open_mode:
             log.warning(
                 "no API keys configured: open local mode, every request is accepted "
@@ -75,13 +145,17 @@ class ServerState:
                 "%d tenant(s) with API keys configured; requests need a Bearer key",
                 len(self.tenants.tenants),
             )
-        log.info(
-            "serving %s (policy %s, context %d)", self.model_name, info.policy, info.max_model_len
-        )
+        log.info("%s", startup_summary(info, self.model_name))
+        ticker = None
+        if self.cfg.log_stats:
+            self.stats = StatsLogger(self.stats.class_names, lambda: self.loop.snapshot)
+            ticker = asyncio.create_task(self.stats.run(self.cfg.log_stats_interval_s))
         try:
             yield
         finally:
             self.draining = True
+            if ticker is not None:
+                ticker.cancel()
             await asyncio.to_thread(self.loop.stop)
 
     def begin_drain(self, grace_s: float | None = None) -> None:
@@ -131,7 +205,13 @@ class ServerState:
         m["slo_source"] = ctx.source
         if degraded_from:
             m["degraded_from"] = degraded_from
-        self.metrics.observe_finish(cls, ctx.tenant, final, charge)
+        self.metrics.observe_finish(cls, ctx.tenant, final, charge, h.params.max_tokens)
+        self.stats.observe_finish(
+            cls,
+            bool(m.get("slo_attained")),
+            int(m.get("tree_nodes") or 0),
+            int(m.get("accepted_tokens") or 0),
+        )
         self.report.record(
             Record(
                 cls=cls,

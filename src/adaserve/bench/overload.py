@@ -1,0 +1,301 @@
+"""``adaserve bench overload``: drive a live server past its capacity and check what
+admission control promises.
+
+First a closed-loop probe measures the server's capacity at the run's output length
+(``--concurrency`` streams back to back: finished requests per second). Then Poisson
+arrivals at ``--factor`` times that rate, in the classes of ``--class-mix``, stream for
+``--duration`` seconds. Every request must end one of two ways: a complete stream, or
+429 with Retry-After. The report gives, per class: requests, admitted, shed (and how
+long the 429 took), the attainment of the admitted requests against the server's own
+targets (``/v1/slo/report``), and the requests that got no answer by their TTFT
+deadline (neither a token nor a 429).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+DEFAULT_MIX = "interactive=0.6,chat=0.2,batch=0.2"
+# a 429 answered within this many ms of arrival counts as immediate
+IMMEDIATE_MS = 250.0
+
+
+@dataclass
+class Outcome:
+    """One request as the client saw it (seconds from the run's start)."""
+
+    cls: str
+    sent: float
+    status: int | None = None
+    answered: float | None = None  # response headers (first token for a stream) or 429
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+    done: bool = False  # the stream ended with [DONE] and a finish reason
+    retry_after: str | None = None
+    reason: str | None = None
+    error: str | None = None
+    times: list[float] = field(default_factory=list)
+
+
+async def _one(client: httpx.AsyncClient, cls: str, body: dict, t0: float) -> Outcome:
+    o = Outcome(cls=cls, sent=time.perf_counter() - t0)
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            o.status = r.status_code
+            o.answered = time.perf_counter() - t0
+            if r.status_code != 200:
+                o.retry_after = r.headers.get("retry-after")
+                try:
+                    err = json.loads(await r.aread())["error"]
+                    o.reason, o.error = err.get("reason") or err.get("code"), err.get("message")
+                except (ValueError, KeyError, TypeError):
+                    o.error = "unparsable error body"
+                return o
+            finish = None
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    o.done = finish is not None
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    o.error = str(obj["error"])
+                    break
+                now = time.perf_counter() - t0
+                for ch in obj.get("choices") or []:
+                    if ch.get("text"):
+                        o.first = o.first if o.first is not None else now
+                        o.times.append(now)
+                    finish = ch.get("finish_reason") or finish
+                if obj.get("usage"):
+                    o.tokens = obj["usage"]["completion_tokens"]
+            o.last = time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - every failure is part of the report
+        o.error = f"{type(e).__name__}: {e}"
+    return o
+
+
+def _body(model: str | None, cls: str, prompt: str, max_tokens: int) -> dict:
+    b = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "slo_class": cls,
+    }
+    if model:
+        b["model"] = model
+    return b
+
+
+async def probe_capacity(
+    base_url: str, model: str | None, cls: str, concurrency: int, max_tokens: int, seconds: float
+) -> float:
+    """Requests per second the server finishes with ``concurrency`` streams kept busy."""
+    t0 = time.perf_counter()
+    done = 0
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as c:
+
+        async def worker(i: int):
+            nonlocal done
+            while time.perf_counter() - t0 < seconds:
+                o = await _one(c, cls, _body(model, cls, f"x{i} = ", max_tokens), t0)
+                if o.done:
+                    done += 1
+
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    return done / (time.perf_counter() - t0)
+
+
+async def run_overload(
+    base_url: str,
+    *,
+    model: str | None,
+    rate: float,
+    duration: float,
+    mix: dict[str, float],
+    max_tokens: int,
+    seed: int = 0,
+    prompt_words: int = 8,
+) -> list[Outcome]:
+    """Poisson arrivals at ``rate`` req/s for ``duration`` s; every outcome."""
+    rng = random.Random(seed)
+    names, weights = list(mix), list(mix.values())
+    t, arrivals = 0.0, []
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration:
+            break
+        arrivals.append((t, rng.choices(names, weights)[0]))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as c:
+        t0 = time.perf_counter()
+        tasks = []
+        for i, (at, cls) in enumerate(arrivals):
+            delay = at - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            prompt = " ".join(f"w{(i * 7 + k) % 97}" for k in range(prompt_words))
+            tasks.append(
+                asyncio.create_task(_one(c, cls, _body(model, cls, prompt, max_tokens), t0))
+            )
+        return list(await asyncio.gather(*tasks))
+
+
+def summarize(outcomes: list[Outcome], targets: dict[str, dict], slack_s: float = 0.5) -> dict:
+    """Per class and overall: counts, shed latency, unanswered-by-deadline, attainment of
+    the admitted (TPOT and TTFT against ``targets``: class -> {tpot_ms, ttft_ms})."""
+
+    def block(os: list[Outcome], tgt: dict) -> dict:
+        ttft = tgt.get("ttft_ms")
+        tpot = tgt.get("tpot_ms")
+        ok = [o for o in os if o.status == 200 and o.done and o.error is None]
+        shed = [o for o in os if o.status == 429]
+        other = [o for o in os if o not in ok and o not in shed]
+        bad_shed = [o for o in shed if not o.retry_after or int(o.retry_after) < 1]
+        shed_ms = [(o.answered - o.sent) * 1000 for o in shed]
+        late = 0  # no answer (token or 429) by the TTFT deadline
+        attained = 0
+        for o in os:
+            answer = o.first if o.status == 200 else o.answered
+            if ttft is not None and (answer is None or answer - o.sent > ttft / 1000 + slack_s):
+                late += 1
+        for o in ok:
+            t_ok = ttft is None or (o.first is not None and (o.first - o.sent) * 1000 <= ttft)
+            p_ok = True
+            if tpot is not None and o.tokens > 1 and o.first is not None:
+                p_ok = (o.last - o.first) * 1000 / (o.tokens - 1) <= tpot
+            attained += t_ok and p_ok
+        return {
+            "requests": len(os),
+            "admitted": len(ok),
+            "shed": len(shed),
+            "other": len(other),
+            "other_examples": [asdict(o) | {"times": None} for o in other[:3]],
+            "shed_without_retry_after": len(bad_shed),
+            "shed_reasons": _count(o.reason for o in shed),
+            "shed_p50_ms": statistics.median(shed_ms) if shed_ms else None,
+            "shed_max_ms": max(shed_ms) if shed_ms else None,
+            "shed_immediate": sum(1 for x in shed_ms if x <= IMMEDIATE_MS),
+            "unanswered_by_deadline": late,
+            "admitted_attained": attained,
+            "admitted_attainment": attained / len(ok) if ok else None,
+            "tpot_target_ms": tpot,
+            "ttft_target_ms": ttft,
+        }
+
+    out = {"classes": {}}
+    for cls in sorted({o.cls for o in outcomes}):
+        out["classes"][cls] = block([o for o in outcomes if o.cls == cls], targets.get(cls, {}))
+    tot = out["classes"].values()
+    out["overall"] = {
+        k: sum(b[k] for b in tot)
+        for k in (
+            "requests",
+            "admitted",
+            "shed",
+            "other",
+            "shed_without_retry_after",
+            "shed_immediate",
+            "unanswered_by_deadline",
+            "admitted_attained",
+        )
+    }
+    return out
+
+
+def _count(xs) -> dict[str, int]:
+    d: dict[str, int] = {}
+    for x in xs:
+        d[str(x)] = d.get(str(x), 0) + 1
+    return d
+
+
+def server_targets(base_url: str, api_key: str | None = None) -> dict[str, dict]:
+    """Each class's TPOT and TTFT targets (ms) as the server resolves them."""
+    h = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    rep = httpx.get(base_url + "/v1/slo/report", headers=h, timeout=30).json()
+    return {name: dict(c.get("targets") or {}) for name, c in rep["classes"].items()}
+
+
+def _mix(s: str) -> dict[str, float]:
+    try:
+        d = {k: float(v) for k, v in (p.split("=") for p in s.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected class=weight,...: {s!r}") from None
+    if not d or any(v < 0 for v in d.values()) or sum(d.values()) <= 0:
+        raise argparse.ArgumentTypeError(f"weights must be >= 0 and not all 0: {s!r}")
+    return d
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", help="model name to send (default: none)")
+    p.add_argument("--factor", type=float, default=3.0, help="offered load / capacity")
+    p.add_argument("--rate", type=float, help="offered req/s (default: factor x probed)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    p.add_argument("--class-mix", type=_mix, default=_mix(DEFAULT_MIX))
+    p.add_argument("--concurrency", type=int, default=8, help="streams in the capacity probe")
+    p.add_argument("--probe-seconds", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def run(args) -> int:
+    if args.duration <= 0 or args.max_tokens < 1 or args.factor <= 0:
+        print("error: --duration, --max-tokens and --factor must be positive", file=sys.stderr)
+        return 2
+    try:
+        targets = server_targets(args.base_url)
+        rate = args.rate
+        cap = None
+        if rate is None:
+            strict = min(targets, key=lambda c: targets[c].get("tpot_ms") or 1e9)
+            cap = asyncio.run(
+                probe_capacity(
+                    args.base_url, args.model, strict, args.concurrency, args.max_tokens,
+                    args.probe_seconds,
+                )
+            )  # fmt: skip
+            rate = args.factor * cap
+        outcomes = asyncio.run(
+            run_overload(
+                args.base_url, model=args.model, rate=rate, duration=args.duration,
+                mix=args.class_mix, max_tokens=args.max_tokens, seed=args.seed,
+            )
+        )  # fmt: skip
+    except httpx.HTTPError as e:
+        print(f"error: cannot reach {args.base_url}: {e}", file=sys.stderr)
+        return 1
+    s = summarize(outcomes, targets)
+    s["capacity_rps"], s["rate_rps"] = cap, rate
+    if args.json:
+        print(json.dumps(s, indent=2))
+        return 0
+    print(
+        f"capacity {cap or float('nan'):.2f} req/s, offered {rate:.2f} req/s for {args.duration:g} s"
+    )
+    print("class        reqs  admitted  shed  immediate  no-answer  admitted SLO ok %")
+    for name, b in s["classes"].items():
+        att = b["admitted_attainment"]
+        print(
+            f"{name:11s} {b['requests']:5d} {b['admitted']:9d} {b['shed']:5d} "
+            f"{b['shed_immediate']:10d} {b['unanswered_by_deadline'] + b['other']:10d} "
+            f"{'-' if att is None else f'{100 * att:.1f}':>18s}"
+        )
+    return 0

@@ -1,0 +1,100 @@
+"""Issue 22 finding 4: under overload every class is admitted against its own targets.
+
+A real server (tiny pair, adaserve, its hardware profile measured at start) is driven
+for 20 s at three times the capacity a closed-loop probe measures. Every request must
+end as a complete stream or a 429 with Retry-After; none may go without an answer past
+its class's TTFT deadline; the queues, the KV pool and the gauges must return to empty;
+admitted strict requests must attain their SLO.
+
+The class targets are multiples of the unloaded TPOT the server measured when it
+started, so they follow the machine's speed; they are looser than the defaults so that
+the check is about admission, not about how tight a target this shared box can hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from server_fixtures import LiveServer, engine_config, model_pair, scrape, server_test_env, wait_for
+
+from adaserve.bench.overload import probe_capacity, run_overload, server_targets, summarize
+from adaserve.server import parse_config
+from adaserve.server.config import tomllib
+
+CONFIG = """
+[server]
+model_name = "tiny"
+
+[classes.interactive]
+tpot_x = 3.0
+ttft_ms = 3000
+rank = 0
+
+[classes.chat]
+tpot_x = 5.0
+ttft_ms = 6000
+rank = 1
+
+[classes.batch]
+tpot_x = 10.0
+ttft_ms = 12000
+rank = 2
+
+[engine]
+default_class = "chat"
+"""
+
+MAX_TOKENS = 24
+
+_env = pytest.fixture(scope="module", autouse=True)(server_test_env)
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    target, draft = model_pair(tmp_path_factory)
+    cfg = engine_config(target, draft, policy="adaserve", max_num_seqs=8)
+    s = LiveServer(cfg, parse_config(tomllib.loads(CONFIG)))
+    yield s
+    s.stop()
+
+
+def test_three_times_capacity_every_request_answered_strict_on_target(srv):
+    cap = asyncio.run(probe_capacity(srv.url, "tiny", "interactive", 8, MAX_TOKENS, 3.0))
+    assert cap > 0
+    targets = server_targets(srv.url)
+    outcomes = asyncio.run(
+        run_overload(
+            srv.url,
+            model="tiny",
+            rate=3.0 * cap,
+            duration=20.0,
+            mix={"interactive": 0.6, "chat": 0.2, "batch": 0.2},
+            max_tokens=MAX_TOKENS,
+            seed=0,
+        )
+    )
+    s = summarize(outcomes, targets)
+    o = s["overall"]
+    detail = (cap, s)
+    assert o["requests"] >= 20, detail
+    # every request: a complete stream or a 429 with Retry-After, nothing else
+    assert o["other"] == 0, detail
+    assert o["admitted"] + o["shed"] == o["requests"], detail
+    assert o["shed"] > 0 and o["shed_without_retry_after"] == 0, detail
+    # an answer (first token or 429) by each class's TTFT deadline
+    assert o["unanswered_by_deadline"] == 0, detail
+    strict = s["classes"]["interactive"]
+    assert strict["admitted"] >= 3, detail
+    assert strict["admitted_attainment"] >= 0.9, detail
+    # queues, KV and gauges back to empty
+    assert wait_for(lambda: srv.state.loop.snapshot.running == 0, 30)
+    snap = srv.state.loop.snapshot
+    assert snap.waiting == 0 and snap.kv_usage == 0.0
+    fams = scrape(srv.url)
+    gauges = {k: v[0][1] for k, v in fams.items() if k.startswith("vllm:num_requests_")}
+    assert gauges["vllm:num_requests_running"] == 0 and gauges["vllm:num_requests_waiting"] == 0
+    shed = {lab["reason"]: 0 for lab, _ in fams["adaserve:shed_requests_total"]}
+    for lab, v in fams["adaserve:shed_requests_total"]:
+        shed[lab["reason"]] += v
+    assert sum(shed.values()) == o["shed"], (shed, detail)
