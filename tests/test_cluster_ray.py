@@ -25,8 +25,8 @@ import ray  # noqa: E402
 from server_fixtures import scrape, wait_for  # noqa: E402
 
 from adaserve.cluster.front_door import FrontDoor  # noqa: E402
-from adaserve.cluster.ray_router import route_request, stats_of, with_request  # noqa: E402
-from adaserve.cluster.routing import make_router  # noqa: E402
+from adaserve.cluster.ray_router import route_request, stats_of  # noqa: E402
+from adaserve.cluster.routing import make_router, with_routed  # noqa: E402
 from adaserve.cluster.serve_app import Cluster  # noqa: E402
 from adaserve.config import EngineConfig  # noqa: E402
 from adaserve.server import parse_config  # noqa: E402
@@ -348,12 +348,16 @@ def _stats(rid: str, at_s: float = 0.0) -> dict:
     }
 
 
-def test_router_adapter_spreads_strict_and_packs_relaxed_between_reports():
-    """Between two reports the adapter adds what it has sent (``with_request``), so a
-    burst of strict requests alternates between two idle replicas while relaxed ones
-    pack onto one (the router's bin packing)."""
-    for cls, spread in (("interactive", True), ("chat", False)):
-        policy = make_router("slo")
+def test_router_adapter_spreads_a_burst_between_reports():
+    """Between two reports the adapter adds what it has sent (``with_routed``), so a
+    burst alternates between two idle replicas (strict and relaxed alike with the
+    default router), while ``relaxed=pack`` packs relaxed requests onto one."""
+    for spec, cls, spread in (
+        ("slo", "interactive", True),
+        ("slo", "chat", True),
+        ("slo:relaxed=pack", "chat", False),
+    ):
+        policy = make_router(spec)
         stats = [stats_of(r, _stats(r), 0.0) for r in ("r0", "r1")]
         chosen = []
         for _ in range(6):
@@ -362,8 +366,8 @@ def test_router_adapter_spreads_strict_and_packs_relaxed_between_reports():
             best = policy.rank(req, stats)[0]
             chosen.append(best)
             i = [s.replica_id for s in stats].index(best)
-            stats[i] = with_request(policy, req, stats[i])
-        assert (len(set(chosen)) == 2) == spread, (cls, chosen)
+            stats[i] = with_routed(stats[i], req)
+        assert (len(set(chosen)) == 2) == spread, (spec, cls, chosen)
     assert stats[0].waiting + stats[1].waiting == 6
     assert sum(c.prefill_tokens for s in stats for c in s.classes) == 48
 

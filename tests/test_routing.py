@@ -15,21 +15,23 @@ from adaserve.cluster.routing import (
     SloRouter,
     make_router,
     replica_stats,
+    with_routed,
 )
 
 TARGETS = {"interactive": (30.0, 2000.0, 0), "chat": (50.0, 4000.0, 1), "batch": (150.0, 3e4, 2)}
 
 
-def replica(rid, pass_ms=20.0, tpot=None, running=None, prefill=None, waiting=0, **kw):
-    """A replica whose classes have the given predicted TPOT / running / prefill."""
-    tpot, running, prefill = tpot or {}, running or {}, prefill or {}
+def replica(rid, tpot=10.0, running=None, prefill=None, waiting=0, **kw):
+    """A replica whose load model predicts ``tpot`` ms (every class alike, as
+    ``replica_stats`` reports), with the given requests running and prefill queued."""
+    running, prefill = running or {}, prefill or {}
     classes = tuple(
         ClassHeadroom(
             name=n,
             rank=rk,
             tpot_ms=t,
             ttft_ms=f,
-            predicted_tpot_ms=tpot.get(n, pass_ms / 2.0),
+            predicted_tpot_ms=tpot,
             running=running.get(n, 0),
             waiting=0,
             prefill_tokens=prefill.get(n, 0),
@@ -45,10 +47,13 @@ def replica(rid, pass_ms=20.0, tpot=None, running=None, prefill=None, waiting=0,
         waiting=waiting,
         waiting_prefill_tokens=sum(prefill.values()),
         kv_free_fraction=kw.pop("kv_free", 0.8),
-        pass_ms=pass_ms,
-        at_s=0.0,
+        pass_ms=kw.pop("pass_ms", 20.0),
+        at_s=kw.pop("at_s", 0.0),
         ms_per_token=0.2,
         tokens_per_pass=3.0,
+        base_pass_ms=10.0,
+        request_ms=1.0,
+        gained_per_pass=1.0,
         **kw,
     )
 
@@ -59,73 +64,107 @@ def request(cls="interactive", prompt=200, out=150):
 
 
 def test_strict_requests_keep_off_a_replica_whose_strict_class_is_near_its_target():
-    near = replica("near", tpot={"interactive": 26.5}, running={"interactive": 20})
-    roomy = replica("roomy", pass_ms=40.0, tpot={"interactive": 18.0}, running={"interactive": 10})
+    near = replica("near", tpot=26.5, running={"interactive": 20})
+    roomy = replica("roomy", tpot=18.0, running={"interactive": 10, "batch": 5})
     r = SloRouter()
-    assert not r.outlook(request(), near).feasible  # 26.5 grows past 30 * 0.9
+    assert not r.outlook(request(), near).feasible  # 26.5 + 1 ms passes 30 * 0.9
     assert r.outlook(request(), roomy).feasible
     assert r.rank(request(), [near, roomy]) == ["roomy", "near"]
     assert r.rank(request(), [roomy, near]) == ["roomy", "near"]
 
 
 def test_strict_requests_take_the_replica_with_the_most_strict_headroom():
-    a = replica("a", tpot={"interactive": 22.0}, running={"interactive": 8})
-    b = replica("b", tpot={"interactive": 15.0}, running={"interactive": 4})
-    c = replica("c", tpot={"interactive": 19.0}, running={"interactive": 6})
+    a = replica("a", tpot=22.0, running={"interactive": 8})
+    b = replica("b", tpot=15.0, running={"interactive": 4})
+    c = replica("c", tpot=19.0, running={"interactive": 6})
     assert make_router("slo").rank(request(), [a, b, c]) == ["b", "c", "a"]
 
 
-def test_relaxed_work_is_packed_onto_the_feasible_replica_with_the_least_slack():
-    busy = replica("busy", tpot={"batch": 60.0, "chat": 30.0}, running={"batch": 8, "chat": 4})
+def test_relaxed_work_packs_onto_the_feasible_replica_with_the_least_slack():
+    busy = replica("busy", tpot=30.0, running={"batch": 8, "chat": 4})
     idle = replica("idle")
-    full = replica("full", tpot={"chat": 44.0}, running={"chat": 30})  # chat near 45 ms aim
-    r = SloRouter()
+    full = replica("full", tpot=44.0, running={"chat": 30})  # chat at its 45 ms aim
+    r = SloRouter(relaxed="pack")
     assert r.outlook(request("chat"), busy).slack < r.outlook(request("chat"), idle).slack
     assert not r.outlook(request("chat"), full).feasible
     assert r.rank(request("chat"), [idle, full, busy])[0] == "busy"
     # the strict request goes the other way: to the idle replica
     assert r.rank(request(), [idle, full, busy])[0] == "idle"
+    # spread: relaxed work takes the most slack too
+    assert SloRouter(relaxed="spread").rank(request("chat"), [full, busy, idle])[0] == "idle"
 
 
-def test_relaxed_work_does_not_pack_onto_a_replica_it_would_push_strict_past_its_target():
-    # chat alone would fit, but the interactive class there is at its aim
-    tight = replica("tight", tpot={"interactive": 26.0, "chat": 26.0}, running={"interactive": 9})
-    loose = replica("loose", tpot={"interactive": 12.0}, running={"interactive": 2})
-    assert make_router("slo").rank(request("chat"), [tight, loose])[0] == "loose"
+def test_relaxed_work_apart_goes_where_strict_work_is_not():
+    strict = replica("strict", tpot=8.0, running={"interactive": 10})  # slack 0.67
+    relaxed = replica("relaxed", tpot=60.0, running={"batch": 30})  # slack 0.55
+    apart = SloRouter(relaxed="apart")
+    assert apart.rank(request("batch"), [strict, relaxed])[0] == "relaxed"
+    assert SloRouter(relaxed="spread").rank(request("batch"), [strict, relaxed])[0] == "strict"
+
+
+@pytest.mark.parametrize("mode", ["apart", "pack", "spread"])
+def test_relaxed_work_keeps_off_a_replica_it_would_push_strict_past_its_target(mode):
+    # chat alone would fit (45 ms aim), but the interactive class there is at its aim
+    tight = replica("tight", tpot=26.5, running={"interactive": 9, "chat": 3})
+    loose = replica("loose", tpot=12.0, running={"interactive": 12})
+    assert SloRouter(relaxed=mode).rank(request("chat"), [tight, loose])[0] == "loose"
 
 
 def test_ttft_unreachable_behind_a_long_prefill_queue_is_infeasible():
-    # 40 chunks of strict prefill ahead at ~71 ms a chunk pass: past the 2 s TTFT
+    # 40 chunks of strict prefill ahead at ~62 ms a chunk pass: past the 2 s TTFT
     queued = replica("queued", prefill={"interactive": 40 * 256})
-    free = replica("free", pass_ms=30.0, tpot={"interactive": 20.0}, running={"interactive": 5})
+    free = replica("free", tpot=20.0, running={"interactive": 5})
     r = SloRouter()
     assert not r.outlook(request(), queued).feasible
     assert r.rank(request(), [queued, free])[0] == "free"
     # relaxed prefill queued there does not delay a strict request (it runs first)...
     relaxed_q = replica("relaxed_q", prefill={"batch": 40 * 256})
     assert r.outlook(request(), relaxed_q).feasible
-    # ...and prefill of a stricter class delays a looser one's TTFT, not the reverse
-    chat_q = replica("chat_q", prefill={"chat": 60 * 256})
+    # ...and prefill of a stricter class delays a looser one's TTFT
+    chat_q = replica("chat_q", prefill={"chat": 70 * 256})
     assert not r.outlook(request("chat"), chat_q).feasible
-    assert r.outlook(request("batch"), chat_q).slack < r.outlook(request("batch"), relaxed_q).slack
+    assert r.outlook(request("chat"), relaxed_q).feasible
+
+
+def test_the_prefill_the_router_sent_a_replica_keeps_strict_requests_off_it():
+    """Two replicas alike; long prompts sent to one make its passes longer (prefill
+    takes a share of its time), so the next strict request goes to the other."""
+    a, b = replica("a", tpot=20.0), replica("b", tpot=20.0)
+    r = SloRouter()
+    assert r.rank(request("batch", prompt=4000), [a, b])[0] == "a"  # a tie: the first
+    assert r.prefill_share(a) > 0.0 == r.prefill_share(b)
+    assert r.rank(request(), [a, b])[0] == "b"
+    # the rate decays: long after, the replicas look alike again
+    later = [replica("a", tpot=20.0, at_s=600.0), replica("b", tpot=20.0, at_s=600.0)]
+    assert r.prefill_share(later[0]) < 1e-6
 
 
 def test_when_no_replica_stays_feasible_the_one_with_the_most_slack_comes_first():
-    a = replica("a", tpot={"interactive": 40.0}, running={"interactive": 30})
-    b = replica("b", tpot={"interactive": 33.0}, running={"interactive": 30})
-    c = replica("c", tpot={"interactive": 36.0}, running={"interactive": 30})
-    r = SloRouter()
-    for req in (request(), request("chat")):
-        assert not any(r.outlook(req, s).feasible for s in (a, b, c))
-    assert r.rank(request(), [a, b, c]) == ["b", "c", "a"]
-    assert r.rank(request("chat"), [a, b, c])[0] == "b"
+    a = replica("a", tpot=52.0, running={"interactive": 30})
+    b = replica("b", tpot=46.0, running={"interactive": 30})
+    c = replica("c", tpot=49.0, running={"interactive": 30})
+    for mode in ("apart", "pack", "spread"):
+        r = SloRouter(relaxed=mode)
+        for req in (request(), request("chat")):
+            assert not any(r.outlook(req, s).feasible for s in (a, b, c))
+        assert r.rank(request(), [a, b, c]) == ["b", "c", "a"]
+        assert r.rank(request("chat"), [a, b, c]) == ["b", "c", "a"]
 
 
 def test_kv_that_cannot_hold_the_request_makes_a_replica_infeasible():
     small = replica("small", kv_free=0.01, kv_total_tokens=10000)
-    big = replica("big", pass_ms=25.0, kv_free=0.9, kv_total_tokens=10000)
+    big = replica("big", tpot=25.0, kv_free=0.9, kv_total_tokens=10000)
     assert not SloRouter().outlook(request(prompt=400, out=400), small).feasible
     assert make_router("slo").rank(request("batch"), [small, big])[0] == "big"
+
+
+def test_with_routed_counts_the_request_until_the_next_report():
+    s = replica("a", tpot=20.0, running={"chat": 2})
+    t = with_routed(s, request("chat", prompt=300, out=100))
+    assert (t.waiting, t.waiting_prefill_tokens) == (1, 300)
+    assert t.headroom("chat").waiting == 1 and t.headroom("chat").prefill_tokens == 300
+    assert t.headroom("interactive").predicted_tpot_ms > 20.0
+    assert t.decode_left == (100,)
 
 
 def stats_q(rid, q):
@@ -173,6 +212,7 @@ def test_round_robin_takes_replicas_in_turn_whatever_their_load():
         ("p2c:margin=0.1", "unknown router option"),
         ("slo:margin=x", "must be a number"),
         ("slo:margin=1.5", "margin and pack_slack must be in [0, 1)"),
+        ("slo:relaxed=nowhere", "relaxed must be apart, pack or spread"),
         ("slo:depth=3", "unknown router option 'depth=3'"),
     ],
 )

@@ -6,8 +6,8 @@ Every replica reports its ``routing.ReplicaStats`` through ``record_routing_stat
 Ray Serve hands them to the router as ``RunningReplica.routing_stats``. Between two
 reports this router adds the requests it has chosen a replica for since that report
 was taken (their prompts queue there), so that a burst does not all go to the replica that
-looked emptiest a moment ago (``with_request``: the router's own prediction of what
-each such request adds). A replica without stats yet (just started) is taken as
+looked emptiest a moment ago (``routing.with_routed``: what each such request adds, as
+the routers' load model prices it). A replica without stats yet (just started) is taken as
 idle. Requests that are not generations (``/v1/models``, ``/health``) and the
 deployment's other methods go by queue length alone.
 
@@ -25,7 +25,13 @@ from collections import deque
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from adaserve.cluster.routing import ClassHeadroom, ReplicaStats, RouteRequest, make_router
+from adaserve.cluster.routing import (
+    ClassHeadroom,
+    ReplicaStats,
+    RouteRequest,
+    make_router,
+    with_routed,
+)
 
 _STATS_FIELDS = {f.name for f in dataclasses.fields(ReplicaStats)}
 _CLASS_FIELDS = {f.name for f in dataclasses.fields(ClassHeadroom)}
@@ -123,36 +129,8 @@ class AdaServeRequestRouter(RequestRouter):
         while q and q[0][0] < s.at_s:  # already counted in the report
             q.popleft()
         for _, route in q or ():
-            s = with_request(self.policy, route_request(route, [s], self.default_class), s)
+            s = with_routed(s, route_request(route, [s], self.default_class))
         return s
-
-
-def with_request(policy, req: RouteRequest, s: ReplicaStats) -> ReplicaStats:
-    """``s`` once ``req`` has joined it, as ``policy`` predicts (the requests sent to a
-    replica since its last report): a waiting request whose prompt is still to prefill,
-    and, for a policy that predicts pass times (``outlook``), the pass time and every
-    class's TPOT that far longer."""
-    grow, pass_ms = 1.0, s.pass_ms
-    outlook = getattr(policy, "outlook", None)
-    if outlook is not None:
-        pass_ms = max(outlook(req, s).pass_ms, s.pass_ms)
-        grow = pass_ms / s.pass_ms
-    classes = tuple(
-        dataclasses.replace(
-            c,
-            predicted_tpot_ms=c.predicted_tpot_ms * grow,
-            waiting=c.waiting + (c.name == req.slo_class),
-            prefill_tokens=c.prefill_tokens + (req.prompt_tokens if c.name == req.slo_class else 0),
-        )
-        for c in s.classes
-    )
-    return dataclasses.replace(
-        s,
-        classes=classes,
-        pass_ms=pass_ms,
-        waiting=s.waiting + 1,
-        waiting_prefill_tokens=s.waiting_prefill_tokens + req.prompt_tokens,
-    )
 
 
 def _route_of(pending_request: PendingRequest | None) -> dict | None:

@@ -8,21 +8,27 @@ on the stats the replicas report).
 
 Routers (``make_router``):
 
-* ``slo``: predicts, for each replica, what adding the request does to the pass time
-  and so to the TPOT of every class the replica serves, and whether the request's TTFT
-  stays reachable behind the prefill queued ahead of it. A replica is *feasible* when
-  every class's predicted TPOT stays within its target less ``margin`` and the TTFT is
-  reachable. Strict requests (rank 0) go to the feasible replica with the most slack;
-  relaxed ones to the feasible replica with the *least* slack still above
-  ``pack_slack`` (bin packing: they fill the room strict requests leave, keeping
-  headroom elsewhere for strict work). When no replica is feasible: the most slack.
+* ``slo``: predicts, for each replica, the TPOT its classes and the request would get
+  with the request added, and whether the request's TTFT stays reachable behind the
+  prefill queued ahead of it. The prediction is a load model priced by the replica's
+  hardware model (``replica_stats``: every request drafting and verifying a reference
+  chain; not the planner's own pass, which spends any slack on deeper trees and
+  prefill), stretched by the share of the replica's time that prefill of the prompts
+  the router sent it takes (``SloRouter.prefill_share``). A replica is *feasible* when
+  every class there, and the request, stays within its TPOT target less ``margin`` and
+  the TTFT is reachable; slack is the smallest margin left. Strict requests (rank 0) go
+  to the replica with the most slack; relaxed ones too by default (``relaxed=spread``),
+  or packed onto the feasible replica with the least slack (``relaxed=pack``), or onto
+  the feasible replica with the fewest strict requests (``relaxed=apart``). When no
+  replica is feasible: the most slack.
 * ``p2c``: Ray Serve's power of two choices: two replicas drawn at random (seeded), the
   one with the shorter queue (running + waiting) first.
 * ``rr``: round robin.
 
-Slack of a replica for a request: the smallest, over the classes it would serve, of
-``1 - predicted TPOT / (target * (1 - margin))``, and of the request's
-``1 - predicted TTFT / TTFT target``.
+Slack of a replica for a request: the smallest, over the classes there and the
+request's own, of ``1 - predicted TPOT / (target * (1 - margin))``, of the request's
+``1 - predicted TTFT / TTFT target``, and of the KV share left once it is held.
+Between two reports a caller applies ``with_routed`` for each request it sent.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 ROUTERS = ("slo", "p2c", "rr")
+# the reference chain of the load model (``replica_stats``): candidates a request drafts
+REF_DEPTH = 3
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,11 @@ class ReplicaStats:
     prefill_chunk:       prefill tokens a pass carries at most
     max_num_seqs:        requests the replica runs at once
     kv_total_tokens:     KV pool in tokens (0: unknown)
+    decode_left:         output tokens each running or waiting request has left at most
+                         (its max_tokens less what it produced; empty: unknown)
+    base_pass_ms:        the load model: a pass's fixed time (one request, reference tree)
+    request_ms:          what each request adds to a pass (its reference tree's tokens)
+    gained_per_pass:     tokens a decoding request gains a pass with the reference tree
     """
 
     replica_id: str
@@ -97,14 +110,22 @@ class ReplicaStats:
     prefill_chunk: int = 256
     max_num_seqs: int = 64
     kv_total_tokens: int = 0
+    decode_left: tuple[int, ...] = ()
+    base_pass_ms: float = 25.0
+    request_ms: float = 1.0
+    gained_per_pass: float = 1.0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "decode_left", tuple(int(x) for x in self.decode_left))
+        object.__setattr__(self, "classes", tuple(self.classes))
         if not 0.0 <= self.kv_free_fraction <= 1.0:
             raise ValueError("kv_free_fraction must be in [0, 1]")
         if self.running < 0 or self.waiting < 0 or self.waiting_prefill_tokens < 0:
             raise ValueError("running, waiting and waiting_prefill_tokens must be >= 0")
         if not self.pass_ms > 0 or self.prefill_chunk < 1 or self.max_num_seqs < 1:
             raise ValueError("pass_ms, prefill_chunk and max_num_seqs must be positive")
+        if not (self.base_pass_ms > 0 and self.request_ms >= 0 and self.gained_per_pass >= 1):
+            raise ValueError("base_pass_ms > 0, request_ms >= 0 and gained_per_pass >= 1")
 
     @property
     def queue_len(self) -> int:
@@ -193,48 +214,77 @@ class Outlook:
 
 @dataclass
 class SloRouter:
-    """The SLO-aware router (module docstring). ``margin``: the fraction of each TPOT
-    target predictions must stay below; ``pack_slack``: the slack a relaxed request
-    must leave on the replica it packs onto."""
+    """The SLO-aware router (module docstring).
+
+    margin:     the fraction of each TPOT target predictions must stay below
+    pack_slack: the slack a relaxed request must leave on the replica it goes to
+    relaxed:    where relaxed requests go: "spread" (default) the most slack, like
+                strict ones; or, among the replicas that stay feasible with
+                ``pack_slack`` to spare, "pack" the least slack (bin packing: relaxed
+                work fills the room strict work leaves) or "apart" the fewest strict
+                requests, then the least slack (relaxed work and its long prompts
+                gather where strict work is not). On the reference workload at 8
+                replicas neither beat "spread" (docs/results/scale-out-sim.md)
+    prefill_tau_s: time constant (s) of the prompt-token rate the router has sent each
+                replica (its prefill keeps a share of every pass busy)
+    """
 
     margin: float = 0.1
     pack_slack: float = 0.1
+    relaxed: str = "spread"
+    prefill_tau_s: float = 10.0
     name: str = "slo"
+    _rate: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.margin < 1.0 and 0.0 <= self.pack_slack < 1.0):
             raise ValueError("slo router: margin and pack_slack must be in [0, 1)")
+        if self.relaxed not in ("apart", "pack", "spread"):
+            raise ValueError("slo router: relaxed must be apart, pack or spread")
+        if not self.prefill_tau_s > 0:
+            raise ValueError("slo router: prefill_tau_s must be positive")
+
+    def prefill_share(self, s: ReplicaStats, extra_tokens: int = 0) -> float:
+        """The share of ``s``'s time its prefill takes: the prompt tokens per second the
+        router has sent it (decayed over ``prefill_tau_s``), plus ``extra_tokens`` more,
+        at ``ms_per_token`` each (at most 0.9)."""
+        rate, t = self._rate.get(s.replica_id, (0.0, s.at_s))
+        rate *= math.exp(-max(s.at_s - t, 0.0) / self.prefill_tau_s)
+        rate += extra_tokens / self.prefill_tau_s
+        return min(rate * s.ms_per_token / 1000.0, 0.9)
+
+    def routed(self, req: RouteRequest, s: ReplicaStats) -> None:
+        """Count ``req``'s prompt into the prefill rate of the replica it went to."""
+        rate, t = self._rate.get(s.replica_id, (0.0, s.at_s))
+        rate *= math.exp(-max(s.at_s - t, 0.0) / self.prefill_tau_s)
+        self._rate[s.replica_id] = (rate + req.prompt_tokens / self.prefill_tau_s, s.at_s)
 
     def outlook(self, req: RouteRequest, s: ReplicaStats) -> Outlook:
-        """The predicted effect of adding ``req`` to replica ``s``."""
-        # the decode cost: one more request's tree in every pass, and its context;
-        # the prefill cost: its prompt spread over the passes of its output
-        ctx = req.prompt_tokens + req.max_tokens / 2.0
-        add = s.ms_per_token * s.tokens_per_pass + s.kv_ms_per_token * ctx
-        passes = max(req.max_tokens / max(s.tokens_per_pass, 1.0), 1.0)
-        add += s.ms_per_token * req.prompt_tokens / passes
-        seats = s.running + 1 > s.max_num_seqs
-        after = s.pass_ms + add
-        grow = after / s.pass_ms
+        """The predicted effect of adding ``req`` to replica ``s``: the load model's TPOT
+        (``replica_stats``: every request's reference tree in each pass) with one more
+        request, stretched by the share of time prefill takes there with its prompt."""
+        aim = 1.0 - self.margin
+        u = self.prefill_share(s, req.prompt_tokens)
+        tpots = [c.predicted_tpot_ms for c in s.classes]
+        now = max(tpots) if tpots else s.base_pass_ms / s.gained_per_pass
+        after = (
+            now + (s.request_ms + s.kv_ms_per_token * req.prompt_tokens) / s.gained_per_pass
+        ) / (1.0 - u)
         slack = math.inf
-        own = s.headroom(req.slo_class)
+        if math.isfinite(req.tpot_ms):
+            slack = 1.0 - after / (req.tpot_ms * aim)
         for c in s.classes:
-            if c.running + c.waiting == 0 and c is not own:
-                continue
-            if math.isinf(c.tpot_ms):
-                continue
-            slack = min(slack, 1.0 - c.predicted_tpot_ms * grow / (c.tpot_ms * (1 - self.margin)))
-        if own is None and math.isfinite(req.tpot_ms):  # a class the replica has no data on
-            slack = min(slack, 1.0 - after / (req.tpot_ms * (1 - self.margin)))
+            if c.running + c.waiting and math.isfinite(c.tpot_ms):
+                slack = min(slack, 1.0 - after / (c.tpot_ms * aim))
         # TTFT: the prefill of its own and stricter classes runs first
         ahead = sum(c.prefill_tokens for c in s.classes if c.rank <= req.rank)
         if not s.classes:
             ahead = s.waiting_prefill_tokens
         chunks = math.ceil((ahead + req.prompt_tokens) / s.prefill_chunk)
-        chunk_ms = s.pass_ms + s.ms_per_token * s.prefill_chunk
-        ttft = chunks * chunk_ms + after
-        if seats:  # it waits for a seat: about one request's output
-            ttft += s.pass_ms * max(1, s.waiting + 1) * 8
+        pass_ms = after * s.gained_per_pass
+        ttft = chunks * (pass_ms + s.ms_per_token * s.prefill_chunk) + pass_ms
+        if s.running + 1 > s.max_num_seqs:  # it waits for a seat
+            ttft += pass_ms * (s.waiting + 1) * 8
         if math.isfinite(req.ttft_ms):
             slack = min(slack, 1.0 - ttft / req.ttft_ms)
         if s.kv_total_tokens > 0:
@@ -242,18 +292,68 @@ class SloRouter:
             slack = min(slack, s.kv_free_fraction - kv_need)
         if math.isinf(slack):
             slack = 1.0
-        return Outlook(s.replica_id, slack >= 0.0, slack, after)
+        return Outlook(s.replica_id, slack >= 0.0, slack, pass_ms)
 
     def rank(self, req: RouteRequest, replicas: Sequence[ReplicaStats]) -> list[str]:
         outs = [self.outlook(req, s) for s in replicas]
         order = list(range(len(outs)))
         most_slack = sorted(order, key=lambda i: (-outs[i].slack, i))
-        if req.rank == 0:
-            return [outs[i].replica_id for i in most_slack]
-        pack = [i for i in order if outs[i].feasible and outs[i].slack >= self.pack_slack]
-        pack.sort(key=lambda i: (outs[i].slack, i))
-        rest = [i for i in most_slack if i not in pack]
-        return [outs[i].replica_id for i in pack + rest]
+        if req.rank == 0 or self.relaxed == "spread":
+            ranked = most_slack
+        else:
+            fit = [i for i in order if outs[i].feasible and outs[i].slack >= self.pack_slack]
+            if self.relaxed == "apart":
+                fit.sort(key=lambda i: (_strict_load(replicas[i]), outs[i].slack, i))
+            else:
+                fit.sort(key=lambda i: (outs[i].slack, i))
+            ranked = fit + [i for i in most_slack if i not in fit]
+        if ranked:
+            self.routed(req, replicas[ranked[0]])
+        return [outs[i].replica_id for i in ranked]
+
+
+def _strict_load(s: ReplicaStats) -> int:
+    """Requests of the strictest class on ``s`` (rank 0)."""
+    return sum(c.running + c.waiting for c in s.classes if c.rank == 0)
+
+
+def _passes(req: RouteRequest, s: ReplicaStats) -> float:
+    """Passes ``req``'s output takes on ``s`` (at least one)."""
+    return max(req.max_tokens / s.gained_per_pass, 1.0)
+
+
+def with_routed(s: ReplicaStats, req: RouteRequest) -> ReplicaStats:
+    """``s`` as the router sees it after sending ``req`` there, until the replica's next
+    report (a real router counts what it has in flight the same way): one more request
+    waiting with its output, its prompt queued for prefill, and every class's predicted
+    TPOT longer by its share of the pass."""
+    add = (s.request_ms + s.ms_per_token * req.prompt_tokens / _passes(req, s)) / s.gained_per_pass
+    classes = tuple(
+        replace(
+            c,
+            predicted_tpot_ms=c.predicted_tpot_ms + add,
+            **(
+                {"waiting": c.waiting + 1, "prefill_tokens": c.prefill_tokens + req.prompt_tokens}
+                if c.name == req.slo_class
+                else {}
+            ),
+        )
+        for c in s.classes
+    )
+    return replace(
+        s,
+        classes=classes,
+        waiting=s.waiting + 1,
+        waiting_prefill_tokens=s.waiting_prefill_tokens + req.prompt_tokens,
+        decode_left=s.decode_left + (req.max_tokens,),
+        kv_free_fraction=max(
+            0.0,
+            s.kv_free_fraction
+            - (
+                (req.prompt_tokens + req.max_tokens) / s.kv_total_tokens if s.kv_total_tokens else 0
+            ),
+        ),
+    )
 
 
 def make_router(spec: str, seed: int = 0) -> Router:
@@ -262,11 +362,14 @@ def make_router(spec: str, seed: int = 0) -> Router:
     if not isinstance(spec, str):
         raise ValueError(f"router must be a string, one of {', '.join(ROUTERS)}")
     head, *opts = spec.strip().split(":")
-    kwargs: dict[str, float] = {}
+    kwargs: dict[str, float | str] = {}
     for o in opts:
         k, eq, v = o.partition("=")
-        if head != "slo" or not eq or k not in ("margin", "pack_slack"):
+        if head != "slo" or not eq or k not in ("margin", "pack_slack", "relaxed", "prefill_tau_s"):
             raise ValueError(f"unknown router option {o!r} in {spec!r}")
+        if k == "relaxed":
+            kwargs[k] = v
+            continue
         try:
             kwargs[k] = float(v)
         except ValueError:
@@ -286,10 +389,13 @@ def replica_stats(replica_id: str, scheduler, policy, now_s: float) -> ReplicaSt
     the latest plan) and its policy (the calibrated acceptance of a budgeted planner);
     the simulator's replicas and the engine's call the same function.
 
-    The pass time is the latest plan's prediction (the hardware model's price of the
-    running batch when there is none); a decoding request of a class gains
-    ``1 + gain`` tokens a pass, gain being what its planned tree is expected to accept
-    (0 without speculation), so its class's predicted TPOT is the pass time over that.
+    ``pass_ms`` is the latest plan's prediction (the hardware model's price of the
+    running batch when there is none). The predicted TPOT is the load model's: the pass
+    where every request (running or waiting) drafts and verifies a ``REF_DEPTH``
+    chain, priced by the hardware model (``base_pass_ms + request_ms * requests``, plus
+    the context), over the tokens such a chain gains a pass at the calibrated
+    acceptance (``gained_per_pass``). The planner's own pass is no load signal: it
+    spends whatever slack there is on deeper trees and prefill.
     """
     from adaserve.sched.typical_tree import gain_curve
 
@@ -308,12 +414,6 @@ def replica_stats(replica_id: str, scheduler, policy, now_s: float) -> ReplicaSt
         for rid, k in zip(arrays.rid.tolist(), choice.alloc.tolist()):
             gained[int(rid)] = 1.0 + float(g[min(int(k), len(g) - 1)])
             verified[int(rid)] = 1.0 + float(k)
-    default_gain = 1.0
-    if acc and getattr(policy, "uses_draft", False):
-        g = gain_curve(4, 1, acc)
-        default_gain = 1.0 + float(g[min(4, len(g) - 1)])
-    if gained:
-        default_gain = sum(gained.values()) / len(gained)
     kv = float(sum(r.num_tokens for r in running))
     if plan is not None and plan.t_iter_ms:
         pass_ms = float(plan.t_iter_ms)
@@ -332,6 +432,26 @@ def replica_stats(replica_id: str, scheduler, policy, now_s: float) -> ReplicaSt
     else:
         ms_per_token, kv_ms = 0.2, 0.0
     tpp = sum(verified.values()) / len(verified) if verified else 1.0
+    # the load model: a pass where every request drafts and verifies the reference
+    # chain (REF_DEPTH candidates), priced by the hardware model; the planner's own pass
+    # varies with the slack it spends (deeper trees, prefill), the load does not
+    depth = REF_DEPTH if acc and getattr(policy, "uses_draft", False) else 0
+    gained_ref = 1.0
+    if depth:
+        g = gain_curve(depth, 1, acc)
+        gained_ref = 1.0 + float(g[min(depth, len(g) - 1)])
+    n_all = len(running) + len(waiting)
+    if hw is not None:
+
+        def ref_pass(n: int) -> float:
+            return float(hw.iteration_ms(n * (1 + depth), 0.0, depth, n, n, n if depth else 0))
+
+        n0 = max(n_all, 1)
+        request_ms = max((ref_pass(n0 + 8) - ref_pass(n0)) / 8.0, 0.0)
+        base_ms = max(ref_pass(1) - request_ms, 1e-3)
+    else:
+        request_ms, base_ms = 0.0, max(pass_ms, 1e-3)
+    load_tpot = (base_ms + request_ms * n_all + kv_ms * kv) / gained_ref
 
     def prefill_left(r) -> int:  # prompt (or recomputed context) tokens still to prefill
         return int(r.uncached) if r.in_prefill else 0
@@ -342,9 +462,7 @@ def replica_stats(replica_id: str, scheduler, policy, now_s: float) -> ReplicaSt
         slo = scheduler.class_slo(c.name)
         mine = [r for r in running if r.slo.cls == c.name]
         queued = [r for r in waiting if r.slo.cls == c.name]
-        gains = [gained[r.rid] for r in mine if r.rid in gained]
-        per_pass = sum(gains) / len(gains) if gains else default_gain
-        pred = pass_ms / per_pass
+        pred = load_tpot
         tpot = float(slo.tpot_ms) if slo.tpot_ms else math.inf
         heads.append(
             ClassHeadroom(
@@ -360,7 +478,7 @@ def replica_stats(replica_id: str, scheduler, policy, now_s: float) -> ReplicaSt
         )
         if mine and math.isfinite(tpot):
             margin = float(getattr(policy, "margin", 0.0) or 0.0)
-            extra_ms = min(extra_ms, (tpot * (1.0 - margin) / pred - 1.0) * pass_ms)
+            extra_ms = min(extra_ms, (tpot * (1.0 - margin) - pred) * gained_ref)
     spare = 0 if extra_ms < 0 else int(min(extra_ms / ms_per_token, 1 << 20))
     alloc = scheduler.allocator
     return ReplicaStats(
@@ -381,4 +499,10 @@ def replica_stats(replica_id: str, scheduler, policy, now_s: float) -> ReplicaSt
         or int(cfg.max_prefill_tokens),
         max_num_seqs=int(cfg.max_num_seqs),
         kv_total_tokens=int(alloc.num_blocks * cfg.block_size),
+        decode_left=tuple(
+            max(int(r.max_new_tokens) - int(r.num_output), 0) for r in running + waiting
+        ),
+        base_pass_ms=base_ms,
+        request_ms=request_ms,
+        gained_per_pass=gained_ref,
     )

@@ -122,6 +122,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="energy budget (J) per expected accepted token of a planned pass: sets the "
         "budgeted policies' energy_per_token_j (0 = off)",
     )
+    c = p.add_argument_group("cluster (simulated replicas behind a router, sim/cluster.py)")
+    c.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="simulate N replicas sharing the arrival stream (default: one engine, no router)",
+    )
+    c.add_argument(
+        "--router",
+        default=None,
+        help="the router with --replicas: slo (SLO headroom), p2c (power of two choices) "
+        "or rr (round robin); default slo",
+    )
+    c.add_argument(
+        "--routers",
+        default=None,
+        metavar="R1,R2,...",
+        help="compare routers side by side with --replicas (each policy runs under each; "
+        "rows are POLICY@ROUTER)",
+    )
+    c.add_argument(
+        "--stats-interval-ms",
+        type=float,
+        default=100.0,
+        help="how often replicas report their stats to the router (simulated ms; 0 = at "
+        "every arrival)",
+    )
 
 
 # ---------------------------------------------------------------------- models
@@ -395,6 +423,10 @@ class SimBackend:
             getattr(args, "power_cap_w", None),
             getattr(args, "energy_per_token_j", None),
         )
+        self.replicas, self.routers = cluster_from_args(args)
+        if self.replicas is not None:
+            self.policies = [f"{p}@{r}" for p in self.policies for r in self.routers]
+        self.stats_interval_s = getattr(args, "stats_interval_ms", 100.0) / 1000.0
 
     def workload(self, spec):
         from adaserve.bench.workload import build_workload
@@ -421,19 +453,38 @@ class SimBackend:
 
         trace = self.speed_traces.get(policy, self.speed_traces.get(None, ()))
         self.sim.cfg = replace(self.cfg, speed_trace=trace)
-        records, tl = self.sim.run(
-            make_policy(policy),
-            items,
-            slos,
-            policy_name=policy,
-            kv_pressure=pressure,
-            progress=progress,
-        )
+        if self.replicas is not None:
+            from adaserve.cluster.routing import make_router
+            from adaserve.sim.cluster import run_cluster
+
+            pol, _, router = policy.rpartition("@")
+            records, tl = run_cluster(
+                self.sim,
+                [make_policy(pol) for _ in range(self.replicas)],
+                make_router(router, seed=spec.seed),
+                items,
+                slos,
+                policy_name=policy,
+                stats_interval_s=self.stats_interval_s,
+                kv_pressure=pressure,
+            )
+        else:
+            records, tl = self.sim.run(
+                make_policy(policy),
+                items,
+                slos,
+                policy_name=policy,
+                kv_pressure=pressure,
+                progress=progress,
+            )
         strict = bench_cli._strict_class(spec, self.classes)
         extra = bench_cli._extra(
             tl, records, spec, strict, self.energy, self.args.convergence_window
         )
-        for k in ("simulated", "sim_wall_s", "selection_time_s", "selection_share"):
+        keys = ("simulated", "sim_wall_s", "selection_time_s", "selection_share")
+        for k in keys + ("replicas", "router", "requests_per_replica"):
+            if k not in keys and k not in tl.info:
+                continue
             extra[k] = tl.info.get(k)
         summary = summarize(
             records,
@@ -462,7 +513,45 @@ class SimBackend:
             "speed_trace": getattr(self.args, "speed_trace", None),
             "unloaded_tpot_ms": self.sim.unloaded_tpot_ms(),
             "energy_model": self.energy.as_dict(),
+            **(
+                {
+                    "replicas": self.replicas,
+                    "routers": self.routers,
+                    "stats_interval_ms": self.stats_interval_s * 1000.0,
+                }
+                if self.replicas is not None
+                else {}
+            ),
         }
+
+
+def cluster_from_args(args) -> tuple[int | None, list[str]]:
+    """(replicas, routers) of ``--replicas`` / ``--router`` / ``--routers`` (None and
+    [] without ``--replicas``); ``AdaServeError`` on bad values."""
+    from adaserve.cluster.routing import make_router
+
+    n = getattr(args, "replicas", None)
+    one, many = getattr(args, "router", None), getattr(args, "routers", None)
+    if n is None:
+        if one or many:
+            raise AdaServeError("--router / --routers need --replicas N")
+        return None, []
+    if n < 1:
+        raise AdaServeError("--replicas must be at least 1")
+    if one and many:
+        raise AdaServeError("give --router or --routers, not both")
+    names = [x.strip() for x in (many or one or "slo").split(",") if x.strip()]
+    if not names:
+        raise AdaServeError("--routers is empty")
+    for r in names:
+        try:
+            make_router(r)
+        except ValueError as e:
+            raise AdaServeError(str(e)) from None
+    iv = getattr(args, "stats_interval_ms", 100.0)
+    if not (iv >= 0 and math.isfinite(iv)):
+        raise AdaServeError("--stats-interval-ms must be >= 0")
+    return n, list(dict.fromkeys(names))
 
 
 BUDGETED = ("adaserve", "smartspec", "dyn-tree")

@@ -30,6 +30,7 @@ from adaserve.bench.metrics import RequestRecord
 from adaserve.bench.workload_spec import WorkItem, item_slo
 from adaserve.core.clock import ManualClock
 from adaserve.core.config import SchedulerConfig
+from adaserve.core.counters import Counters
 from adaserve.core.scheduler import Batch, Scheduler
 from adaserve.core.seq import SeqState
 from adaserve.core.trace import ModelCosts, RunRecorder, RunTimeline, StepTrace
@@ -206,16 +207,35 @@ class _Run:
     ``_execute`` drafts synthetic trees, verifies them against the acceptance model
     and prices the pass; ``_commit`` appends token counts."""
 
-    def __init__(self, sim, policy, items, slos, policy_name, kv_pressure, progress):
+    def __init__(
+        self,
+        sim,
+        policy,
+        items,
+        slos,
+        policy_name,
+        kv_pressure,
+        progress,
+        *,
+        stream: int = 0,
+        recorder: RunRecorder | None = None,
+        counters: Counters | None = None,
+    ):
+        """``stream``: which replica of a cluster this run is (``sim.cluster``): replica
+        0 draws the single replica's random streams, replica k its own; ``recorder`` and
+        ``counters``: shared by a cluster's replicas (default: this run's own)."""
         cfg = sim.cfg
         self.sim, self.cfg, self.hw, self.policy = sim, cfg, sim.hw, policy
         self.acc = sim.acc
         self.name = policy_name or getattr(policy, "name", "policy")
         self.items = sorted(items, key=lambda it: (it.arrival_s, it.idx))
         self.slos = slos
-        self.rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, 0x5EED]))
+        tail = [2, stream] if stream else []
+        self.rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, 0x5EED, *tail]))
         # per-request difficulty draws use their own stream (the main one is unchanged)
-        self.rng_req = np.random.default_rng(np.random.SeedSequence([cfg.seed, 0x5EED, 1]))
+        self.rng_req = np.random.default_rng(
+            np.random.SeedSequence([cfg.seed, 0x5EED, 1, *([stream] if stream else [])])
+        )
         self.spread = sim.acc.params.request_spread > 0
         self.by_position = sim.acc.follows_position
         self._speed_t = [t for t, _ in sim.cfg.speed_trace]
@@ -234,6 +254,7 @@ class _Run:
             unloaded_tpot_ms=sim.unloaded_tpot_ms,
             hw=sim.hw,
             power=sim.power,
+            counters=counters,
         )
         self.counters = self.sched.counters
         self.kv_pressure = sorted(kv_pressure or [])
@@ -243,12 +264,7 @@ class _Run:
         self.busy_s = 0.0
         self.progress = progress
         horizon = self.items[-1].arrival_s if self.items else 0.0
-        kvb = (sim.hw.kv_bytes_target + sim.hw.kv_bytes_draft) or 0
-        self.recorder = RunRecorder(
-            ModelCosts(cfg.flops_per_token, cfg.weight_bytes, kvb),
-            t0=0.0,
-            sample_every_s=horizon / cfg.timeline_max_samples if horizon > 0 else 0.0,
-        )
+        self.recorder = recorder or run_recorder(sim, horizon)
         self.timeline = self.recorder.timeline
         self.uses_draft = bool(policy.uses_draft and cfg.has_draft)
         if policy.uses_draft and not cfg.has_draft:
@@ -258,15 +274,21 @@ class _Run:
     def _arrive(self, it: WorkItem) -> None:
         slo = item_slo(it, self.slos.get(it.cls))
         try:
-            self.sched.check_prompt(it.prompt_len)
-            r = SimRequest(it, slo)
-            self.sched.add(r)
+            self.offer(it, slo)
         except AdmissionRejected as e:
             return self._fail(it, slo, f"shed: {e.reason}", True)
         except AdaServeError as e:
             return self._fail(it, slo, str(e), False)
+
+    def offer(self, it: WorkItem, slo: SLO) -> SimRequest:
+        """Queue ``it`` (judged against ``slo``) on this replica; raises
+        ``AdmissionRejected`` when shed, another ``AdaServeError`` when it can never run."""
+        self.sched.check_prompt(it.prompt_len)
+        r = SimRequest(it, slo)
+        self.sched.add(r)
         if self.spread:
             r.easy_share = float(self.acc.request_shares(1, self.rng_req)[0])
+        return r
 
     def _fail(self, it: WorkItem, slo: SLO, err: str, shed: bool) -> None:
         self.records.append(RequestRecord.failed(it, slo, err, shed))
@@ -316,9 +338,7 @@ class _Run:
         done_before = 0
         sched = self.sched
         while True:
-            while self.kv_pressure and self.kv_pressure[0][0] <= self.now:
-                _, frac = self.kv_pressure.pop(0)
-                sched.set_kv_reserved(frac)
+            self.apply_kv_pressure()
             while i < n and items[i].arrival_s <= self.now:
                 self._arrive(items[i])
                 i += 1
@@ -339,6 +359,12 @@ class _Run:
         self.records.sort(key=lambda r: r.idx)
         self._info(time.perf_counter() - wall0)
         return self.records, self.timeline
+
+    def apply_kv_pressure(self) -> None:
+        """Hold back the KV share the pressure schedule sets from ``now`` on."""
+        while self.kv_pressure and self.kv_pressure[0][0] <= self.now:
+            _, frac = self.kv_pressure.pop(0)
+            self.sched.set_kv_reserved(frac)
 
     def _step(self) -> None:
         sched = self.sched
@@ -540,6 +566,17 @@ class _Run:
             "selection_share": self.sel_s / self.busy_s if self.busy_s > 0 else None,
             "selection_time_mode": self.cfg.selection_time,
         }
+
+
+def run_recorder(sim: Simulator, horizon_s: float) -> RunRecorder:
+    """The recorder of a run whose last request arrives at ``horizon_s``."""
+    cfg = sim.cfg
+    kvb = (sim.hw.kv_bytes_target + sim.hw.kv_bytes_draft) or 0
+    return RunRecorder(
+        ModelCosts(cfg.flops_per_token, cfg.weight_bytes, kvb),
+        t0=0.0,
+        sample_every_s=horizon_s / cfg.timeline_max_samples if horizon_s > 0 else 0.0,
+    )
 
 
 _ROOT = np.zeros(1, dtype=np.int64)
