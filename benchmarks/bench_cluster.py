@@ -178,11 +178,16 @@ def main() -> int:
     # one intra-op thread each, as Ray gives a replica with no CPU reservation (on a
     # small shared machine a thread pool per engine costs several times more than it
     # brings); --threads to change it for both
+    from adaserve import jit
+
     env = {
         **os.environ,
         "ADASERVE_CACHE": str(work / "cache"),
         "OMP_NUM_THREADS": str(args.threads),
     }
+    warm = jit.cache_folder()  # the numba kernels compiled before, with no profile
+    if warm is not None:
+        env["NUMBA_CACHE_DIR"] = str(warm)
     conf = ["--config", str(work / "engine.toml"), "--log-level", "warning"]
     single, s_url, s_up = _start(conf, env, work / "single.log")
     cluster, c_url, c_up = _start(

@@ -98,8 +98,14 @@ class LiveCluster:
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
+    from adaserve import jit
+
     mp = pytest.MonkeyPatch()
-    # no hardware profile from earlier runs (the replicas inherit the environment)
+    # the replicas inherit the environment: the numba kernels this process compiled
+    # (or loaded) are theirs too, but no hardware profile from earlier runs
+    warm = jit.cache_folder()
+    if warm is not None:
+        mp.setenv("NUMBA_CACHE_DIR", str(warm))
     mp.setenv("ADASERVE_CACHE", str(tmp_path_factory.mktemp("adaserve_cache")))
     s = LiveCluster()
     yield s
