@@ -168,6 +168,7 @@ def main() -> int:
     p.add_argument("--router", default="slo", choices=["slo", "p2c", "rr"])
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every engine")
+    p.add_argument("--kv-cache-bytes", type=int, default=64 << 20, help="KV pool of each engine")
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="adaserve-bench-cluster-"))
@@ -189,6 +190,7 @@ def main() -> int:
     if warm is not None:
         env["NUMBA_CACHE_DIR"] = str(warm)
     conf = ["--config", str(work / "engine.toml"), "--log-level", "warning"]
+    conf += ["--kv-cache-bytes", str(args.kv_cache_bytes)]  # each engine (CPU default: 1/4 RAM)
     single, s_url, s_up = _start(conf, env, work / "single.log")
     cluster, c_url, c_up = _start(
         [*conf, "--replicas", "2", "--router", args.router], env, work / "cluster.log"
