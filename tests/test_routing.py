@@ -165,6 +165,10 @@ def test_with_routed_counts_the_request_until_the_next_report():
     assert t.headroom("chat").waiting == 1 and t.headroom("chat").prefill_tokens == 300
     assert t.headroom("interactive").predicted_tpot_ms > 20.0
     assert t.decode_left == (100,)
+    # the outlook's pass time: the replica's, plus what the request adds
+    r = SloRouter()
+    small, big = r.outlook(request(prompt=100), s), r.outlook(request(prompt=3000), s)
+    assert s.pass_ms < small.pass_ms < big.pass_ms
 
 
 def stats_q(rid, q):

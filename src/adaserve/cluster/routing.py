@@ -209,7 +209,7 @@ class Outlook:
     replica_id: str
     feasible: bool
     slack: float  # the smallest slack over the classes served and the request's TTFT
-    pass_ms: float  # the pass time after adding it
+    pass_ms: float  # the replica's pass time (``ReplicaStats.pass_ms``) plus what it adds
 
 
 @dataclass
@@ -292,7 +292,8 @@ class SloRouter:
             slack = min(slack, s.kv_free_fraction - kv_need)
         if math.isinf(slack):
             slack = 1.0
-        return Outlook(s.replica_id, slack >= 0.0, slack, pass_ms)
+        added = max(after - now, 0.0) * s.gained_per_pass
+        return Outlook(s.replica_id, slack >= 0.0, slack, s.pass_ms + added)
 
     def rank(self, req: RouteRequest, replicas: Sequence[ReplicaStats]) -> list[str]:
         outs = [self.outlook(req, s) for s in replicas]
