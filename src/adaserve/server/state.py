@@ -122,8 +122,9 @@ class ServerState:
     async def lifespan(self, app: FastAPI):
         await asyncio.to_thread(self.loop.start)
         info = self.loop.info
-        self.body_limit = self.cfg.max_body_bytes or await asyncio.to_thread(
-            derived_body_limit, info.max_model_len, info.tokenizer
+        # (before serving: reading the vocabulary once may block the loop)
+        self.body_limit = self.cfg.max_body_bytes or derived_body_limit(
+            info.max_model_len, info.tokenizer
         )
         check_against_classes(self.cfg, info.classes)
         self.metrics.start(
