@@ -10,6 +10,11 @@ import sys
 TORCH_FREE = ("adaserve.core", "adaserve.sched", "adaserve.sim")
 TORCH_FREE_MODULES = (
     "adaserve.cluster.routing",
+    # the Ray actor shared by replicas, and what the front door merges, stay light
+    "adaserve.cluster.ledger",
+    "adaserve.cluster.shared_quotas",
+    "adaserve.cluster.merge",
+    "adaserve.cluster.asgi",
     "adaserve.bench.workload",
     "adaserve.bench.workload_spec",
     "adaserve.bench.arrivals",

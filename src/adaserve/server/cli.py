@@ -147,6 +147,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds between two stats log lines (default 10)",
     )
     p.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        help="serve N engine replicas on Ray Serve behind this one address (needs the "
+        "`ray` extra: pip install 'adaserve[ray]')",
+    )
+    p.add_argument(
+        "--ray-address",
+        help="with --replicas: an existing Ray cluster (default: start a local one)",
+    )
+    p.add_argument(
+        "--router",
+        default="slo",
+        choices=["slo", "p2c", "rr"],
+        help="with --replicas: SLO-aware (default), Ray Serve's power of two choices, "
+        "or round robin",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -493,6 +510,8 @@ def run(args) -> int:
             "most 4 GiB)",
             file=sys.stderr,
         )
+    if getattr(args, "replicas", None) is not None or getattr(args, "ray_address", None):
+        return _run_replicas(args, ecfg, cfg)
     # the app (FastAPI, the engine, torch) is imported once the configuration is valid
     from adaserve.server.app import create_app
     from adaserve.server.engine_loop import EngineLoop
@@ -522,6 +541,25 @@ def run(args) -> int:
     finally:
         eloop.stop()
     return 0 if server.started else 1
+
+
+def _run_replicas(args, ecfg: EngineConfig, cfg: ServerConfig) -> int:
+    if args.replicas is None:
+        print("adaserve serve: --ray-address needs --replicas N", file=sys.stderr)
+        return 2
+    if args.replicas < 1:
+        print("adaserve serve: --replicas must be at least 1", file=sys.stderr)
+        return 2
+    from adaserve.cluster.serve_app import ray_available, run
+
+    if not ray_available():
+        print(
+            "adaserve serve: --replicas needs Ray Serve, which is not installed "
+            "(pip install 'adaserve[ray]')",
+            file=sys.stderr,
+        )
+        return 2
+    return run(args, ecfg, cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

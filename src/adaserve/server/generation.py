@@ -73,7 +73,7 @@ async def generate(
     # an explicit max_tokens, the default shrinks to what the tenant has left), so the
     # output can never overshoot it; each choice gives back what it did not use
     try:
-        reserved = state.quotas.admit(
+        reserved = await state.quotas.reserve(
             tenant,
             prompt_tokens,
             [per_prompt_max[i] for i in range(len(prompts)) for _ in range(n)],

@@ -118,6 +118,18 @@ class QuotaBook:
             self.inflight[tenant.name] = self.inflight.get(tenant.name, 0) + 1
         return outputs
 
+    async def reserve(
+        self,
+        tenant: Tenant,
+        prompt_tokens: int,
+        outputs: Sequence[int] = (),
+        *,
+        fit: bool = False,
+    ) -> list[int]:
+        """``admit`` as the request path awaits it (a book shared across replicas
+        answers from elsewhere: ``adaserve.cluster.shared_quotas``)."""
+        return self.admit(tenant, prompt_tokens, outputs, fit=fit)
+
     def release(self, tenant: Tenant) -> None:
         with self._lock:
             self.inflight[tenant.name] = max(0, self.inflight.get(tenant.name, 0) - 1)
@@ -137,6 +149,13 @@ class QuotaBook:
     def refund(self, tenant_name: str, tokens: int) -> None:
         """Give back a reservation that never reached the engine."""
         self.settle(tenant_name, tokens, 0)
+
+    def requests_wait(self, tenant_name: str) -> float:
+        """Seconds until the tenant's requests-per-minute bucket has a request (0: now,
+        or no such quota)."""
+        with self._lock:
+            rpm = self._rpm.get(tenant_name)
+            return 0.0 if rpm is None else rpm.wait_for(1)
 
     def tokens_available(self, tenant_name: str) -> float | None:
         """The tenant's tokens-per-minute bucket level now (None: no such quota)."""

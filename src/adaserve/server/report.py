@@ -58,6 +58,8 @@ class ReportStore:
         self._shed: dict[tuple[str, str], int] = {}
         self._rate_limited: dict[tuple[str, str], int] = {}
         self._counts: dict[str, list[int]] = {c: [0, 0] for c in self.class_names}
+        # called with every new record (a replica of a cluster forwards them)
+        self.on_record = None
 
     def record(self, rec: Record) -> None:
         with self._lock:
@@ -65,6 +67,21 @@ class ReportStore:
             n = self._counts.setdefault(rec.cls, [0, 0])
             n[0] += 1
             n[1] += int(rec.attained)
+        if self.on_record is not None:
+            self.on_record(rec)
+
+    def counts(self) -> tuple[dict, dict]:
+        """Copies of the shed and rate-limited counts ({(class|tenant, reason): n})."""
+        with self._lock:
+            return dict(self._shed), dict(self._rate_limited)
+
+    def add_counts(self, shed: dict, rate_limited: dict) -> None:
+        """Add counts made elsewhere (another replica's ``counts``)."""
+        with self._lock:
+            for k, v in shed.items():
+                self._shed[k] = self._shed.get(k, 0) + v
+            for k, v in rate_limited.items():
+                self._rate_limited[k] = self._rate_limited.get(k, 0) + v
 
     def shed(self, cls: str, reason: str) -> None:
         with self._lock:

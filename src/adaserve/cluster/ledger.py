@@ -1,0 +1,146 @@
+"""The state the replicas of one service share (plain Python; ``serve_app`` runs it as
+one named Ray actor): tenant quotas, every replica's latest report, and the drain flag.
+
+Quotas are the single server's ``QuotaBook``, held once for the whole service, so a
+tenant's requests per minute, tokens per minute and concurrency hold across replicas.
+A replica asks once per request (``admit``, the output reservation included, as the
+single server does) and hands back what it did not use in batches (``settle``): the
+actor is called per request, never per token.
+
+Reports: every replica pushes, a few times a second, its Prometheus text, its new
+finished-request records and its counts (``push``); the front door reads them all
+(``snapshots``) to answer ``/metrics`` and ``/v1/slo/report`` for the whole service. A
+replica that has not pushed for ``stale_s`` is taken for dead: its gauges are dropped,
+its counters and records kept (they happened), and the concurrency slots its requests
+held are given back to their tenants.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from adaserve.server.config import Tenant
+from adaserve.server.errors import ApiError
+from adaserve.server.quotas import QuotaBook
+
+LEDGER_NAME = "adaserve-ledger"
+
+
+def error_tuple(e: ApiError) -> tuple:
+    """An ``ApiError`` as plain data (to cross a process boundary)."""
+    return (e.status, e.message, e.param, e.type, e.code, dict(e.headers), e.reason)
+
+
+def error_of(t: tuple) -> ApiError:
+    status, message, param, type_, code, headers, reason = t
+    return ApiError(status, message, param, type=type_, code=code, headers=headers, reason=reason)
+
+
+class Ledger:
+    """Quotas, replica reports and the drain flag of one service (see module doc)."""
+
+    def __init__(
+        self,
+        tenants: tuple[Tenant, ...],
+        stale_s: float = 5.0,
+        max_records: int = 200_000,
+        clock=time.monotonic,
+    ):
+        self.tenants = {t.name: t for t in tenants}
+        self.quotas = QuotaBook(tenants, clock=clock)
+        self.clock = clock
+        self.stale_s = stale_s
+        self.reports: dict[str, dict] = {}
+        self.records: dict[str, deque] = {}
+        self.max_records = max_records
+        self.pushed_at: dict[str, float] = {}
+        # concurrency slots held per (replica, tenant): given back if the replica dies
+        self.held: dict[tuple[str, str], int] = {}
+        self.drain_grace_s: float | None = None
+
+    # ------------------------------------------------------------------ quotas
+    def admit(
+        self,
+        replica_id: str,
+        tenant: str,
+        prompt_tokens: int,
+        outputs: list[int],
+        fit: bool,
+        settlements: list | None = None,
+    ) -> tuple:
+        """("ok", reserved max_tokens per choice) or ("error", error_tuple, seconds until
+        a requests-per-minute refusal can end)."""
+        self.settle(replica_id, settlements or [])
+        self._forget_dead()
+        t = self.tenants.get(tenant)
+        if t is None:  # the anonymous tenant of open mode, or one without quotas
+            return ("ok", list(outputs))
+        try:
+            reserved = self.quotas.admit(t, prompt_tokens, outputs, fit=fit)
+        except ApiError as e:
+            wait = 0.0
+            if e.reason == "requests_per_minute":
+                wait = self.quotas.requests_wait(tenant)
+            return ("error", error_tuple(e), wait)
+        k = (replica_id, tenant)
+        self.held[k] = self.held.get(k, 0) + 1
+        return ("ok", reserved)
+
+    def settle(self, replica_id: str, settlements: list) -> None:
+        """Apply a batch: ("release", tenant) ends a request's concurrency slot,
+        ("settle", tenant, reserved, produced) gives back its unused reservation."""
+        for s in settlements:
+            if s[0] == "release":
+                t = self.tenants.get(s[1])
+                if t is None:
+                    continue
+                k = (replica_id, s[1])
+                if self.held.get(k, 0) > 0:
+                    self.held[k] -= 1
+                    self.quotas.release(t)
+            elif s[0] == "settle":
+                self.quotas.settle(s[1], s[2], s[3])
+
+    def _forget_dead(self) -> None:
+        now = self.clock()
+        dead = {r for r, at in self.pushed_at.items() if now - at > self.stale_s}
+        for (rid, tenant), n in list(self.held.items()):
+            if rid in dead and n:
+                for _ in range(n):
+                    self.quotas.release(self.tenants[tenant])
+                self.held[(rid, tenant)] = 0
+
+    # ------------------------------------------------------------------ reports
+    def push(self, replica_id: str, report: dict, records: list, settlements: list) -> dict:
+        """A replica's latest report and its records since the last push; returns what
+        the replica must do (``{"drain_grace_s": ...}`` once a drain has begun)."""
+        self.settle(replica_id, settlements)
+        self.reports[replica_id] = report
+        self.pushed_at[replica_id] = self.clock()
+        if records:
+            q = self.records.setdefault(replica_id, deque(maxlen=self.max_records))
+            q.extend(records)
+        return {"drain_grace_s": self.drain_grace_s}
+
+    def snapshots(self) -> dict:
+        """{replica_id: {"live": bool, "report": dict, "records": [...]}}."""
+        now = self.clock()
+        self._forget_dead()
+        return {
+            rid: {
+                "live": now - self.pushed_at.get(rid, -1e18) <= self.stale_s,
+                "report": rep,
+                "records": list(self.records.get(rid, ())),
+            }
+            for rid, rep in self.reports.items()
+        }
+
+    def live_replicas(self) -> list[str]:
+        now = self.clock()
+        return sorted(r for r, at in self.pushed_at.items() if now - at <= self.stale_s)
+
+    # ------------------------------------------------------------------ drain
+    def drain(self, grace_s: float) -> None:
+        """Ask every replica to stop taking requests (they read it at their next push)."""
+        self.drain_grace_s = float(grace_s)

@@ -1,0 +1,190 @@
+"""One engine replica of a Ray Serve deployment: the single server's app, whole.
+
+Each replica builds the engine thread (``EngineLoop``) and the same FastAPI app as
+``adaserve serve`` (``server.app.create_app``): endpoints, validation, SLO resolution,
+streaming and errors are that code, not a copy. The front door hands it each HTTP
+request as plain data (``http``) and gets back ``("accepted",)``, then the ASGI
+messages the app sends, as a stream (``("start", status, headers)`` then
+``("body", bytes, more)``); a cancelled
+stream (the client left) is an ``http.disconnect`` to the app, which aborts the
+engine request.
+
+Shared with the other replicas through the ``Ledger`` actor: quotas (``SharedQuotaBook``),
+and, pushed a few times a second by a sync thread, this replica's Prometheus text, its
+new finished-request records and counts (for ``/metrics`` and ``/v1/slo/report`` of the
+whole service). Ray Serve reads ``record_routing_stats`` (the planner's headroom,
+``routing.replica_stats``) for the SLO-aware router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import threading
+import time
+
+from adaserve.config import EngineConfig
+from adaserve.server.config import ServerConfig
+
+log = logging.getLogger("adaserve.cluster")
+
+REPLICA_HEADER = "x-adaserve-replica"
+
+
+class EngineReplica:
+    """The body of the Ray Serve deployment (``serve_app`` wraps it)."""
+
+    async def __init__(
+        self,
+        ecfg: EngineConfig,
+        cfg: ServerConfig,
+        ledger_name: str,
+        namespace: str | None,
+        push_period_s: float = 0.25,
+    ):
+        import ray
+        from ray import serve
+
+        from adaserve.cluster.shared_quotas import SharedQuotaBook
+        from adaserve.server.app import create_app
+        from adaserve.server.engine_loop import EngineLoop
+
+        ctx = serve.get_replica_context()
+        self.replica_id = ctx.replica_id.unique_id
+        self.eloop = EngineLoop(ecfg, max_waiting=cfg.max_waiting, step_delay_s=cfg.step_delay_s)
+        self.app = create_app(self.eloop, cfg)
+        self.state = self.app.state.adaserve
+        # the app's own start-up, as uvicorn runs it for a single server (the engine
+        # thread, the checks against the classes, the body limit, the stats log line)
+        self._lifespan = self.app.router.lifespan_context(self.app)
+        await self._lifespan.__aenter__()
+        self.ledger = ray.get_actor(ledger_name, namespace=namespace)
+        self.quotas = SharedQuotaBook(self.ledger, self.replica_id)
+        self.state.quotas = self.quotas
+        self._outbox: list = []
+        self._outbox_lock = threading.Lock()
+        self.state.report.on_record = self._on_record
+        self._stop = threading.Event()
+        self._period = push_period_s
+        self._drain_seen = False
+        self._sync = threading.Thread(target=self._sync_loop, name="adaserve-sync", daemon=True)
+        self._sync.start()
+        log.info("replica %s serving (pid %d)", self.replica_id, os.getpid())
+
+    # ------------------------------------------------------------------ requests
+    async def http(self, route: dict, req: dict):
+        """Run one HTTP request through the app; yields its response as messages."""
+        from adaserve.cluster.asgi import call_app
+
+        yield ("accepted",)  # from here on a failure is one in flight, not retried
+        async for msg in call_app(self.app, req, extra_headers={REPLICA_HEADER: self.replica_id}):
+            yield msg
+
+    async def info(self) -> dict:
+        """Who this replica is and how busy (tests and operators)."""
+        snap = self.eloop.snapshot
+        return {
+            "replica_id": self.replica_id,
+            "pid": os.getpid(),
+            "running": snap.running,
+            "waiting": snap.waiting,
+            "kv_usage": snap.kv_usage,
+            "in_flight": self.eloop.in_flight,
+        }
+
+    async def record_routing_stats(self) -> dict:
+        """Ray Serve's hook (every ``request_routing_stats_period_s``): the planner's
+        headroom as a dict of ``routing.ReplicaStats``."""
+        from adaserve.cluster.routing import replica_stats
+
+        rid = self.replica_id
+
+        def stats(engine):
+            s = replica_stats(rid, engine.scheduler, engine.policy, time.time())
+            return dataclasses.asdict(s)
+
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(self.eloop.call(stats)), 5.0)
+        except Exception:  # no stats this round: the router falls back to queue lengths
+            log.exception("routing stats failed")
+            return {}
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: the engine thread must be alive."""
+        if not self.eloop.alive:
+            raise RuntimeError("the engine thread is down")
+
+    async def __del__(self) -> None:
+        # Ray Serve calls (and awaits) this after the replica's requests have drained,
+        # or its graceful shutdown timeout has passed: the app's shutdown cancels what
+        # is left and ends the engine thread
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
+        lifespan, self._lifespan = getattr(self, "_lifespan", None), None
+        if lifespan is not None:
+            await lifespan.__aexit__(None, None, None)
+
+    # ------------------------------------------------------------------ sync thread
+    def _on_record(self, rec) -> None:
+        with self._outbox_lock:
+            self._outbox.append(rec)
+
+    def _report(self) -> dict:
+        from prometheus_client import generate_latest
+
+        st = self.state
+        snap = self.eloop.snapshot
+        info = self.eloop.info
+        shed, limited = st.report.counts()
+        return {
+            "metrics": generate_latest(st.metrics.registry).decode(),
+            "tenant_metrics": generate_latest(st.metrics.tenant_registry).decode(),
+            "shed": shed,
+            "rate_limited": limited,
+            "usage": st.usage.by_tenant(),
+            "class_targets": {
+                c: {"tpot_ms": s.tpot_ms, "ttft_ms": s.ttft_ms}
+                for c, s in self.eloop.class_slos.items()
+            },
+            "prices": {c.name: c.price_per_1k for c in info.classes},
+            "class_names": [c.name for c in info.classes],
+            "flops_per_token": info.flops_per_token_target,
+            "model_name": st.model_name,
+            "engine": {
+                "policy": info.policy,
+                "unloaded_tpot_ms": self.eloop.unloaded_tpot_ms,
+                "running": snap.running,
+                "waiting": snap.waiting,
+                "kv_usage": snap.kv_usage,
+                "iterations": snap.counters.get("iterations", 0),
+                "fallback_iterations": snap.counters.get("fallback_iterations", {}),
+                "spec_draft_tokens": snap.counters.get("spec_draft_tokens", 0),
+                "spec_accepted_tokens": snap.counters.get("spec_accepted_tokens", 0),
+                "pid": os.getpid(),
+                "draining": st.draining,
+            },
+        }
+
+    def _sync_loop(self) -> None:
+        import ray
+
+        while not self._stop.wait(self._period):
+            try:
+                with self._outbox_lock:
+                    recs, self._outbox = self._outbox, []
+                ref = self.ledger.push.remote(
+                    self.replica_id, self._report(), recs, self.quotas.take_pending()
+                )
+                order = ray.get(ref, timeout=10)
+            except Exception:  # the ledger is gone (shutdown) or slow: try again
+                if self._stop.is_set():
+                    return
+                log.warning("could not push this replica's report", exc_info=True)
+                continue
+            grace = order.get("drain_grace_s")
+            if grace is not None and not self._drain_seen:
+                self._drain_seen = True
+                self.state.begin_drain(grace)

@@ -1,0 +1,388 @@
+"""Two engine replicas of the shipped pair on a local Ray cluster behind one front door
+(``adaserve serve --replicas 2``): the official ``openai`` client, requests reaching
+both replicas, one tenant's quota held across them, ``/metrics`` and
+``/v1/slo/report`` over both, and a replica killed during a burst.
+
+One Ray cluster for the module (starting it and two engines is most of the time)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'adaserve[ray]')")
+
+import ray  # noqa: E402
+from server_fixtures import scrape, wait_for  # noqa: E402
+
+from adaserve.cluster.front_door import FrontDoor  # noqa: E402
+from adaserve.cluster.ray_router import route_request, stats_of  # noqa: E402
+from adaserve.cluster.routing import make_router, with_routed  # noqa: E402
+from adaserve.cluster.serve_app import Cluster  # noqa: E402
+from adaserve.config import EngineConfig  # noqa: E402
+from adaserve.server import parse_config  # noqa: E402
+from adaserve.server.app import engine_config_for_server  # noqa: E402
+from adaserve.server.cli import make_server  # noqa: E402
+from adaserve.server.config import tomllib  # noqa: E402
+
+CONFIG = """
+[server]
+shutdown_grace_s = 5
+
+[tenants.ops]
+keys = ["sk-ops"]
+admin = true
+
+[tenants.user]
+keys = ["sk-user"]
+
+[tenants.limited]
+keys = ["sk-limited"]
+requests_per_minute = 4
+"""
+
+
+class LiveCluster:
+    """``Cluster`` + the front door served by uvicorn in a thread on a free port."""
+
+    def __init__(self, replicas: int = 2, router: str = "slo"):
+        cfg = parse_config(tomllib.loads(CONFIG))
+        ecfg = engine_config_for_server(
+            EngineConfig(auto_profile=False, reprofile_on_drift=False, kv_cache_bytes=16 << 20),
+            cfg,
+        )
+        self.cluster = Cluster(ecfg, cfg, replicas, router=router, stats_period_s=0.2)
+        handle = self.cluster.start()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        cfg = dataclasses.replace(cfg, host="127.0.0.1", port=self.port)
+        self.front = FrontDoor(handle, self.cluster.ledger, cfg, "adaserve")
+        self.server = make_server(self.front, cfg, "warning")
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
+        )
+        self.thread.start()
+        assert wait_for(lambda: self.server.started, 30)
+        assert wait_for(lambda: len(self.live()) == replicas, 60), "replicas did not report"
+
+    url = property(lambda self: f"http://127.0.0.1:{self.port}")
+
+    def client(self, key: str = "sk-user") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    def async_client(self, key: str = "sk-user") -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    def snapshots(self) -> dict:
+        return ray.get(self.cluster.ledger.snapshots.remote(), timeout=30)
+
+    def live(self) -> dict:
+        return {r: s for r, s in self.snapshots().items() if s["live"]}
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory):
+    from adaserve import jit
+
+    mp = pytest.MonkeyPatch()
+    # the replicas inherit the environment: the numba kernels this process compiled
+    # (or loaded) are theirs too, but no hardware profile from earlier runs
+    warm = jit.cache_folder()
+    if warm is not None:
+        mp.setenv("NUMBA_CACHE_DIR", str(warm))
+    mp.setenv("ADASERVE_CACHE", str(tmp_path_factory.mktemp("adaserve_cache")))
+    s = LiveCluster()
+    yield s
+    s.stop()
+    mp.undo()
+
+
+def _complete(client, **kw):
+    kw.setdefault("max_tokens", 4)
+    kw.setdefault("prompt", "def fib(n):")
+    raw = client.completions.with_raw_response.create(model="adaserve", **kw)
+    return raw.headers.get("x-adaserve-replica"), raw.parse()
+
+
+async def _burst(svc, n: int, key: str = "sk-user", **kw) -> list:
+    """``n`` concurrent strict-class completions, prompts of ~200 tokens (enough that
+    each one weighs in the router's prediction): [(replica, result or error)]."""
+    kw.setdefault("max_tokens", 4)
+    async with svc.async_client(key) as c:
+
+        async def one(i):
+            try:
+                raw = await c.completions.with_raw_response.create(
+                    model="adaserve",
+                    prompt=f"request {i}: " + "lorem ipsum " * 65,
+                    extra_body={"slo_class": "interactive"},
+                    **kw,
+                )
+                return raw.headers.get("x-adaserve-replica"), raw.parse()
+            except openai.APIStatusError as e:
+                return e.response.headers.get("x-adaserve-replica"), e
+
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def test_openai_client_completions_chat_and_streaming(svc):
+    c = svc.client()
+    rid, out = _complete(c)
+    assert rid in svc.live()
+    assert out.choices[0].text and out.usage.completion_tokens == 4
+    chat = c.chat.completions.create(
+        model="adaserve", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens == 4
+    chunks = list(
+        c.chat.completions.create(
+            model="adaserve",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage.completion_tokens == 6
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    streamed = list(c.completions.create(model="adaserve", prompt="x", max_tokens=5, stream=True))
+    assert sum(1 for ch in streamed if ch.choices and ch.choices[0].text) >= 1
+    # errors are the single server's: OpenAI-shaped, with its codes
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="nope", prompt="x", max_tokens=1)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.AuthenticationError):
+        svc.client("sk-wrong").completions.create(model="adaserve", prompt="x", max_tokens=1)
+
+
+def test_requests_reach_both_replicas(svc):
+    res = asyncio.run(_burst(svc, 8))
+    assert all(not isinstance(r, Exception) for _, r in res), res
+    assert {rid for rid, _ in res} == set(svc.live()), res
+
+
+def test_one_tenants_quota_holds_across_replicas(svc):
+    res = asyncio.run(_burst(svc, 8, key="sk-limited"))
+    # the burst reached both replicas (each alone would admit up to 4 of its share)...
+    assert {rid for rid, _ in res} == set(svc.live()), res
+    ok = [rid for rid, r in res if not isinstance(r, Exception)]
+    refused = [r for _, r in res if isinstance(r, Exception)]
+    # ...and 4 were admitted in all: requests_per_minute = 4 for the service
+    assert len(ok) == 4, res
+    assert all(e.status_code == 429 and e.body["code"] == "rate_limit_exceeded" for e in refused)
+    assert all(int(e.response.headers["retry-after"]) >= 1 for e in refused)
+
+
+def _total(metrics: dict, name: str) -> float:
+    return sum(v for _, v in metrics.get(name, []))
+
+
+def _settled(svc) -> dict:
+    """/metrics once the replicas' latest counts have arrived (the same generated-token
+    total over several push periods)."""
+    last, same = None, 0
+    t0 = time.monotonic()
+    while same < 4 and time.monotonic() - t0 < 30:
+        m = scrape(svc.url)
+        v = _total(m, "vllm:generation_tokens_total")
+        same = same + 1 if v == last else 0
+        last = v
+        time.sleep(0.2)
+    return m
+
+
+def test_metrics_and_report_aggregate_both_replicas(svc):
+    before = _settled(svc)
+    rep0 = httpx.get(svc.url + "/v1/slo/report", headers={"Authorization": "Bearer sk-ops"})
+    res = asyncio.run(_burst(svc, 6, max_tokens=3))
+    assert {rid for rid, _ in res} == set(svc.live())
+    made = sum(r.usage.completion_tokens for _, r in res)
+
+    def grown():
+        m = scrape(svc.url)
+        d = _total(m, "vllm:generation_tokens_total") - _total(
+            before, "vllm:generation_tokens_total"
+        )
+        return m if d >= made else None
+
+    assert wait_for(grown, 20, every=0.1), "the new tokens never showed in /metrics"
+    m = _settled(svc)
+    # counters summed, exactly; gauges per replica
+    d = _total(m, "vllm:generation_tokens_total") - _total(before, "vllm:generation_tokens_total")
+    assert d == made
+    waiting = {lab["replica"] for lab, _ in m["vllm:num_requests_waiting"]}
+    assert waiting == set(svc.live())
+    assert {lab["replica"] for lab, _ in m["vllm:kv_cache_usage_perc"]} == waiting
+    # without a key: no per-tenant (billing) series; the admin key shows them
+    assert "adaserve:tenant_output_tokens_total" not in m
+    admin = scrape(svc.url, "sk-ops")
+    assert {lab["tenant"] for lab, _ in admin["adaserve:tenant_output_tokens_total"]} >= {"user"}
+    mine = scrape(svc.url, "sk-limited")
+    assert {lab["tenant"] for lab, _ in mine.get("adaserve:tenant_output_tokens_total", [])} <= {
+        "limited"
+    }
+    rep = httpx.get(svc.url + "/v1/slo/report", headers={"Authorization": "Bearer sk-ops"}).json()
+    assert rep["requests"] - rep0.json()["requests"] >= len(res)
+    assert rep["engine"]["live_replicas"] == 2
+    assert set(rep["engine"]["replicas"]) >= set(svc.live())
+    assert rep["tenants"]["user"]["total"]["completion_tokens"] >= made
+
+
+async def _mixed_burst(svc, n: int, started: asyncio.Queue) -> list:
+    """``n`` concurrent long strict-class requests, half streamed (each puts its replica
+    on ``started`` when its stream begins): each a result, or the error."""
+    async with svc.async_client() as c:
+
+        async def one(i):
+            body = dict(
+                model="adaserve",
+                prompt=f"burst {i}",
+                max_tokens=96,
+                extra_body={"slo_class": "interactive"},
+            )
+            try:
+                if i % 2:
+                    text = ""
+                    stream = await c.completions.create(stream=True, **body)
+                    started.put_nowait(stream.response.headers.get("x-adaserve-replica"))
+                    async for ch in stream:
+                        if ch.choices:
+                            text += ch.choices[0].text or ""
+                    return ("stream", text)
+                out = await c.completions.create(**body)
+                return ("whole", out.choices[0].text)
+            except openai.APIError as e:  # an HTTP error, or an SSE error event
+                return ("error", e)
+
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), 120)
+
+
+def test_killed_replica_every_request_answered_and_service_recovers(svc):
+    live = svc.live()
+    assert len(live) == 2
+    pids = {rid: s["report"]["engine"]["pid"] for rid, s in live.items()}
+    victim = None
+
+    async def run():
+        nonlocal victim
+        started: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(_mixed_burst(svc, 8, started))
+        victim = await asyncio.wait_for(started.get(), 60)  # a stream in flight there
+        os.kill(pids[victim], signal.SIGKILL)
+        return await task
+
+    res = asyncio.run(run())
+    (survivor,) = set(pids) - {victim}
+    assert len(res) == 8
+    errors = [str(v) for kind, v in res if kind == "error"]
+    # the stream in flight on the killed replica (at least) ended with a clear error
+    assert errors and all("replica" in m and "failed" in m for m in errors), errors
+    assert all(isinstance(v, str) and v for kind, v in res if kind != "error")
+    # the service goes on: new requests are answered (by the survivor, or the new one)
+    for _ in range(3):
+        rid, out = _complete(svc.client())
+        assert out.usage.completion_tokens == 4
+
+    def idle():  # KV on the survivor returns to empty
+        s = svc.snapshots().get(survivor)
+        e = s["report"]["engine"] if s else {}
+        return s and s["live"] and e["running"] == 0 and e["waiting"] == 0 and e["kv_usage"] == 0
+
+    assert wait_for(idle, 30, every=0.1), svc.snapshots()[survivor]["report"]["engine"]
+    # Ray Serve replaces the dead replica
+    assert wait_for(lambda: len(set(svc.live()) - {victim}) == 2, 180, every=0.5)
+
+
+def test_graceful_shutdown_drains_every_replica(svc):
+    """(Last: it drains the module's service.)"""
+    svc.front.front.begin_drain(30.0)
+    r = httpx.post(
+        svc.url + "/v1/completions",
+        json={"model": "adaserve", "prompt": "x", "max_tokens": 1},
+        headers={"Authorization": "Bearer sk-user"},
+    )
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown"
+
+    def drained():
+        live = svc.live()
+        return live and all(s["report"]["engine"]["draining"] for s in live.values())
+
+    assert wait_for(drained, 20, every=0.1), "a replica never began draining"
+
+
+# ---------------------------------------------------------------------- the Ray router
+
+
+def _stats(rid: str, at_s: float = 0.0) -> dict:
+    """A replica's report as ``record_routing_stats`` sends it (an idle replica)."""
+    cls = [
+        {"name": "interactive", "rank": 0, "tpot_ms": 14.0, "ttft_ms": 2000.0},
+        {"name": "chat", "rank": 1, "tpot_ms": 21.0, "ttft_ms": 4000.0},
+    ]
+    return {
+        "replica_id": rid,
+        "classes": [
+            {**c, "predicted_tpot_ms": 5.0, "running": 0, "waiting": 0, "prefill_tokens": 0}
+            for c in cls
+        ],
+        "budget_tokens": 16,
+        "spare_budget_tokens": 100,
+        "running": 0,
+        "waiting": 0,
+        "waiting_prefill_tokens": 0,
+        "kv_free_fraction": 1.0,
+        "pass_ms": 10.0,
+        "at_s": at_s,
+        "ms_per_token": 0.25,
+        "unknown_future_field": 1,  # a newer replica's extra field is ignored
+    }
+
+
+def test_router_adapter_spreads_a_burst_between_reports():
+    """Between two reports the adapter adds what it has sent (``with_routed``), so a
+    burst alternates between two idle replicas (strict and relaxed alike with the
+    default router), while ``relaxed=pack`` packs relaxed requests onto one."""
+    for spec, cls, spread in (
+        ("slo", "interactive", True),
+        ("slo", "chat", True),
+        ("slo:relaxed=pack", "chat", False),
+    ):
+        policy = make_router(spec)
+        stats = [stats_of(r, _stats(r), 0.0) for r in ("r0", "r1")]
+        chosen = []
+        for _ in range(6):
+            route = {"generation": True, "slo_class": cls, "prompt_tokens": 8, "max_tokens": 8}
+            req = route_request(route, stats, "chat")
+            best = policy.rank(req, stats)[0]
+            chosen.append(best)
+            i = [s.replica_id for s in stats].index(best)
+            stats[i] = with_routed(stats[i], req)
+        assert (len(set(chosen)) == 2) == spread, (spec, cls, chosen)
+    assert stats[0].waiting + stats[1].waiting == 6
+    assert sum(c.prefill_tokens for s in stats for c in s.classes) == 48
+
+
+def test_route_request_takes_rank_and_targets_from_reports():
+    stats = [stats_of("r0", _stats("r0"), 0.0)]
+    req = route_request({"slo_class": None, "prompt_tokens": 3}, stats, "chat")
+    assert (req.slo_class, req.rank, req.tpot_ms, req.ttft_ms) == ("chat", 1, 21.0, 4000.0)
+    req = route_request({"slo_class": "interactive", "tpot_ms": 30.0}, stats, "chat")
+    assert (req.rank, req.tpot_ms, req.ttft_ms) == (0, 30.0, 2000.0)
+    idle = stats_of("new", None, 5.0)  # no report yet: an idle replica
+    assert idle.running == 0 and idle.classes == () and idle.at_s == 5.0

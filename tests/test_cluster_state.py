@@ -1,0 +1,298 @@
+"""The state replicas of one service share, without Ray: the ledger's quotas across
+replicas (and a dead replica's slots given back), the replica-side quota book's batched
+settlements, the merged ``/metrics`` and report, and what the front door tells the
+router of a request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.datastructures import Headers
+
+from adaserve.cluster.front_door import route_of
+from adaserve.cluster.ledger import Ledger
+from adaserve.cluster.merge import merge_metrics, merge_report
+from adaserve.cluster.shared_quotas import SharedQuotaBook
+from adaserve.server.config import Tenant
+from adaserve.server.engine_loop import EngineSnapshot, Final
+from adaserve.server.errors import ApiError
+from adaserve.server.metrics import ServerMetrics
+from adaserve.server.report import Record
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _ledger(*tenants, clock=None):
+    return Ledger(tuple(tenants), stale_s=5.0, clock=clock or Clock())
+
+
+def test_requests_per_minute_hold_across_replicas():
+    led = _ledger(Tenant("t", requests_per_minute=3))
+    got = [led.admit(r, "t", 1, [4], False)[0] for r in ("a", "b", "a", "b")]
+    assert got == ["ok", "ok", "ok", "error"]
+    err = led.admit("a", "t", 1, [4], False)
+    assert err[1][0] == 429 and err[1][-1] == "requests_per_minute" and err[2] > 0
+
+
+def test_concurrency_slot_held_across_replicas_until_its_release_arrives():
+    led = _ledger(Tenant("t", max_concurrent=1))
+    assert led.admit("a", "t", 1, [4], False)[0] == "ok"
+    assert led.admit("b", "t", 1, [4], False)[0] == "error"
+    # a release only ends a slot of the replica that sends it
+    assert led.admit("b", "t", 1, [4], False, [("release", "t")])[0] == "error"
+    led.push("a", {}, [], [("release", "t")])  # a's batch, with its next report
+    assert led.admit("b", "t", 1, [4], False)[0] == "ok"
+
+
+def test_tokens_reserved_then_unused_part_settled():
+    led = _ledger(Tenant("t", tokens_per_minute=100))
+    assert led.admit("a", "t", 10, [80], False) == ("ok", [80])
+    assert led.admit("b", "t", 10, [70], False)[0] == "error"  # 90 of 100 reserved
+    led.settle("a", [("settle", "t", 80, 5), ("release", "t")])  # it made 5: 85 left
+    assert led.admit("b", "t", 10, [70], False)[0] == "ok"
+
+
+def test_dead_replica_gives_back_its_slots_and_gauges():
+    clock = Clock()
+    led = _ledger(Tenant("t", max_concurrent=1), clock=clock)
+    led.push("a", {"engine": {}}, [], [])
+    assert led.admit("a", "t", 1, [4], False)[0] == "ok"
+    clock.t = 3.0
+    led.push("b", {"engine": {}}, [], [])
+    assert led.admit("b", "t", 1, [4], False)[0] == "error"
+    clock.t = 6.0  # a has been silent for 6 s > stale_s: taken for dead
+    assert led.live_replicas() == ["b"]
+    assert led.admit("b", "t", 1, [4], False)[0] == "ok"
+    snaps = led.snapshots()
+    assert not snaps["a"]["live"] and snaps["b"]["live"]
+
+
+def test_drain_is_handed_to_replicas_at_their_push():
+    led = _ledger()
+    assert led.push("a", {}, [], [])["drain_grace_s"] is None
+    led.drain(7.5)
+    assert led.push("a", {}, [], [])["drain_grace_s"] == 7.5
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(self.fn(*args))
+        return fut
+
+
+class _Handle:
+    """A real ``Ledger`` called as an actor handle is (``handle.method.remote``)."""
+
+    def __init__(self, ledger):
+        self.admit = _Method(ledger.admit)
+
+
+def test_shared_book_batches_settlements_and_prechecks_rpm_locally():
+    led = _ledger(Tenant("t", requests_per_minute=2, max_concurrent=5))
+    book = SharedQuotaBook(_Handle(led), "a")
+    t = led.tenants["t"]
+
+    async def run():
+        assert await book.reserve(t, 1, [3]) == [3]
+        book.release(t)
+        book.settle("t", 3, 1)
+        assert len(book._pending) == 2  # queued, not sent one by one
+        assert await book.reserve(t, 1, [3]) == [3]
+        assert book._pending == []  # carried by that call
+        assert led.quotas.inflight["t"] == 1
+        with pytest.raises(ApiError) as e:
+            await book.reserve(t, 1, [3])
+        assert e.value.status == 429
+        with pytest.raises(ApiError):  # refused here, without asking the ledger
+            book.precheck(t)
+
+    asyncio.run(run())
+
+
+def _replica_metrics(tokens: int, waiting: int, tenant: str) -> str:
+    snap = EngineSnapshot(
+        running=1, waiting=waiting, kv_usage=0.25, counters={"generation_tokens": tokens}
+    )
+    m = ServerMetrics("m", ["chat"], lambda: snap, lambda: {"chat": 1.0})
+    final = Final("length", "x", [1] * tokens, 3, {"ttft_ms": 5.0}, (), 0.0, 1.0)
+    m.observe_finish("chat", tenant, final, 0.5)
+    return generate_latest(m.registry).decode() + generate_latest(m.tenant_registry).decode()
+
+
+def _samples(text: bytes) -> dict:
+    out: dict = {}
+    for fam in text_string_to_metric_families(text.decode()):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def test_metrics_counters_summed_gauges_per_live_replica():
+    texts = {
+        "a": (_replica_metrics(5, 2, "x"), True),
+        "b": (_replica_metrics(7, 3, "y"), True),
+        "dead": (_replica_metrics(11, 9, "x"), False),
+    }
+    s = _samples(merge_metrics(texts))
+    assert s["vllm:generation_tokens_total"] == [({"model_name": "m"}, 23.0)]
+    assert sorted((lab["replica"], v) for lab, v in s["vllm:num_requests_waiting"]) == [
+        ("a", 2.0),
+        ("b", 3.0),
+    ]
+    ttft_count = s["vllm:time_to_first_token_seconds_count"]
+    assert ttft_count == [({"model_name": "m"}, 3.0)]
+    by_tenant = {lab["tenant"]: v for lab, v in s["adaserve:tenant_output_tokens_total"]}
+    assert by_tenant == {"x": 16.0, "y": 7.0}
+    only = _samples(merge_metrics(texts, only_tenant="y"))
+    assert {lab["tenant"] for lab, _ in only["adaserve:tenant_output_tokens_total"]} == {"y"}
+    assert only["vllm:generation_tokens_total"][0][1] == 23.0  # not per tenant: kept
+
+
+def _rec(cls, tenant, attained, n):
+    return Record(cls, tenant, "length", 5.0, 2.0, 9.0, 1.0, attained, n, 0, 0, 0.0, 1.0)
+
+
+def test_report_over_replicas():
+    def rep(engine_running, usage_tokens):
+        return {
+            "class_names": ["chat"],
+            "class_targets": {"chat": {"tpot_ms": 20.0, "ttft_ms": 4000}},
+            "prices": {"chat": 1.0},
+            "flops_per_token": 1.0,
+            "shed": {("chat", "queue_full"): 1},
+            "rate_limited": {},
+            "usage": {
+                "x": {
+                    "classes": {"chat": {"requests": 1, "completion_tokens": usage_tokens}},
+                    "total": {"requests": 1, "completion_tokens": usage_tokens},
+                }
+            },
+            "engine": {"running": engine_running, "waiting": 0, "kv_usage": 0.5},
+        }
+
+    snaps = {
+        "a": {"live": True, "report": rep(2, 4), "records": [_rec("chat", "x", True, 4)]},
+        "b": {"live": False, "report": rep(5, 6), "records": [_rec("chat", "x", False, 6)]},
+    }
+    out = merge_report(snaps, None, "m")
+    assert out["requests"] == 2
+    chat = out["classes"]["chat"]
+    assert (
+        chat["attained"] == 1 and chat["output_tokens"] == 10 and chat["shed"] == {"queue_full": 2}
+    )
+    assert out["tenants"]["x"]["total"]["completion_tokens"] == 10
+    assert out["engine"]["running"] == 2 and out["engine"]["live_replicas"] == 1
+    assert set(out["engine"]["replicas"]) == {"a", "b"}
+    assert merge_report(snaps, "nobody", "m")["tenants"] == {}
+
+
+def test_route_of_reads_class_targets_and_sizes():
+    h = Headers({"x-slo-tpot-ms": "25"})
+    r = route_of(
+        "/v1/chat/completions",
+        h,
+        b'{"messages": [{"role": "user", "content": "' + b"a" * 40 + b'"}], '
+        b'"slo_class": "interactive", "max_completion_tokens": 7}',
+    )
+    assert r == {
+        "generation": True,
+        "slo_class": "interactive",
+        "tpot_ms": 25.0,
+        "prompt_tokens": 10,
+        "max_tokens": 7,
+    }
+    r = route_of("/v1/completions", Headers({}), b'{"prompt": [1, 2, 3], "slo": {"ttft_ms": 9}}')
+    assert r["prompt_tokens"] == 3 and r["ttft_ms"] == 9.0 and r["slo_class"] is None
+    assert route_of("/v1/completions", Headers({}), b"not json") == {"generation": True}
+    assert route_of("/v1/models", Headers({}), b"") == {"generation": False}
+
+
+def test_replicas_without_ray_is_one_clear_line(monkeypatch, capsys):
+    from adaserve.cluster import serve_app
+    from adaserve.server import cli
+
+    monkeypatch.setattr(serve_app, "ray_available", lambda: False)
+    assert cli.main(["--replicas", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "pip install 'adaserve[ray]'" in err
+    assert cli.main(["--replicas", "0"]) == 2
+    assert "at least 1" in capsys.readouterr().err
+    assert cli.main(["--ray-address", "ray://x:10001"]) == 2
+    assert "needs --replicas" in capsys.readouterr().err
+
+
+def test_asgi_relay_whole_response_in_one_item_stream_as_it_comes():
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    from adaserve.cluster.asgi import call_app, request_data
+
+    seen_disconnect = asyncio.Event()
+
+    async def whole(request):
+        return JSONResponse({"echo": (await request.body()).decode()})
+
+    async def stream(request):
+        async def gen():
+            for i in range(3):
+                yield f"data: {i}\n\n"
+                await asyncio.sleep(0.01)  # chunks made apart arrive apart
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    async def forever(request):
+        async def gen():
+            try:
+                while True:
+                    yield "x"
+                    await asyncio.sleep(0.01)
+            finally:
+                seen_disconnect.set()
+
+        return StreamingResponse(gen())
+
+    app = Starlette(
+        routes=[
+            Route(p, f, methods=["POST"])
+            for p, f in (("/whole", whole), ("/stream", stream), ("/forever", forever))
+        ]
+    )
+
+    def req(path, body=b""):
+        scope = {"method": "POST", "path": path, "headers": [], "client": ("1.2.3.4", 5)}
+        return request_data(scope, body)
+
+    async def run():
+        items = [m async for m in call_app(app, req("/whole", b"hi"), {"x-r": "r0"})]
+        assert len(items) == 1 and items[0][0] == "many"
+        (start, body) = items[0][1]
+        assert start[1] == 200 and (b"x-r", b"r0") in start[2]
+        assert json.loads(body[1]) == {"echo": "hi"} and body[2] is False
+        items = [m async for m in call_app(app, req("/stream"))]
+        flat = [x for m in items for x in (m[1] if m[0] == "many" else [m])]
+        chunks = [x[1] for x in flat if x[0] == "body" and x[1]]
+        assert chunks == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n"]
+        assert len(items) >= 3  # not held back until the end
+        gen = call_app(app, req("/forever"))
+        async for m in gen:
+            if m[0] == "body":
+                break
+        await gen.aclose()  # the consumer left: the app sees a disconnect
+        await asyncio.wait_for(seen_disconnect.wait(), 5)
+
+    asyncio.run(run())
