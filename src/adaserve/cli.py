@@ -278,9 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--port", type=int, default=0)
     d.add_argument(
         "--baseline",
-        default="ar-chunked",
+        default=None,
         help="the policy served beside adaserve, same workload and targets (default "
-        "ar-chunked: vLLM's continuous batching with chunked prefill, no speculation)",
+        "spec-chain:4: vLLM's speculative decoding with a 4-token draft chain; ar-chunked is "
+        "vLLM's continuous batching with chunked prefill, no speculation)",
     )
     d.set_defaults(func=lambda a: _delegate("adaserve.bench.demo", "run")(a))
     return p

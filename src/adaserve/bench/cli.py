@@ -130,7 +130,8 @@ def _add_common(p: argparse.ArgumentParser, default_duration: float) -> None:
     w.add_argument(
         "--dataset",
         default="stdlib",
-        help="stdlib (held-out stdlib code), random, or a ShareGPT .json/.jsonl file",
+        help="stdlib (held-out stdlib code), random, humaneval (the HumanEval problems), "
+        "or a ShareGPT .json/.jsonl file",
     )
     w.add_argument(
         "--trace",
