@@ -13,10 +13,11 @@ import textwrap
 from adaserve.bench.tables import _class_order, _f, _text_table
 
 MEANING = (
-    "Each cell is the share of that class's requests that met both targets (first token "
-    "within the TTFT target, then on average one token per TPOT target), the same requests "
-    "at the same times for every policy; higher is better. shed: refused at admission "
-    "(429), counted as missed."
+    "What it means: each 'met' cell is the share of that class's requests whose first token "
+    "came within the TTFT target and whose mean time per output token stayed within the TPOT "
+    "target; every policy got the same requests at the same times; higher is better. shed: "
+    "refused at admission (429), counted as missed. Goodput counts the tokens of requests "
+    "that met both."
 )
 
 SOURCES = {
@@ -55,7 +56,9 @@ def targets_lines(config: dict) -> list[str]:
         96,
     )
     mult = config.get("tpot_multiples") or {}
-    for c, t in (config.get("slo_targets") or {}).items():
+    targets = config.get("slo_targets") or {}
+    for c in _class_order([{"-": {"per_class": targets}}]):
+        t = targets[c]
         x = f" ({mult[c]:g} x)" if c in mult else ""
         src = SOURCES.get(c, "")
         out.append(
@@ -66,11 +69,11 @@ def targets_lines(config: dict) -> list[str]:
 
 
 def side_by_side(result: dict) -> str:
-    """One row per class (and all): met % per policy, then TPOT p50 / p99 per policy."""
+    """One row per class (and all): per policy the requests that met both targets, then
+    per policy TPOT p50 / p99; a goodput row."""
     results = result.get("results", {})
     pols = list(results)
     classes = _class_order([results])
-    header = ["class"] + [f"{p} met" for p in pols] + [f"{p} TPOT p50/p99 ms" for p in pols]
     rows = []
     for c in [*classes, "overall"]:
         ms = [
@@ -87,7 +90,20 @@ def side_by_side(result: dict) -> str:
         + [_f(results[p]["overall"].get("goodput_tok_s"), "{:.0f}") for p in pols]
         + ["" for _ in pols]
     )
-    return _text_table(header, rows)
+    table = _text_table(["class", *pols, *pols], rows)
+    # a line over the header naming the two column groups
+    widths = [len(x) for x in table.splitlines()[1].split("  ")]
+    k = len(pols)
+    g1 = 2 * (k - 1) + sum(widths[1 : 1 + k])
+    g2 = 2 * (k - 1) + sum(widths[1 + k :])
+    groups = (
+        " " * widths[0]
+        + "  "
+        + "met both targets".center(g1, "-")
+        + "  "
+        + "TPOT p50 / p99 ms".center(g2, "-")
+    )
+    return groups.rstrip() + "\n" + table
 
 
 def sample_lines(samples: dict, width: int = 88) -> list[str]:
