@@ -36,7 +36,9 @@ def test_demo_serves_adaserve_beside_a_baseline(tiny_pair, tmp_path, capsys, mon
     assert cfg["policies"] == ["adaserve", "ar"]
     n = {p: res[p]["overall"]["requests"] for p in ("adaserve", "ar")}
     assert n["adaserve"] == n["ar"] >= 8  # the same workload for both
-    assert all(res[p]["overall"]["completed"] == n[p] for p in n)
+    for p in n:  # every request answered: served, or refused at admission on a slow machine
+        o = res[p]["overall"]
+        assert o["errors"] == 0 and o["completed"] + o["shed"] == n[p] and o["completed"] > 0
     assert res["ar"]["overall"]["drafted_tokens"] == 0
     assert res["adaserve"]["overall"]["drafted_tokens"] > 0
     for p in ("adaserve", "ar"):  # each served by its own server, with its policy
