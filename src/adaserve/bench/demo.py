@@ -79,10 +79,10 @@ def demo_workload(
     from adaserve.bench.workload_spec import LengthDist, WorkloadSpec
 
     out_len = 48
-    rate = 2000.0 / max(unloaded_tpot_ms, 1.0) / out_len
+    rate = 1500.0 / max(unloaded_tpot_ms, 1.0) / out_len
     rate = min(6.0, max(0.5, 8.0 / max(duration_s, 1.0), rate))  # at least ~8 requests
     outs = {"interactive": (24, 96), "chat": (32, 64), "batch": (48, 96)}
-    ins = {"interactive": (32, 384), "chat": (32, 128), "batch": (256, 768)}
+    ins = {"interactive": (32, 384), "chat": (32, 128), "batch": (128, 512)}
     if max_model_len is not None:
         for c, (lo, hi) in ins.items():
             cap = max(8, max_model_len - outs[c][1])
