@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adaserve.bench.arrivals import gamma_arrivals, load_trace
+from adaserve.bench.arrivals import gamma_arrivals, load_trace, trace_path
 from adaserve.bench.datasets import is_heldout_path
 from adaserve.bench.workload import build_workload
 from adaserve.bench.workload_spec import (
@@ -26,7 +26,6 @@ from adaserve.bench.workload_spec import (
 )
 
 V = 320
-AZURE = Path(__file__).resolve().parents[2] / "shared/data/azure-llm-2023"
 
 
 def _items(spec, **kw):
@@ -235,17 +234,28 @@ def test_azure_trace_is_rescaled_to_the_requested_rate(tmp_path):
     assert len(load_trace(q).times_s) == 400
 
 
-@pytest.mark.skipif(not AZURE.is_dir(), reason="the Azure trace is not present on this machine")
-def test_real_azure_trace_loads():
+@pytest.mark.parametrize("name,rows", [("azure-code", 8819), ("azure-conv", 19366)])
+def test_shipped_azure_traces_load_from_the_package(name, rows):
     # Azure LLM inference trace 2023 (CC-BY 4.0); Patel et al., Splitwise, ISCA 2024
-    spec = WorkloadSpec(
-        seed=0,
-        request_rate=3,
-        duration_s=60,
-        trace=str(AZURE / "AzureLLMInferenceTrace_code.csv"),
-        dataset="random",
-    )
+    import adaserve
+
+    path = trace_path(name)
+    pkg = Path(adaserve.__file__).resolve().parent
+    assert path.resolve().is_relative_to(pkg)  # inside the package, not beside the repo
+    assert (path.parent / "LICENSE").is_file() and "Splitwise" in (
+        path.parent / "README.md"
+    ).read_text()
+    tr = load_trace(name)
+    assert len(tr.times_s) == rows and len(tr.context_tokens) == rows
+    assert tr.times_s[0] == 0 and np.all(np.diff(tr.times_s) >= 0)
+    assert 3000 < tr.times_s[-1] < 3700  # one hour of a production service
+    spec = WorkloadSpec(seed=0, request_rate=3, duration_s=60, trace=name, dataset="random")
     items = build_workload(spec, vocab_size=V)
     assert len(items) == 180 and all(i.arrival_s < 60 for i in items)
     gaps = np.diff([i.arrival_s for i in items])
     assert gaps.std() / gaps.mean() > 1.0  # the production trace is burstier than Poisson
+
+
+def test_unknown_trace_name_is_a_clear_error():
+    with pytest.raises(WorkloadError, match="shipped traces are azure-conv, azure-code"):
+        load_trace("azure-chat")

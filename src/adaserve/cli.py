@@ -336,13 +336,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=lambda a: _delegate("adaserve.train.cli", "main")(a.rest))
 
     d = sub.add_parser("demo", help="serve the shipped pair and drive a mixed-SLO workload")
-    d.add_argument("--duration", type=cli_args.positive_float, default=20.0)
+    d.add_argument(
+        "--duration",
+        type=cli_args.positive_float,
+        default=20.0,
+        help="seconds of arrivals per policy (20)",
+    )
     d.add_argument("--port", type=cli_args.port, default=0)
     d.add_argument(
         "--baseline",
-        default="ar-chunked",
+        default=None,
         help="the policy served beside adaserve, same workload and targets (default "
-        "ar-chunked: vLLM's continuous batching with chunked prefill, no speculation)",
+        "spec-chain:4: vLLM's speculative decoding with a 4-token draft chain; ar-chunked is "
+        "vLLM's continuous batching with chunked prefill, no speculation)",
+    )
+    d.add_argument(
+        "--out", metavar="DIR", help="where the full report goes (default: a new temporary folder)"
     )
     d.set_defaults(func=lambda a: _delegate("adaserve.bench.demo", "run")(a))
     return p

@@ -1,4 +1,4 @@
-"""Where the shipped default model pair and its statistics live."""
+"""Where the shipped default model pair, its statistics and the shipped traces live."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 DEFAULT_TARGET = ASSETS / "target"
 DEFAULT_DRAFT = ASSETS / "draft"
 DEFAULT_STATS = ASSETS / "pair_stats.json"
+TRACES = ASSETS / "traces"  # the Azure LLM inference trace 2023 (README and LICENSE beside it)
 
 
 def cache_root() -> Path:

@@ -4,6 +4,10 @@ Arrivals: gamma-distributed gaps with shape ``burstiness`` and mean ``1/rate``
 (``burstiness`` = 1 is a Poisson process; < 1 is burstier; coefficient of variation
 ``1/sqrt(burstiness)``), or the timestamps of a trace file rescaled to the requested
 mean rate (the Azure LLM inference trace CSV format is accepted).
+
+Shipped traces, by name (``--trace azure-conv``): the Azure LLM inference trace 2023,
+conversation and coding services (``adaserve/assets/traces``, CC-BY 4.0; its README
+there gives the attribution, which every report built from it repeats).
 """
 
 from __future__ import annotations
@@ -46,6 +50,28 @@ def gamma_arrivals(
     return np.asarray(out, dtype=float)
 
 
+# --trace names of the traces shipped in the package (adaserve.paths.TRACES)
+NAMED_TRACES = {
+    "azure-conv": "AzureLLMInferenceTrace_conv.csv",
+    "azure-code": "AzureLLMInferenceTrace_code.csv",
+}
+
+
+def trace_path(trace: str | Path) -> Path:
+    """The file of ``trace``: a shipped trace's name (``NAMED_TRACES``) or a path."""
+    from adaserve.paths import TRACES
+
+    name = str(trace)
+    if name in NAMED_TRACES:
+        return TRACES / NAMED_TRACES[name]
+    p = Path(trace)
+    if not p.exists() and p.parent == Path(".") and not p.suffix:
+        raise WorkloadError(
+            f"no trace file {name!r}; the shipped traces are {', '.join(NAMED_TRACES)}"
+        )
+    return p
+
+
 def _parse_timestamp(s: str) -> float:
     """Seconds since the epoch of ``YYYY-MM-DD HH:MM:SS[.fffffff]`` (7 digits allowed)."""
     s = s.strip()
@@ -63,9 +89,10 @@ class TraceRows:
 
 
 def load_trace(path: str | Path) -> TraceRows:
-    """Read a trace: Azure LLM inference CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``),
-    a CSV with an ``arrival_s``/``timestamp`` column, or one arrival time (s) per line."""
-    p = Path(path)
+    """Read a trace: a shipped trace's name (``NAMED_TRACES``), an Azure LLM inference CSV
+    (``TIMESTAMP,ContextTokens,GeneratedTokens``), a CSV with an ``arrival_s``/``timestamp``
+    column, or one arrival time (s) per line."""
+    p = trace_path(path)
     try:
         text = p.read_text()
     except OSError as e:

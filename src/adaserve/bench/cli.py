@@ -122,9 +122,14 @@ def _add_common(p: argparse.ArgumentParser, default_duration: float) -> None:
     w.add_argument(
         "--dataset",
         default="stdlib",
-        help="stdlib (held-out stdlib code), random, or a ShareGPT .json/.jsonl file",
+        help="stdlib (held-out stdlib code), random, humaneval (the HumanEval problems), "
+        "or a ShareGPT .json/.jsonl file",
     )
-    w.add_argument("--trace", help="arrival trace (Azure LLM trace CSV or one time per line)")
+    w.add_argument(
+        "--trace",
+        help="arrival trace: azure-conv or azure-code (the Azure LLM inference trace 2023, "
+        "shipped), or a file (Azure trace CSV, or one time per line)",
+    )
     w.add_argument(
         "--trace-lengths", action="store_true", help="take token lengths from the trace too"
     )

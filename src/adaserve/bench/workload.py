@@ -7,8 +7,8 @@ items on every run and every policy sees the identical workload.
 
 What a workload is made of lives beside this module: the spec and its parsers in
 ``adaserve.bench.workload_spec``, arrival processes and trace files in
-``adaserve.bench.arrivals``, prompt sources (``dataset``: ``stdlib``, ``random`` or a
-ShareGPT file) in ``adaserve.bench.datasets``.
+``adaserve.bench.arrivals``, prompt sources (``dataset``: ``stdlib``, ``random``,
+``humaneval`` or a ShareGPT file) in ``adaserve.bench.datasets``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from adaserve.bench.datasets import (
     _Entry,
     _ids_from_text,
     heldout_stdlib_files,
+    load_humaneval,
     load_sharegpt,
 )
 from adaserve.bench.workload_spec import (
@@ -92,7 +93,7 @@ def build_workload(spec: WorkloadSpec, tokenizer=None, vocab_size: int | None = 
 
     entries: list[_Entry] | None = None
     if spec.dataset not in ("stdlib", "random"):
-        entries = load_sharegpt(spec.dataset)
+        entries = load_humaneval() if spec.dataset == "humaneval" else load_sharegpt(spec.dataset)
         order = r_prompt.permutation(len(entries))
     elif spec.dataset == "stdlib":
         files = heldout_stdlib_files()
