@@ -625,8 +625,10 @@ def test_logprobs_through_the_openai_client(srv, tok, tmp_path_factory):
     target, _ = model_pair(tmp_path_factory)
     llm = LLM(model=str(target), no_draft=True, policy="ar", kv_cache_bytes=16 << 20)
     ref = llm.generate([tok.encode(prompt)], SamplingParams(max_tokens=8, logprobs=3))[0]
-    assert [tok.decode([t.token_id]) for t in ref.logprobs] == lp.tokens
-    assert np.allclose([t.logprob for t in ref.logprobs], lp.token_logprobs, atol=1e-4)
+    ref = ref.outputs[0]  # vLLM's shape: per position, token id -> Logprob
+    assert [tok.decode([t]) for t in ref.token_ids] == lp.tokens
+    taken = [pos[t].logprob for t, pos in zip(ref.token_ids, ref.logprobs)]
+    assert np.allclose(taken, lp.token_logprobs, atol=1e-4)
     tokens, got = _streamed_logprobs(c, kw)
     assert tokens == lp.tokens
     assert np.allclose(got, lp.token_logprobs, atol=1e-4)
@@ -638,7 +640,7 @@ def test_logprobs_through_the_openai_client(srv, tok, tmp_path_factory):
     assert len(slp.tokens) == len(ids) + 1 and slp.token_logprobs[0] is None
     assert slp.top_logprobs[0] is None
     pref = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
-    want = [t.logprob for t in pref.prompt_logprobs[1:]]
+    want = [pos[t].logprob for t, pos in zip(ids[1:], pref.prompt_logprobs[1:])]
     assert np.allclose(slp.token_logprobs[1 : len(ids)], want, atol=1e-4)
     assert slp.text_offset == sorted(slp.text_offset)
     tokens, got = _streamed_logprobs(c, score)

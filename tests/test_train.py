@@ -45,8 +45,10 @@ def smoke_pair(tmp_path_factory):
 
 
 def test_train_cli_rejects_bad_arguments(capsys):
-    assert adaserve_cli.main(["train", "--out", "/nonexistent/x", "--minutes", "-1"]) == 2
-    assert "--minutes must be positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as ei:  # argparse's one-line error, exit code 2
+        adaserve_cli.main(["train", "--out", "/nonexistent/x", "--minutes", "-1"])
+    assert ei.value.code == 2
+    assert "--minutes: must be a positive number" in capsys.readouterr().err
 
 
 def test_bf16_autocast_phase_learns(tmp_path):

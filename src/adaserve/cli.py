@@ -57,13 +57,31 @@ def _sampling_from_args(args) -> SamplingParams:
     )
 
 
+def _logprob_rows(out) -> list[dict] | None:
+    """Per generated token: its id, logprob and the top k as [id, logprob] by rank (the
+    taken token may be outside them)."""
+    if out.logprobs is None:
+        return None
+    return [
+        {
+            "token_id": t,
+            "logprob": pos[t].logprob,
+            "top": [
+                [i, lp.logprob]
+                for i, lp in sorted(pos.items(), key=lambda e: e[1].rank or 0)
+                if lp.rank is not None
+            ],
+        }
+        for t, pos in zip(out.token_ids, out.logprobs)
+    ]
+
+
 def _print_logprobs(out) -> None:
     """One line per generated token: index, token, logprob, the K likeliest."""
-    tok = out.logprobs
     print("# token logprobs (index, id, logprob, top alternatives as id:logprob)")
-    for i, t in enumerate(tok):
-        top = " ".join(f"{tid}:{lp:.4f}" for tid, lp in t.top)
-        print(f"{i}\t{t.token_id}\t{t.logprob:.4f}\t{top}")
+    for i, row in enumerate(_logprob_rows(out)):
+        top = " ".join(f"{tid}:{lp:.4f}" for tid, lp in row["top"])
+        print(f"{i}\t{row['token_id']}\t{row['logprob']:.4f}\t{top}")
 
 
 def _cmd_generate(args) -> int:
@@ -109,20 +127,7 @@ def _cmd_generate(args) -> int:
                     "text": out.text,
                     "token_ids": out.token_ids,
                     "finish_reason": out.finish_reason,
-                    "logprobs": None
-                    if out.logprobs is None
-                    else [
-                        {
-                            "token_id": t,
-                            "logprob": pos[t].logprob,
-                            "top": [  # the top k by rank (the taken token may be outside)
-                                [i, lp.logprob]
-                                for i, lp in sorted(pos.items(), key=lambda e: e[1].rank or 0)
-                                if lp.rank is not None
-                            ],
-                        }
-                        for t, pos in zip(out.token_ids, out.logprobs)
-                    ],
+                    "logprobs": _logprob_rows(out),
                     "stats": stats,
                     "metrics": {k: m[k] for k in ("ttft_ms", "tpot_ms", "e2e_ms", "policy")},
                 }
