@@ -6,14 +6,15 @@ tenant's small request? (Issue 22 finding 2: the goal is less than 2x its idle l
 
 Idle and flooded rounds alternate (side by side, so the machine's drift cancels): each
 round times ``--probes`` 2-token completions of the victim, alone, or while
-``--flooders`` threads keep sending 7.9 MB prompts. Prints the medians and their ratio.
+``--flooders`` client processes keep sending 7.9 MB prompts. Prints the medians and their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import multiprocessing as mp
 import statistics
-import threading
 import time
 
 import httpx
@@ -34,6 +35,25 @@ def probe(base: str, key: str, model: str | None) -> float:
     return (time.perf_counter() - t) * 1000
 
 
+def _flood(base: str, key: str, model: str | None, stop, counts, once: bool = False) -> None:
+    """One flooding client (its own process, as separate clients would be): the huge
+    prompt again and again until ``stop`` (``once``: one request); puts its status
+    counts on ``counts``."""
+    body = json.dumps({"prompt": HUGE, "max_tokens": 1, "model": model}).encode()
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    seen: dict[int, int] = {}
+    with httpx.Client(base_url=base, timeout=300) as c:
+        while not stop.is_set():
+            try:
+                code = c.post("/v1/completions", content=body, headers=headers).status_code
+            except httpx.HTTPError:
+                code = 0  # the server closed the connection before the body was sent
+            seen[code] = seen.get(code, 0) + 1
+            if once:
+                break
+    counts.put(seen)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base-url", required=True)
@@ -43,30 +63,31 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--probes", type=int, default=5)
     p.add_argument("--flooders", type=int, default=4)
+    p.add_argument(
+        "--once",
+        action="store_true",
+        help="each flooder sends one prompt per round (the attack: four 7.9 MB prompts), "
+        "not a stream of them",
+    )
     a = p.parse_args()
     idle, flooded, codes = [], [], {}
     for _ in range(a.rounds):
         idle += [probe(a.base_url, a.victim_key, a.model) for _ in range(a.probes)]
-        stop = threading.Event()
-
-        def flood(stop=stop):
-            with httpx.Client(base_url=a.base_url, timeout=300) as c:
-                while not stop.is_set():
-                    r = c.post(
-                        "/v1/completions",
-                        json={"prompt": HUGE, "max_tokens": 1, "model": a.model},
-                        headers={"Authorization": f"Bearer {a.flood_key}"},
-                    )
-                    codes[r.status_code] = codes.get(r.status_code, 0) + 1
-
-        ts = [threading.Thread(target=flood) for _ in range(a.flooders)]
-        for t in ts:
-            t.start()
-        time.sleep(0.5)  # the flood is under way
+        stop = mp.Event()
+        counts = mp.Queue()
+        ps = [
+            mp.Process(target=_flood, args=(a.base_url, a.flood_key, a.model, stop, counts, a.once))
+            for _ in range(a.flooders)
+        ]
+        for p in ps:
+            p.start()
+        time.sleep(0.05 if a.once else 1.0)  # the flood is under way
         flooded += [probe(a.base_url, a.victim_key, a.model) for _ in range(a.probes)]
         stop.set()
-        for t in ts:
-            t.join()
+        for p in ps:
+            for code, n in counts.get().items():
+                codes[code] = codes.get(code, 0) + n
+            p.join()
     mi, mf = statistics.median(idle), statistics.median(flooded)
     print(f"victim 2-token request: idle median {mi:.1f} ms, flooded median {mf:.1f} ms")
     print(f"ratio {mf / mi:.2f}x over {len(idle)} + {len(flooded)} probes; flood answers {codes}")
