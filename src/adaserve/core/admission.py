@@ -13,8 +13,10 @@ Every class gets its own decision (not only the strictest):
   until measured), within ``PACE_TOLERANCE``. A relaxed request is thus judged
   against what the stricter classes leave (those in the batch and those seen lately),
   and never admitted at the expense of a stricter class's TPOT. A class whose target
-  the hardware misses even for a request alone is not kept on pace (shedding cannot
-  fix a target the machine cannot reach);
+  the hardware misses by far (``HOPELESS`` times) even for a request alone is not kept
+  on pace (shedding cannot fix a target the machine cannot reach), nor is a class
+  whose pace was last measured more than ``PACE_FRESH_S`` ago (admitting is how it
+  gets measured again);
 * **TTFT**: the predicted time to its first token must be within its TTFT target,
   less ``TTFT_MARGIN`` for the prediction's error
   (when its own prefill alone fits it: a target nothing could meet is served as
@@ -55,6 +57,12 @@ PACE_TOLERANCE = 0.05
 # a request is admitted only when its predicted first token leaves this share of its
 # TTFT target spare (seat waits and queues ahead are estimates)
 TTFT_MARGIN = 0.2
+# a class's measured pace counts for this long after it last decoded (a stale one,
+# say from a burst long gone, would refuse work forever: nothing would re-measure it)
+PACE_FRESH_S = 5.0
+# a class whose predicted pace for a request alone exceeds its target this many times
+# over runs best effort (no load level would meet it; near the target, shedding helps)
+HOPELESS = 1.5
 # context tokens per request assumed until a pass is measured
 _DEFAULT_CONTEXT = 256.0
 
@@ -297,8 +305,8 @@ class AdmissionControl:
             return None
         for cls in sorted(targets, key=s.rank_of):
             pace = self.pace_ms(cls)
-            if pace is None:
-                continue
+            if pace is None or now - self._seen.get(cls, -math.inf) > PACE_FRESH_S:
+                continue  # not measured lately: admitting it is how it is measured again
             # scaled from the batch its pace was measured at to the batch with seq
             was_ms = self.decode_pass_ms(self.class_batch[cls])
             if not was_ms:
@@ -306,7 +314,7 @@ class AdmissionControl:
             pred = pace * then_ms / was_ms
             # a target this hardware misses even for a request alone is not load's
             # doing, and refusing work cannot meet it: the class runs best effort
-            if pace * self.decode_pass_ms(1) / was_ms > targets[cls]:
+            if pace * self.decode_pass_ms(1) / was_ms > HOPELESS * targets[cls]:
                 continue
             if pred > targets[cls] * (1.0 + PACE_TOLERANCE):
                 return cls, pred, targets[cls]
