@@ -135,8 +135,9 @@ class EngineReplica:
     def _report(self) -> dict:
         from prometheus_client import generate_latest
 
+        from adaserve.server.state import engine_summary
+
         st = self.state
-        snap = self.eloop.snapshot
         info = self.eloop.info
         shed, limited = st.report.counts()
         return {
@@ -153,19 +154,7 @@ class EngineReplica:
             "class_names": [c.name for c in info.classes],
             "flops_per_token": info.flops_per_token_target,
             "model_name": st.model_name,
-            "engine": {
-                "policy": info.policy,
-                "unloaded_tpot_ms": self.eloop.unloaded_tpot_ms,
-                "running": snap.running,
-                "waiting": snap.waiting,
-                "kv_usage": snap.kv_usage,
-                "iterations": snap.counters.get("iterations", 0),
-                "fallback_iterations": snap.counters.get("fallback_iterations", {}),
-                "spec_draft_tokens": snap.counters.get("spec_draft_tokens", 0),
-                "spec_accepted_tokens": snap.counters.get("spec_accepted_tokens", 0),
-                "pid": os.getpid(),
-                "draining": st.draining,
-            },
+            "engine": {**engine_summary(self.eloop), "pid": os.getpid(), "draining": st.draining},
         }
 
     def _sync_loop(self) -> None:

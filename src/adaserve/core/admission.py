@@ -285,6 +285,8 @@ class AdmissionControl:
         is the measured one scaled by the predicted pass time of the batch with ``seq``
         over that of the batch the pace was measured at."""
         s = self.sched
+        if not s.running:  # nothing decodes: no load to be off pace because of
+            return None
         # the classes to keep on pace: those at or above rank in the batch, and every
         # stricter class seen decoding lately (its next request must still find room)
         targets: dict[str, float] = {}

@@ -23,6 +23,25 @@ from adaserve.server.report import Record, ReportStore
 from adaserve.server.stats_log import StatsLogger, startup_summary
 from adaserve.server.usage import UsageBook
 
+
+def engine_summary(loop: EngineLoop) -> dict:
+    """The engine part of ``/v1/slo/report``: policy, unloaded TPOT, queues, KV use and
+    the speculation counters, as of the last step."""
+    snap = loop.snapshot
+    c = snap.counters
+    return {
+        "policy": loop.info.policy,
+        "unloaded_tpot_ms": loop.unloaded_tpot_ms,
+        "running": snap.running,
+        "waiting": snap.waiting,
+        "kv_usage": snap.kv_usage,
+        "iterations": c.get("iterations", 0),
+        "fallback_iterations": c.get("fallback_iterations", {}),
+        "spec_draft_tokens": c.get("spec_draft_tokens", 0),
+        "spec_accepted_tokens": c.get("spec_accepted_tokens", 0),
+    }
+
+
 # the derived request-body limit (``derived_body_limit``) stays within these
 MIN_BODY_BYTES = 1 << 20
 MAX_BODY_BYTES = 64 << 20
@@ -107,7 +126,6 @@ class ServerState:
     def slo_report(self, only: str | None) -> dict:
         """The ``/v1/slo/report`` body (``only``: that tenant's usage alone)."""
         info = self.loop.info
-        snap = self.loop.snapshot
         slos = self.loop.class_slos
         rep = self.report.build(
             class_targets={
@@ -116,17 +134,7 @@ class ServerState:
             prices={c.name: c.price_per_1k for c in info.classes},
             flops_per_token=info.flops_per_token_target,
             usage=self.usage.by_tenant(only),
-            engine={
-                "policy": info.policy,
-                "unloaded_tpot_ms": self.loop.unloaded_tpot_ms,
-                "running": snap.running,
-                "waiting": snap.waiting,
-                "kv_usage": snap.kv_usage,
-                "iterations": snap.counters.get("iterations", 0),
-                "fallback_iterations": snap.counters.get("fallback_iterations", {}),
-                "spec_draft_tokens": snap.counters.get("spec_draft_tokens", 0),
-                "spec_accepted_tokens": snap.counters.get("spec_accepted_tokens", 0),
-            },
+            engine=engine_summary(self.loop),
             tenant=only,
         )
         rep["model"] = self.model_name
