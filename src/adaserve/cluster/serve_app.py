@@ -93,6 +93,9 @@ class Cluster:
             if self.ray_address:
                 ray.init(address=self.ray_address, **kw)
             else:
+                # Ray nices its workers (15) by default; the replicas are the servers here,
+                # and on a busy machine a niced engine starves (before ray.init starts it)
+                os.environ.setdefault("RAY_worker_niceness", "0")
                 ray.init(num_cpus=max(2, os.cpu_count() or 2), runtime_env={"env_vars": env}, **kw)
             self._owns_ray = True
         ledger_cls = ray.remote(num_cpus=0)(Ledger)
