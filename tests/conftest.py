@@ -138,3 +138,19 @@ def cheap_profile(tmp_path_factory):
         )
     )
     return str(p)
+
+
+# a profile in which speculation pays (cheap draft, flat verification) so that the
+# adaptive policies really build trees on the tiny models
+CHEAP_DRAFT_PROFILE = {
+    "verify": {"tokens": [1, 64, 256, 1024], "latency_ms": [10.0, 11.0, 14.0, 30.0]},
+    "draft_step_ms": 0.2,
+}
+
+
+@pytest.fixture(scope="module")
+def profile_file(tmp_path_factory):
+    """``CHEAP_DRAFT_PROFILE`` as a profile file."""
+    p = tmp_path_factory.mktemp("prof") / "profile.json"
+    p.write_text(json.dumps(CHEAP_DRAFT_PROFILE))
+    return str(p)

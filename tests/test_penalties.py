@@ -5,7 +5,6 @@ seeded sampling, ``n``, ``use_tqdm``, ``stop_reason`` and ``LLM.chat``."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import pytest
@@ -20,19 +19,6 @@ from adaserve.logits import apply_penalties
 
 PEN = dict(presence_penalty=0.5, frequency_penalty=0.7, repetition_penalty=1.5)
 NO_PEN = dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
-
-# a profile in which speculation pays (as in test_spec), so the adaptive policy drafts
-CHEAP_DRAFT_PROFILE = {
-    "verify": {"tokens": [1, 64, 256, 1024], "latency_ms": [10.0, 11.0, 14.0, 30.0]},
-    "draft_step_ms": 0.2,
-}
-
-
-@pytest.fixture(scope="module")
-def profile_file(tmp_path_factory):
-    p = tmp_path_factory.mktemp("prof") / "profile.json"
-    p.write_text(json.dumps(CHEAP_DRAFT_PROFILE))
-    return str(p)
 
 
 def test_apply_penalties_follows_the_definition():

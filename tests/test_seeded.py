@@ -5,7 +5,6 @@ sampling params only, not of the policy, the draft, the trees, the batch or the 
 
 from __future__ import annotations
 
-import json
 import threading
 from dataclasses import replace
 
@@ -21,15 +20,6 @@ from adaserve.server import ServerConfig
 _env = pytest.fixture(scope="module", autouse=True)(server_test_env)
 
 POLICIES = ["spec-chain:4", "spec-tree", "spec-tree:3x2", "adaserve", "dyn-tree", "smartspec"]
-
-
-@pytest.fixture(scope="module")
-def profile_file(tmp_path_factory):
-    """A profile in which speculation pays, so the adaptive policies build trees."""
-    p = tmp_path_factory.mktemp("prof") / "profile.json"
-    cheap = {"tokens": [1, 64, 256, 1024], "latency_ms": [10.0, 11.0, 14.0, 30.0]}
-    p.write_text(json.dumps({"verify": cheap, "draft_step_ms": 0.2}))
-    return str(p)
 
 
 def generate(llm: LLM, prompts, params) -> list[list[int]]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -16,20 +14,6 @@ from adaserve.models.loader import load_model
 from adaserve.paths import DEFAULT_DRAFT, DEFAULT_TARGET
 
 POLICIES = ["spec-chain:4", "spec-tree", "spec-tree:3x2", "adaserve", "dyn-tree", "smartspec"]
-
-# a profile in which speculation pays (cheap draft, flat verification) so that the
-# adaptive policies really build trees on the tiny models
-CHEAP_DRAFT_PROFILE = {
-    "verify": {"tokens": [1, 64, 256, 1024], "latency_ms": [10.0, 11.0, 14.0, 30.0]},
-    "draft_step_ms": 0.2,
-}
-
-
-@pytest.fixture(scope="module")
-def profile_file(tmp_path_factory):
-    p = tmp_path_factory.mktemp("prof") / "profile.json"
-    p.write_text(json.dumps(CHEAP_DRAFT_PROFILE))
-    return str(p)
 
 
 def run(model, draft, policy, prompts, sp, profile=None, **kw):
