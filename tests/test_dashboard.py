@@ -265,7 +265,18 @@ def test_browser_shows_a_row_per_class_matching_the_report(srv, browser, tmp_pat
         "return [...document.querySelectorAll('#tenants tr[data-tenant]')]"
         ".map(tr => tr.dataset.tenant)"
     )
-    assert {"ops", "acme"} <= set(tenants)
+    # a row per configured tenant (also one whose requests were all refused), each
+    # showing what the usage report counts for it
+    assert set(tenants) == {"ops", "acme"}
+    shown = d.execute_script(
+        "return Object.fromEntries([...document.querySelectorAll('#tenants tr[data-tenant]')]"
+        ".map(tr => [tr.dataset.tenant, +tr.querySelector('[data-field=requests]').dataset.value]))"
+    )
+    for name in ("ops", "acme"):
+        assert (
+            shown[name] == rep["tenants"].get(name, {"total": {"requests": 0}})["total"]["requests"]
+        )
+    assert sum(shown.values()) == len(result["resps"]) + before
     shot = tmp_path / "dashboard.png"
     assert d.save_screenshot(str(shot))
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -20,6 +20,7 @@ counters (acceptance by position, fallbacks) and the per-iteration timeline
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from fastapi import APIRouter, Request
@@ -30,6 +31,7 @@ from adaserve.server.errors import ApiError
 from adaserve.server.protocol import ErrorResponse
 from adaserve.server.render import JSON
 from adaserve.server.state import ServerState
+from adaserve.server.usage import Usage
 
 DATA_URL = "/v1/dashboard/data"
 _NO_STORE = {"Cache-Control": "no-store"}
@@ -71,7 +73,10 @@ def dashboard_data(state: ServerState, now: float | None = None) -> dict:
         }
         for reason, n in c["shed"].items():
             shed[reason] = shed.get(reason, 0) + n
-    tenants = {}
+    # every configured tenant has a row, the ones that have not finished a request yet
+    # (or whose requests were all refused) with zeros
+    zero = {**dataclasses.asdict(Usage()), "rate_limited": 0}
+    tenants = {name: dict(zero) for name in sorted(state.tenants.tenants)}
     for name, u in rep["tenants"].items():
         limited = u.get("rate_limited", {})
         for reason, n in limited.items():
