@@ -39,7 +39,9 @@ def test_sigterm_drains_then_cancels_and_exits_zero(tmp_path_factory, tmp_path):
     target, _ = model_pair(tmp_path_factory)
     cfg = tmp_path / "server.toml"
     cfg.write_text(
+        # admission off: the request sent while the long stream runs must be served
         "[server]\nstep_delay_s = 0.05\nshutdown_grace_s = 3.0\nmodel_name = 'm'\n"
+        "admission = false\n"
         "[engine]\nkv_cache_bytes = 8388608\n"
     )
     port = _free_port()

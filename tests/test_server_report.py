@@ -15,8 +15,9 @@ _env = pytest.fixture(scope="module", autouse=True)(server_test_env)
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
+    """Admission off: the test counts every answer of four concurrent clients."""
     target, draft = model_pair(tmp_path_factory)
-    s = LiveServer(engine_config(target, draft), ServerConfig(model_name="m"))
+    s = LiveServer(engine_config(target, draft), ServerConfig(model_name="m", admission=False))
     yield s
     s.stop()
 
