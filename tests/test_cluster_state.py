@@ -77,6 +77,31 @@ def test_dead_replica_gives_back_its_slots_and_gauges():
     assert not snaps["a"]["live"] and snaps["b"]["live"]
 
 
+def test_dead_replica_gives_back_the_output_its_requests_did_not_produce():
+    clock = Clock()
+    led = _ledger(Tenant("t", tokens_per_minute=1000), clock=clock)
+    tokens = lambda: led.quotas.tokens_available("t")  # noqa: E731
+    led.push("a", {"engine": {}}, [], [])
+    assert led.admit("a", "t", 10, [300, 300], False) == ("ok", [300, 300])
+    assert led.admit("a", "t", 10, [200], False)[0] == "ok"
+    assert tokens() == pytest.approx(180)  # 1000 - 820, the clock stands still
+    # the third request ends on a (its 200 reserved, 50 made); the two choices of the
+    # first are in flight and had made 40 tokens by a's last push
+    led.push("a", {"engine": {}, "inflight_tokens": {"t": 40}}, [], [("settle", "t", 200, 50)])
+    assert tokens() == pytest.approx(330)
+    clock.t = 6.0  # a has been silent for 6 s: taken for dead (and 100 tokens refilled)
+    led.push("b", {"engine": {}}, [], [])
+    assert led.live_replicas() == ["b"]
+    # what a's requests in flight did not produce (600 - 40) is the tenant's again
+    assert tokens() == pytest.approx(430 + 560)
+    # a settlement a sends late (it was not dead after all) is not given back twice
+    led.push("a", {"engine": {}}, [], [("settle", "t", 300, 25), ("settle", "t", 300, 15)])
+    assert tokens() == pytest.approx(990)
+    # b's reservations are untouched by all this
+    assert led.admit("b", "t", 0, [100], False)[0] == "ok"
+    assert tokens() == pytest.approx(890)
+
+
 def test_drain_is_handed_to_replicas_at_their_push():
     led = _ledger()
     assert led.push("a", {}, [], [])["drain_grace_s"] is None

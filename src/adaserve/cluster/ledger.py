@@ -11,8 +11,12 @@ Reports: every replica pushes, a few times a second, its Prometheus text, its ne
 finished-request records and its counts (``push``); the front door reads them all
 (``snapshots``) to answer ``/metrics`` and ``/v1/slo/report`` for the whole service. A
 replica that has not pushed for ``stale_s`` is taken for dead: its gauges are dropped,
-its counters and records kept (they happened), and the concurrency slots its requests
-held are given back to their tenants.
+its counters and records kept (they happened), the concurrency slots its requests
+held are given back to their tenants, and so is the part of their output reservations
+they had not used: what the ledger reserved for the replica and has not seen settled,
+less the tokens its requests in flight had produced by its last push
+(``inflight_tokens`` in the report). The tenant is charged for what was produced up to
+a push period before the replica died, never for output it did not get.
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ class Ledger:
         self.pushed_at: dict[str, float] = {}
         # concurrency slots held per (replica, tenant): given back if the replica dies
         self.held: dict[tuple[str, str], int] = {}
+        # output tokens reserved per (replica, tenant) and not settled yet; what a dead
+        # replica's in-flight requests had produced by its last push, per tenant; and
+        # what was given back for a dead replica, for the settlements it may still send
+        self.reserved: dict[tuple[str, str], int] = {}
+        self.produced: dict[str, dict[str, int]] = {}
+        self.forgiven: dict[tuple[str, str], int] = {}
         self.drain_grace_s: float | None = None
 
     # ------------------------------------------------------------------ quotas
@@ -85,6 +95,7 @@ class Ledger:
             return ("error", error_tuple(e), wait)
         k = (replica_id, tenant)
         self.held[k] = self.held.get(k, 0) + 1
+        self.reserved[k] = self.reserved.get(k, 0) + sum(reserved)
         return ("ok", reserved)
 
     def settle(self, replica_id: str, settlements: list) -> None:
@@ -100,6 +111,12 @@ class Ledger:
                     self.held[k] -= 1
                     self.quotas.release(t)
             elif s[0] == "settle":
+                k = (replica_id, s[1])
+                if self.forgiven.get(k, 0) >= s[2]:
+                    # its unused part was given back when the replica was taken for dead
+                    self.forgiven[k] -= s[2]
+                    continue
+                self.reserved[k] = max(0, self.reserved.get(k, 0) - s[2])
                 self.quotas.settle(s[1], s[2], s[3])
 
     def _forget_dead(self) -> None:
@@ -110,13 +127,21 @@ class Ledger:
                 for _ in range(n):
                     self.quotas.release(self.tenants[tenant])
                 self.held[(rid, tenant)] = 0
+        for (rid, tenant), n in list(self.reserved.items()):
+            if rid in dead and n:
+                used = self.produced.get(rid, {}).get(tenant, 0)
+                self.quotas.settle(tenant, n, min(used, n))
+                self.forgiven[(rid, tenant)] = self.forgiven.get((rid, tenant), 0) + n
+                self.reserved[(rid, tenant)] = 0
 
     # ------------------------------------------------------------------ reports
     def push(self, replica_id: str, report: dict, records: list, settlements: list) -> dict:
         """A replica's latest report and its records since the last push; returns what
         the replica must do (``{"drain_grace_s": ...}`` once a drain has begun)."""
         self.settle(replica_id, settlements)
+        self._forget_dead()
         self.reports[replica_id] = report
+        self.produced[replica_id] = dict(report.get("inflight_tokens") or {})
         self.pushed_at[replica_id] = self.clock()
         if records:
             q = self.records.setdefault(replica_id, deque(maxlen=self.max_records))

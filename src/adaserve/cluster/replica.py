@@ -146,6 +146,7 @@ class EngineReplica:
             "shed": shed,
             "rate_limited": limited,
             "usage": st.usage.by_tenant(),
+            "inflight_tokens": self._inflight_tokens(),
             "class_targets": {
                 c: {"tpot_ms": s.tpot_ms, "ttft_ms": s.ttft_ms}
                 for c, s in self.eloop.class_slos.items()
@@ -156,6 +157,14 @@ class EngineReplica:
             "model_name": st.model_name,
             "engine": {**engine_summary(self.eloop), "pid": os.getpid(), "draining": st.draining},
         }
+
+    def _inflight_tokens(self) -> dict[str, int]:
+        """Output tokens the requests in flight have produced so far, per tenant."""
+        out: dict[str, int] = {}
+        for h in self.eloop.tracked():
+            if h.ctx is not None:
+                out[h.ctx.tenant] = out.get(h.ctx.tenant, 0) + h.sent
+        return out
 
     def _sync_loop(self) -> None:
         import ray

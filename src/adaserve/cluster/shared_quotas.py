@@ -69,7 +69,9 @@ class SharedQuotaBook:
         self._queue(("release", tenant.name))
 
     def settle(self, tenant_name: str, reserved: int, produced: int) -> None:
-        if reserved != produced:
+        # queued even when nothing is given back: the ledger counts what is still
+        # reserved on this replica (given back should the replica die)
+        if reserved:
             self._queue(("settle", tenant_name, reserved, produced))
 
     def refund(self, tenant_name: str, tokens: int) -> None:

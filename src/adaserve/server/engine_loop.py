@@ -233,6 +233,16 @@ class EngineLoop:
         """Requests the engine thread holds (queued commands not yet counted)."""
         return len(self._tracked)
 
+    def tracked(self) -> tuple[Handle, ...]:
+        """The handles the engine thread holds now (a snapshot, from any thread: the
+        copy is one C call under the GIL)."""
+        for _ in range(3):
+            try:
+                return tuple(self._tracked.values())
+            except RuntimeError:  # changed size while copied (a free-threaded build)
+                continue
+        return ()
+
     # ------------------------------------------------------------------ async API
     async def submit(self, h: Handle):
         """Queue ``h`` in the engine; returns its ``Request`` or raises the engine's
