@@ -155,11 +155,16 @@ def report_view(
     )
 
 
+def engine_now(state: ServerState) -> float:
+    """The engine's clock now: the one the records' finish times are on."""
+    clock = getattr(state.loop.engine, "clock", None)
+    return clock.now() if clock is not None else time.perf_counter()
+
+
 def dashboard_data(state: ServerState, now: float | None = None) -> dict:
     """The dashboard's view of the server at ``now`` (the engine's clock)."""
-    if now is None:  # the clock the records' finish times are on
-        clock = getattr(state.loop.engine, "clock", None)
-        now = clock.now() if clock is not None else time.perf_counter()
+    if now is None:
+        now = engine_now(state)
     rep = state.slo_report(None)
     counters = state.loop.snapshot.counters or {}
     return report_view(

@@ -186,9 +186,14 @@ def rolling_counts(records, class_names, now: float, window_s: float) -> dict[st
         n = out.setdefault(r.cls, [0, 0])
         n[0] += 1
         n[1] += int(r.attained)
+    return rolling_rates(out)
+
+
+def rolling_rates(counts: dict[str, list[int]]) -> dict[str, dict]:
+    """{class: [requests, attained]} -> ``rolling``'s dicts."""
     return {
         c: {"requests": n, "attained": a, "attainment": a / n if n else None}
-        for c, (n, a) in out.items()
+        for c, (n, a) in counts.items()
     }
 
 
