@@ -295,3 +295,29 @@ def check_dashboard_auth(url: str, admin: str, user: str) -> str:
         assert get(dash.PAGE_URL, cookie=token).status_code == 401
         assert get(dash.DATA_URL, cookie=keep).status_code == 200
         return keep
+
+
+def sign_in(d, key):
+    """Type ``key`` into the dashboard's sign-in form and submit it."""
+    from selenium.webdriver.common.by import By
+
+    box = d.find_element(By.ID, "key")
+    box.clear()
+    box.send_keys(key)
+    d.find_element(By.CSS_SELECTOR, "#login button[type=submit]").click()
+
+
+def class_rows(d) -> dict[str, dict[str, tuple[str, str | None]]]:
+    """class -> field -> (text, data-value) of the rendered class table."""
+    return d.execute_script(
+        """
+        const out = {};
+        for (const tr of document.querySelectorAll('#classes tr[data-class]')) {
+          const row = {};
+          for (const td of tr.querySelectorAll('td[data-field]'))
+            row[td.dataset.field] = [td.textContent, td.getAttribute('data-value')];
+          out[tr.dataset.class] = row;
+        }
+        return out;
+        """
+    )

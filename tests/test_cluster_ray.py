@@ -22,7 +22,13 @@ import pytest
 pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'adaserve[ray]')")
 
 import ray  # noqa: E402
-from server_fixtures import check_dashboard_auth, scrape, wait_for  # noqa: E402
+from server_fixtures import (  # noqa: E402
+    check_dashboard_auth,
+    class_rows,
+    scrape,
+    sign_in,
+    wait_for,
+)
 
 from adaserve.cluster.front_door import FrontDoor  # noqa: E402
 from adaserve.cluster.ray_router import route_request, stats_of  # noqa: E402
@@ -316,6 +322,53 @@ def test_dashboard_merges_both_replicas(svc):
         assert out.status_code == 204
         gone = h.get("/v1/dashboard/data", headers={"Cookie": f"{COOKIE}={token}"})
         assert gone.status_code == 401
+
+
+def test_dashboard_in_the_browser(svc, browser):
+    """The front door's page in headless Chromium: turned away without the admin key,
+    then the merged class table, a row per replica, a chart per replica, sign-out."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    d = browser
+    d.get(svc.url + "/dashboard")
+    assert wait_for(lambda: d.find_element(By.ID, "login").is_displayed(), 30)
+    sign_in(d, "sk-user")
+    assert wait_for(lambda: "admin" in d.find_element(By.ID, "login-msg").text, 30)
+    sign_in(d, "sk-ops")
+    rep = httpx.get(svc.url + "/v1/slo/report", headers={"Authorization": "Bearer sk-ops"}).json()
+    want = {c: n["requests"] for c, n in rep["classes"].items()}
+
+    def shown():
+        rows = class_rows(d)
+        return {c: int(r["requests"][1]) for c, r in rows.items()} == want and rows
+
+    assert wait_for(shown, 30), (class_rows(d), want)
+    replicas = d.execute_script(
+        "return [...document.querySelectorAll('#replicas tr[data-replica]')]"
+        ".map(tr => tr.dataset.replica)"
+    )
+    assert set(replicas) == set(svc.live())
+    pick = Select(d.find_element(By.ID, "replica"))
+    assert {o.get_attribute("value") for o in pick.options} == set(replicas)
+    first = pick.first_selected_option.get_attribute("value")
+    other = next(r for r in replicas if r != first)
+    pick.select_by_value(other)
+    canvases = "return document.querySelectorAll('.charts canvas').length"
+    assert wait_for(lambda: d.execute_script(canvases) >= 6, 10)
+    # the choice holds across polls
+    as_of = float(d.find_element(By.TAG_NAME, "body").get_attribute("data-as-of"))
+    assert wait_for(
+        lambda: float(d.find_element(By.TAG_NAME, "body").get_attribute("data-as-of")) > as_of, 30
+    )
+    assert (
+        Select(d.find_element(By.ID, "replica")).first_selected_option.get_attribute("value")
+        == other
+    )
+    assert d.execute_script("return sessionStorage.length") == 0
+    d.find_element(By.ID, "signout").click()
+    assert wait_for(lambda: d.find_element(By.ID, "login").is_displayed(), 30)
+    assert not class_rows(d) and d.get_cookies() == []
 
 
 async def _mixed_burst(svc, n: int, started: asyncio.Queue) -> list:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
-import shutil
 import threading
 
 import openai
@@ -19,7 +18,9 @@ from server_fixtures import (
     LiveServer,
     boot_of,
     check_dashboard_auth,
+    class_rows,
     server_test_env,
+    sign_in,
     wait_for,
 )
 
@@ -166,64 +167,6 @@ def test_open_mode_dashboard_is_open():
 # ---------------------------------------------------------------------- the browser
 
 
-def _chromium():
-    """(chromium, chromedriver) paths, or a skip that says what is missing."""
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        pytest.skip("selenium is not installed (pip install -e '.[test]')")
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    if not browser or not driver:
-        pytest.skip(
-            "headless Chromium is missing: apt-get install -y chromium chromium-driver "
-            "(.ci/run installs them)"
-        )
-    return browser, driver
-
-
-@pytest.fixture
-def browser():
-    path, driver_path = _chromium()
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = path
-    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        opts.add_argument(a)
-    opts.add_argument("--window-size=1440,2200")
-    d = webdriver.Chrome(service=Service(executable_path=driver_path), options=opts)
-    d.set_page_load_timeout(60)
-    yield d
-    d.quit()
-
-
-def _sign_in(d, key):
-    from selenium.webdriver.common.by import By
-
-    box = d.find_element(By.ID, "key")
-    box.clear()
-    box.send_keys(key)
-    d.find_element(By.CSS_SELECTOR, "#login button[type=submit]").click()
-
-
-def _rows(d) -> dict[str, dict[str, tuple[str, str | None]]]:
-    """class -> field -> (text, data-value) of the rendered class table."""
-    return d.execute_script(
-        """
-        const out = {};
-        for (const tr of document.querySelectorAll('#classes tr[data-class]')) {
-          const row = {};
-          for (const td of tr.querySelectorAll('td[data-field]'))
-            row[td.dataset.field] = [td.textContent, td.getAttribute('data-value')];
-          out[tr.dataset.class] = row;
-        }
-        return out;
-        """
-    )
-
-
 def _close(a, b, tol=1e-9) -> bool:
     return abs(a - b) <= tol * max(1.0, abs(b))
 
@@ -250,12 +193,12 @@ def test_browser_shows_a_row_per_class_matching_the_report(srv, browser, tmp_pat
     assert wait_for(lambda: d.find_element(By.ID, "login").is_displayed(), 30)
     assert not d.find_element(By.ID, "main").is_displayed()
     # a tenant without the admin role is turned away and sees nothing
-    _sign_in(d, USER)
+    sign_in(d, USER)
     assert wait_for(lambda: "admin" in d.find_element(By.ID, "login-msg").text, 30)
-    assert not _rows(d) and not d.find_element(By.ID, "main").is_displayed()
+    assert not class_rows(d) and not d.find_element(By.ID, "main").is_displayed()
     # the admin key: live data while the workload runs
-    _sign_in(d, ADMIN)
-    assert wait_for(lambda: set(_rows(d)) == set(CLASSES), 30), d.page_source[:2000]
+    sign_in(d, ADMIN)
+    assert wait_for(lambda: set(class_rows(d)) == set(CLASSES), 30), d.page_source[:2000]
     first = float(d.find_element(By.TAG_NAME, "body").get_attribute("data-as-of"))
     assert wait_for(
         lambda: float(d.find_element(By.TAG_NAME, "body").get_attribute("data-as-of")) > first, 30
@@ -266,11 +209,11 @@ def test_browser_shows_a_row_per_class_matching_the_report(srv, browser, tmp_pat
     total = before + len(result["resps"])
 
     def settled():
-        rows = _rows(d)
+        rows = class_rows(d)
         return rows and sum(int(r["requests"][1]) for r in rows.values()) == total and rows
 
     rows = wait_for(settled, 30)
-    assert rows, _rows(d)
+    assert rows, class_rows(d)
     rep = _get(srv, "/v1/slo/report", ADMIN).json()
     assert rep["requests"] == total
     for cls in CLASSES:
@@ -333,7 +276,7 @@ def test_browser_shows_a_row_per_class_matching_the_report(srv, browser, tmp_pat
     assert ADMIN not in cookie["value"]
     # signing out clears what was shown, the cookie and the session
     d.find_element(By.ID, "signout").click()
-    assert wait_for(lambda: not _rows(d), 10)
+    assert wait_for(lambda: not class_rows(d), 10)
     assert wait_for(lambda: d.find_element(By.ID, "login").is_displayed(), 30)
     assert not d.find_element(By.ID, "main").is_displayed()
     assert d.get_cookies() == []
@@ -468,7 +411,7 @@ def test_bench_report_renders_offline_in_the_browser(bench_out, browser, tmp_pat
         if i:
             Select(d.find_element(By.ID, "run")).select_by_index(i)
         want = res[pol]["per_class"]
-        rows = wait_for(lambda w=want: set(_rows(d)) == set(w) and _rows(d), 10)
+        rows = wait_for(lambda w=want: set(class_rows(d)) == set(w) and class_rows(d), 10)
         assert rows, d.page_source[:2000]
         assert pol in d.find_element(By.ID, "meta").text
         for cls, m in want.items():
