@@ -10,10 +10,10 @@ actor is called per request, never per token.
 Reports: every replica pushes, a few times a second, its Prometheus text, its new
 finished-request records, its new iteration samples and its counts (``push``); the
 front door reads them all (``snapshots``) to answer ``/metrics``, ``/v1/slo/report``
-and the dashboard's data for the whole service. A
-replica that has not pushed for ``stale_s`` is taken for dead: its gauges are dropped,
-its counters and records kept (they happened), and the concurrency slots its requests
-held are given back to their tenants.
+and the dashboard's data for the whole service. A replica that has not pushed for
+``stale_s`` is taken for dead: its gauges are dropped, its counters and records kept
+(they happened), and the concurrency slots its requests held are given back to their
+tenants.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ engine request.
 Shared with the other replicas through the ``Ledger`` actor: quotas (``SharedQuotaBook``),
 and, pushed a few times a second by a sync thread, this replica's Prometheus text, its
 new finished-request records, new iteration samples and counts (for ``/metrics``,
-``/v1/slo/report`` and the dashboard of the whole service). Ray Serve reads ``record_routing_stats`` (the planner's headroom,
-``routing.replica_stats``) for the SLO-aware router.
+``/v1/slo/report`` and the dashboard of the whole service). Ray Serve reads
+``record_routing_stats`` (the planner's headroom, ``routing.replica_stats``) for the
+SLO-aware router.
 """
 
 from __future__ import annotations
