@@ -275,6 +275,8 @@ def check_dashboard_auth(url: str, admin: str, user: str) -> str:
         data = get(dash.DATA_URL, cookie=token)
         assert data.status_code == 200 and data.json()["object"] == "dashboard"
         assert data.headers["cache-control"] == "no-store"
+        # the cookie opens the dashboard alone: the API still needs the key
+        assert get("/v1/slo/report", cookie=token).status_code == 401
         # a Bearer header, when sent, is what counts
         assert get(dash.DATA_URL, user, cookie=token).status_code == 403
         # a made-up or stale cookie: 401, and the page clears it
