@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -154,3 +155,39 @@ def profile_file(tmp_path_factory):
     p = tmp_path_factory.mktemp("prof") / "profile.json"
     p.write_text(json.dumps(CHEAP_DRAFT_PROFILE))
     return str(p)
+
+
+# ---------------------------------------------------------------------- the browser
+
+
+def _chromium():
+    """(chromium, chromedriver) paths, or a skip that says what is missing."""
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        pytest.skip("selenium is not installed (pip install -e '.[test]')")
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if not browser or not driver:
+        pytest.skip(
+            "headless Chromium is missing: apt-get install -y chromium chromium-driver "
+            "(.ci/run installs them)"
+        )
+    return browser, driver
+
+
+@pytest.fixture
+def browser():
+    path, driver_path = _chromium()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = path
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        opts.add_argument(a)
+    opts.add_argument("--window-size=1440,2200")
+    d = webdriver.Chrome(service=Service(executable_path=driver_path), options=opts)
+    d.set_page_load_timeout(60)
+    yield d
+    d.quit()

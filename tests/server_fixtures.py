@@ -182,3 +182,144 @@ def server_test_env(tmp_path_factory):
     yield
     mp.undo()
     torch.set_num_threads(old)
+
+
+def boot_of(html: str) -> dict:
+    """The boot JSON of a dashboard page."""
+    import re
+
+    m = re.search(r'<script type="application/json" id="dash-boot">(.*?)</script>', html)
+    assert m, html[:500]
+    return json.loads(m.group(1))
+
+
+def check_dashboard_auth(url: str, admin: str, user: str) -> str:
+    """The dashboard's auth over real HTTP (a single server's or the front door's, the
+    same rules): the page and the data endpoint 401 / 403 / 200 with a Bearer key, the
+    session cookie's sign-in, use and sign-out. Returns an admin session's token."""
+    from adaserve.server import dashboard as dash
+
+    with httpx.Client(base_url=url, timeout=60) as h:
+
+        def hdrs(key=None, cookie=None):
+            # explicit headers: the client's own cookie jar stays out of it
+            h.cookies.clear()
+            out = {"Authorization": f"Bearer {key}"} if key else {}
+            if cookie:
+                out["Cookie"] = f"{dash.COOKIE}={cookie}"
+            return out
+
+        def get(path, key=None, cookie=None):
+            return h.get(path, headers=hdrs(key, cookie))
+
+        # the page: 401 / 403 the sign-in page (no data), 200 the dashboard
+        for key, status, code in (
+            (None, 401, "missing_api_key"),
+            ("sk-wrong", 401, "invalid_api_key"),
+            (user, 403, "admin_required"),
+        ):
+            page = get(dash.PAGE_URL, key)
+            assert page.status_code == status, (key, page.status_code)
+            assert page.headers["content-type"].startswith("text/html")
+            boot = boot_of(page.text)
+            assert boot["mode"] == "signin" and "data_url" not in boot
+            assert boot["session_url"] == dash.SESSION_URL and boot["message"]
+            assert '<form id="login"' in page.text
+            assert "default-src 'none'" in page.headers["content-security-policy"]
+            data = get(dash.DATA_URL, key)
+            assert data.status_code == status and data.json()["error"]["code"] == code
+            assert set(data.json()["error"]) == {"message", "type", "param", "code"}
+        assert "admin" in boot_of(get(dash.PAGE_URL, user).text)["message"]
+        page = get(dash.PAGE_URL, admin)
+        assert page.status_code == 200
+        assert boot_of(page.text) == {
+            "mode": "live",
+            "data_url": dash.DATA_URL,
+            "session_url": dash.SESSION_URL,
+            "interval_ms": 1000,
+            "session": False,
+        }
+        assert admin not in page.text and user not in page.text
+        csp = page.headers["content-security-policy"]
+        assert "default-src 'none'" in csp and "connect-src 'self'" in csp
+        assert get(dash.DATA_URL, admin).json()["object"] == "dashboard"
+        # no ?key= anywhere
+        assert get(f"{dash.DATA_URL}?key={admin}").status_code == 401
+        assert get(f"{dash.PAGE_URL}?key={admin}").status_code == 401
+
+        # sign-in: the key (Bearer) for a session cookie; admins only
+        def sign_in(key):
+            return h.post(dash.SESSION_URL, headers=hdrs(key))
+
+        for key, status, code in (
+            (None, 401, "missing_api_key"),
+            ("sk-wrong", 401, "invalid_api_key"),
+            (user, 403, "admin_required"),
+        ):
+            r = sign_in(key)
+            assert r.status_code == status and r.json()["error"]["code"] == code
+            assert "set-cookie" not in r.headers
+        r = sign_in(admin)
+        assert r.status_code == 204 and not r.content
+        set_cookie = r.headers["set-cookie"]
+        attrs = {a.strip().split("=")[0].lower(): a.strip() for a in set_cookie.split(";")}
+        name, _, token = set_cookie.split(";")[0].partition("=")
+        assert name == dash.COOKIE and len(token) >= 40 and admin not in token
+        assert {"httponly", "samesite", "path", "max-age"} <= set(attrs)
+        assert attrs["samesite"].lower() == "samesite=strict" and attrs["path"] == "Path=/"
+        assert attrs["max-age"] == f"Max-Age={dash.SESSION_TTL_S}"
+        assert "secure" not in attrs  # plain http here; over https it is Secure
+        # the cookie opens the page and the data
+        page = get(dash.PAGE_URL, cookie=token)
+        assert page.status_code == 200 and boot_of(page.text)["session"] is True
+        data = get(dash.DATA_URL, cookie=token)
+        assert data.status_code == 200 and data.json()["object"] == "dashboard"
+        assert data.headers["cache-control"] == "no-store"
+        # the cookie opens the dashboard alone: the API still needs the key
+        assert get("/v1/slo/report", cookie=token).status_code == 401
+        # a Bearer header, when sent, is what counts
+        assert get(dash.DATA_URL, user, cookie=token).status_code == 403
+        # a made-up or stale cookie: 401, and the page clears it
+        fake = "x" * 43
+        r = get(dash.DATA_URL, cookie=fake)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_session"
+        page = get(dash.PAGE_URL, cookie=fake)
+        assert page.status_code == 401 and boot_of(page.text)["mode"] == "signin"
+        assert page.headers["set-cookie"].startswith(f'{dash.COOKIE}=""')
+        # a second session, to hand back; then sign the first one out
+        keep = sign_in(admin).cookies.get(dash.COOKIE)
+        assert keep and keep != token
+        out = h.delete(dash.SESSION_URL, headers=hdrs(cookie=token))
+        assert out.status_code == 204
+        assert out.headers["set-cookie"].startswith(f'{dash.COOKIE}=""')
+        assert "max-age=0" in out.headers["set-cookie"].lower()
+        assert get(dash.DATA_URL, cookie=token).status_code == 401
+        assert get(dash.PAGE_URL, cookie=token).status_code == 401
+        assert get(dash.DATA_URL, cookie=keep).status_code == 200
+        return keep
+
+
+def sign_in(d, key):
+    """Type ``key`` into the dashboard's sign-in form and submit it."""
+    from selenium.webdriver.common.by import By
+
+    box = d.find_element(By.ID, "key")
+    box.clear()
+    box.send_keys(key)
+    d.find_element(By.CSS_SELECTOR, "#login button[type=submit]").click()
+
+
+def class_rows(d) -> dict[str, dict[str, tuple[str, str | None]]]:
+    """class -> field -> (text, data-value) of the rendered class table."""
+    return d.execute_script(
+        """
+        const out = {};
+        for (const tr of document.querySelectorAll('#classes tr[data-class]')) {
+          const row = {};
+          for (const td of tr.querySelectorAll('td[data-field]'))
+            row[td.dataset.field] = [td.textContent, td.getAttribute('data-value')];
+          out[tr.dataset.class] = row;
+        }
+        return out;
+        """
+    )

@@ -1,7 +1,7 @@
 """Two engine replicas of the shipped pair on a local Ray cluster behind one front door
 (``adaserve serve --replicas 2``): the official ``openai`` client, requests reaching
 both replicas, one tenant's quota held across them, ``/metrics`` and
-``/v1/slo/report`` over both, and a replica killed during a burst.
+``/v1/slo/report`` and the dashboard over both, and a replica killed during a burst.
 
 One Ray cluster for the module (starting it and two engines is most of the time)."""
 
@@ -22,7 +22,13 @@ import pytest
 pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'adaserve[ray]')")
 
 import ray  # noqa: E402
-from server_fixtures import scrape, wait_for  # noqa: E402
+from server_fixtures import (  # noqa: E402
+    check_dashboard_auth,
+    class_rows,
+    scrape,
+    sign_in,
+    wait_for,
+)
 
 from adaserve.cluster.front_door import FrontDoor  # noqa: E402
 from adaserve.cluster.ray_router import route_request, stats_of  # noqa: E402
@@ -33,6 +39,7 @@ from adaserve.server import parse_config  # noqa: E402
 from adaserve.server.app import engine_config_for_server  # noqa: E402
 from adaserve.server.cli import make_server  # noqa: E402
 from adaserve.server.config import tomllib  # noqa: E402
+from adaserve.server.dashboard import COOKIE  # noqa: E402
 
 CONFIG = """
 [server]
@@ -245,6 +252,123 @@ def test_metrics_and_report_aggregate_both_replicas(svc):
     assert rep["engine"]["live_replicas"] == 2
     assert set(rep["engine"]["replicas"]) >= set(svc.live())
     assert rep["tenants"]["user"]["total"]["completion_tokens"] >= made
+
+
+def test_dashboard_merges_both_replicas(svc):
+    """The front door's /dashboard: the single server's auth (page and data 401 / 403 /
+    200, session cookies), its data the replicas' merged, matching /v1/slo/report."""
+    token = check_dashboard_auth(svc.url, "sk-ops", "sk-user")
+    res = asyncio.run(_burst(svc, 4, max_tokens=3))
+    assert all(not isinstance(r, Exception) for _, r in res), res
+    admin = {"Authorization": "Bearer sk-ops"}
+
+    def consistent():
+        """(report, data) with nothing pushed between them that changed the report."""
+        with httpx.Client(base_url=svc.url, timeout=30) as h:
+            rep = h.get("/v1/slo/report", headers=admin).json()
+            data = h.get("/v1/dashboard/data", headers={"Cookie": f"{COOKIE}={token}"})
+            again = h.get("/v1/slo/report", headers=admin).json()
+        idle = rep["engine"]["running"] == rep["engine"]["waiting"] == 0
+        return idle and rep == again and (rep, data)
+
+    got = wait_for(consistent, 30, every=0.2)
+    assert got, "the report never settled"
+    rep, r = got
+    assert r.status_code == 200 and r.headers["cache-control"] == "no-store"
+    data = r.json()
+    assert [c["name"] for c in data["classes"]] == list(rep["classes"])
+    for c in data["classes"]:
+        want = rep["classes"][c["name"]]
+        for k in ("requests", "attained", "attainment", "targets", "ttft_ms", "tpot_ms"):
+            assert c[k] == want[k], (c["name"], k)
+        assert c["verification"] == want["verification"]
+        roll = c["rolling"]
+        assert 0 <= roll["attained"] <= roll["requests"] <= want["requests"]
+    assert sum(c["requests"] for c in data["classes"]) == rep["requests"]
+    # the burst just finished: inside the rolling window
+    inter = next(c for c in data["classes"] if c["name"] == "interactive")
+    assert inter["rolling"]["requests"] >= len(res)
+    eng = rep["engine"]
+    assert data["engine"] == {k: eng[k] for k in ("running", "waiting", "kv_usage", "iterations")}
+    assert data["fallback_iterations"] == eng["fallback_iterations"]
+    # acceptance by position: every replica's counts summed (all accepted draft tokens)
+    assert (
+        sum(p["accepted"] for p in data["acceptance_by_position"]) == (eng["spec_accepted_tokens"])
+    )
+    snaps = svc.snapshots()
+    assert data["spec_drafts"] == sum(
+        s["report"]["dashboard"]["spec_drafts"] for s in snaps.values()
+    )
+    assert set(data["tenants"]) >= {"ops", "user", "limited"}
+    for name, u in rep["tenants"].items():
+        assert data["tenants"][name]["requests"] == u["total"]["requests"]
+    # per replica: gauges, and its own timeline on the front door's time axis
+    assert set(data["replicas"]) == set(eng["replicas"])
+    for rid, rr in data["replicas"].items():
+        e = eng["replicas"][rid]
+        assert (rr["live"], rr["running"], rr["iterations"]) == (
+            e["live"],
+            e["running"],
+            e["iterations"],
+        )
+        t = rr["timeline"]["t"]
+        assert t and t == sorted(t) and t[-1] <= data["as_of_s"] + 1.0, (rid, t[-3:])
+    assert data["timeline_replica"] in svc.live()
+    assert data["timeline"] == data["replicas"][data["timeline_replica"]]["timeline"]
+    with httpx.Client(base_url=svc.url, timeout=30) as h:
+        page = h.get("/dashboard", headers={"Cookie": f"{COOKIE}={token}"})
+        assert page.status_code == 200 and '<form id="login"' in page.text
+        out = h.delete("/v1/dashboard/session", headers={"Cookie": f"{COOKIE}={token}"})
+        assert out.status_code == 204
+        gone = h.get("/v1/dashboard/data", headers={"Cookie": f"{COOKIE}={token}"})
+        assert gone.status_code == 401
+
+
+def test_dashboard_in_the_browser(svc, browser):
+    """The front door's page in headless Chromium: turned away without the admin key,
+    then the merged class table, a row per replica, a chart per replica, sign-out."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    d = browser
+    d.get(svc.url + "/dashboard")
+    assert wait_for(lambda: d.find_element(By.ID, "login").is_displayed(), 30)
+    sign_in(d, "sk-user")
+    assert wait_for(lambda: "admin" in d.find_element(By.ID, "login-msg").text, 30)
+    sign_in(d, "sk-ops")
+    rep = httpx.get(svc.url + "/v1/slo/report", headers={"Authorization": "Bearer sk-ops"}).json()
+    want = {c: n["requests"] for c, n in rep["classes"].items()}
+
+    def shown():
+        rows = class_rows(d)
+        return {c: int(r["requests"][1]) for c, r in rows.items()} == want and rows
+
+    assert wait_for(shown, 30), (class_rows(d), want)
+    replicas = d.execute_script(
+        "return [...document.querySelectorAll('#replicas tr[data-replica]')]"
+        ".map(tr => tr.dataset.replica)"
+    )
+    assert set(replicas) == set(svc.live())
+    pick = Select(d.find_element(By.ID, "replica"))
+    assert {o.get_attribute("value") for o in pick.options} == set(replicas)
+    first = pick.first_selected_option.get_attribute("value")
+    other = next(r for r in replicas if r != first)
+    pick.select_by_value(other)
+    canvases = "return document.querySelectorAll('.charts canvas').length"
+    assert wait_for(lambda: d.execute_script(canvases) >= 6, 10)
+    # the choice holds across polls
+    as_of = float(d.find_element(By.TAG_NAME, "body").get_attribute("data-as-of"))
+    assert wait_for(
+        lambda: float(d.find_element(By.TAG_NAME, "body").get_attribute("data-as-of")) > as_of, 30
+    )
+    assert (
+        Select(d.find_element(By.ID, "replica")).first_selected_option.get_attribute("value")
+        == other
+    )
+    assert d.execute_script("return sessionStorage.length") == 0
+    d.find_element(By.ID, "signout").click()
+    assert wait_for(lambda: d.find_element(By.ID, "login").is_displayed(), 30)
+    assert not class_rows(d) and d.get_cookies() == []
 
 
 async def _mixed_burst(svc, n: int, started: asyncio.Queue) -> list:

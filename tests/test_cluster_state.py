@@ -15,7 +15,7 @@ from starlette.datastructures import Headers
 
 from adaserve.cluster.front_door import route_of
 from adaserve.cluster.ledger import Ledger
-from adaserve.cluster.merge import merge_metrics, merge_report
+from adaserve.cluster.merge import merge_dashboard, merge_metrics, merge_report
 from adaserve.cluster.shared_quotas import SharedQuotaBook
 from adaserve.server.config import Tenant
 from adaserve.server.engine_loop import EngineSnapshot, Final
@@ -191,27 +191,29 @@ def _rec(cls, tenant, attained, n):
     return Record(cls, tenant, "length", 5.0, 2.0, 9.0, 1.0, attained, n, 0, 0, 0.0, 1.0)
 
 
-def test_report_over_replicas():
-    def rep(engine_running, usage_tokens):
-        return {
-            "class_names": ["chat"],
-            "class_targets": {"chat": {"tpot_ms": 20.0, "ttft_ms": 4000}},
-            "prices": {"chat": 1.0},
-            "flops_per_token": 1.0,
-            "shed": {("chat", "queue_full"): 1},
-            "rate_limited": {},
-            "usage": {
-                "x": {
-                    "classes": {"chat": {"requests": 1, "completion_tokens": usage_tokens}},
-                    "total": {"requests": 1, "completion_tokens": usage_tokens},
-                }
-            },
-            "engine": {"running": engine_running, "waiting": 0, "kv_usage": 0.5},
-        }
+def _rep(engine_running, usage_tokens):
+    """One replica's pushed report (``EngineReplica._report``'s shape)."""
+    return {
+        "class_names": ["chat"],
+        "class_targets": {"chat": {"tpot_ms": 20.0, "ttft_ms": 4000}},
+        "prices": {"chat": 1.0},
+        "flops_per_token": 1.0,
+        "shed": {("chat", "queue_full"): 1},
+        "rate_limited": {},
+        "usage": {
+            "x": {
+                "classes": {"chat": {"requests": 1, "completion_tokens": usage_tokens}},
+                "total": {"requests": 1, "completion_tokens": usage_tokens},
+            }
+        },
+        "engine": {"running": engine_running, "waiting": 0, "kv_usage": 0.5},
+    }
 
+
+def test_report_over_replicas():
     snaps = {
-        "a": {"live": True, "report": rep(2, 4), "records": [_rec("chat", "x", True, 4)]},
-        "b": {"live": False, "report": rep(5, 6), "records": [_rec("chat", "x", False, 6)]},
+        "a": {"live": True, "report": _rep(2, 4), "records": [_rec("chat", "x", True, 4)]},
+        "b": {"live": False, "report": _rep(5, 6), "records": [_rec("chat", "x", False, 6)]},
     }
     out = merge_report(snaps, None, "m")
     assert out["requests"] == 2
@@ -223,6 +225,62 @@ def test_report_over_replicas():
     assert out["engine"]["running"] == 2 and out["engine"]["live_replicas"] == 1
     assert set(out["engine"]["replicas"]) == {"a", "b"}
     assert merge_report(snaps, "nobody", "m")["tenants"] == {}
+
+
+def test_dashboard_over_replicas():
+    """The dashboard's merged data: the classes the merged report's, the rolling
+    attainment over each replica's window on its own clock, counters summed, and each
+    replica's timeline on the front door's time axis."""
+
+    def rec(attained, finished_at):
+        return Record(
+            "chat", "x", "length", 5.0, 2.0, 9.0, 1.0, attained, 4, 3, 2, 0.0, finished_at
+        )
+
+    def samp(t, running, tree):
+        return {"t": t, "running": running, "waiting": 0, "kv_usage": 0.1, "depth": 2,
+                "budget": 8, "tokens": 5, "tree_by_class": {"chat": tree}}  # fmt: skip
+
+    def snap(live, age, clock, started, recs, samples, pos, drafts, fallbacks):
+        rep = _rep(1, 4)
+        rep["engine"].update(policy="adaserve", iterations=len(samples),
+                             fallback_iterations=fallbacks)  # fmt: skip
+        rep["dashboard"] = {"clock": clock, "started_at": started,
+                            "accepted_per_pos": pos, "spec_drafts": drafts}  # fmt: skip
+        return {"live": live, "age_s": age, "report": rep, "records": recs, "samples": samples}
+
+    snaps = {
+        # replica a's clock reads 1000 now; it started at 990: its samples at t (since
+        # its start) are at 50 - 10 + t on the front door's axis (50 s since its start)
+        "a": snap(True, 0.0, 1000.0, 990.0, [rec(True, 900.0), rec(False, 950.0)],
+                  [samp(1.0, 2, 4.0), samp(9.0, 3, 2.0)], {0: 5, 1: 2}, 6, {"kv": 1}),
+        # b's last push was 30 s ago at its clock 70: now is 100 on it
+        "b": snap(False, 30.0, 70.0, 0.0, [rec(True, 20.0), rec(True, 45.0)],
+                  [samp(60.0, 1, 6.0)], {0: 1}, 2, {"kv": 2, "timeout": 1}),
+    }  # fmt: skip
+    out = merge_dashboard(snaps, "m", ["x", "idle"], as_of_s=50.0)
+    rep = merge_report({k: {**v} for k, v in snaps.items()}, None, "m")
+    (chat,) = out["classes"]
+    assert chat["name"] == "chat" and chat["requests"] == rep["classes"]["chat"]["requests"] == 4
+    assert chat["attainment"] == rep["classes"]["chat"]["attainment"] == 0.75
+    # the last 60 s: a's record at 950 (now 1000) and b's at 45 (now 100)
+    assert chat["rolling"] == {"requests": 2, "attained": 1, "attainment": 0.5}
+    assert out["acceptance_by_position"] == [
+        {"position": 0, "accepted": 6, "rate": 6 / 8},
+        {"position": 1, "accepted": 2, "rate": 2 / 8},
+    ]
+    assert out["fallback_iterations"] == {"kv": 3, "timeout": 1}
+    assert out["engine"]["running"] == 1  # the live replica's
+    assert set(out["tenants"]) == {"x", "idle"} and out["tenants"]["idle"]["requests"] == 0
+    assert set(out["replicas"]) == {"a", "b"} and not out["replicas"]["b"]["live"]
+    assert out["timeline_replica"] == "a" and out["timeline"] == out["replicas"]["a"]["timeline"]
+    assert out["replicas"]["a"]["timeline"]["t"] == [41.0, 49.0]
+    assert out["replicas"]["a"]["timeline"]["running"] == [2, 3]
+    # b: now 100 on its clock = 50 here; its sample at 60 since its start (0) is at 10
+    assert out["replicas"]["b"]["timeline"]["t"] == [10.0]
+    # the per-iteration means: all replicas' samples, newest last
+    assert chat["recent"]["tree_per_req"] == 4.0
+    assert json.loads(json.dumps(out)) == out
 
 
 def test_route_of_reads_class_targets_and_sizes():

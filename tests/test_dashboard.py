@@ -1,26 +1,37 @@
 """The live dashboard: a real headless Chromium (Debian's ``chromium`` and
 ``chromium-driver``, driven by selenium) opens ``/dashboard`` on a server running the
-shipped pair during a short mixed workload; the data endpoint's auth; the pieces the
-page is built from; and the benchmark's offline ``report.html``."""
+shipped pair during a short mixed workload, signs in through the form (a session
+cookie) and out; the page's, the data endpoint's and the session cookie's auth over
+real HTTP; the pieces the page is built from; and the benchmark's offline
+``report.html``."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
 import re
-import shutil
 import threading
 
 import openai
 import pytest
-from server_fixtures import LiveServer, server_test_env, wait_for
+from server_fixtures import (
+    LiveServer,
+    boot_of,
+    check_dashboard_auth,
+    class_rows,
+    server_test_env,
+    sign_in,
+    wait_for,
+)
 
 from adaserve import dashboard_page
 from adaserve.config import EngineConfig
 from adaserve.core.trace import StepTrace, sample
 from adaserve.sched.base import Plan
 from adaserve.server import parse_config
+from adaserve.server.auth import TenantRegistry
 from adaserve.server.config import tomllib
+from adaserve.server.dashboard import COOKIE, Dashboard, Sessions
 from adaserve.server.iterations import IterationLog
 from adaserve.server.report import Record, ReportStore
 
@@ -104,79 +115,56 @@ def test_data_endpoint_needs_an_admin_key(srv):
     r = _get(srv, "/v1/dashboard/data", key=ADMIN)
     assert r.status_code == 200 and r.json()["object"] == "dashboard"
     assert [c["name"] for c in r.json()["classes"]] == list(CLASSES)
-    # the page is a public shell: it carries the data URL and no data
-    page = _get(srv, "/dashboard")
-    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    boot = re.search(r'<script type="application/json" id="dash-boot">(.*?)</script>', page.text)
-    assert json.loads(boot.group(1)) == {
-        "mode": "live",
-        "data_url": "/v1/dashboard/data",
-        "interval_ms": 1000,
-    }
-    assert ADMIN not in page.text
-    csp = page.headers["content-security-policy"]
-    assert "default-src 'none'" in csp and "connect-src 'self'" in csp
+
+
+def test_page_and_session_cookie_rules(srv):
+    """The page answers 401 / 403 without an admin credential; sign-in trades the admin
+    key for an HttpOnly, SameSite=Strict session cookie; sign-out ends it."""
+    before = len(srv.state.dashboard.sessions)
+    keep = check_dashboard_auth(srv.url, ADMIN, USER)
+    assert len(srv.state.dashboard.sessions) == before + 1  # the one signed out is gone
+    with srv.http() as h:
+        out = h.delete("/v1/dashboard/session", headers={"Cookie": f"{COOKIE}={keep}"})
+        assert out.status_code == 204
+    assert len(srv.state.dashboard.sessions) == before
+
+
+def test_sessions_expire_and_are_bounded():
+    now = [0.0]
+    s = Sessions(ttl_s=10.0, max_sessions=3, clock=lambda: now[0])
+    a = s.create("ops")
+    assert s.tenant(a) == "ops" and s.tenant("nope") is None
+    now[0] = 5.0
+    b, c, d = s.create("ops"), s.create("ops"), s.create("ops")
+    assert s.tenant(a) is None  # the oldest made room
+    assert len(s) == 3 and len({b, c, d}) == 3
+    now[0] = 15.0
+    assert s.tenant(b) is None and len(s) == 0
+    e = s.create("ops")
+    s.drop(e)
+    assert s.tenant(e) is None
+
+
+def test_open_mode_dashboard_is_open():
+    """No API keys: the page and the data are open, signing in sets no cookie (the
+    plain-ASGI routes the front door serves)."""
+    from starlette.testclient import TestClient
+
+    async def data():
+        return {"object": "dashboard"}
+
+    h = TestClient(Dashboard(TenantRegistry(()), data, title="t").asgi)
+    page = h.get("/dashboard")
+    assert page.status_code == 200 and boot_of(page.text)["mode"] == "live"
+    assert boot_of(page.text)["session"] is False
+    r = h.post("/v1/dashboard/session")
+    assert r.status_code == 204 and "set-cookie" not in r.headers
+    assert h.get("/v1/dashboard/data").json() == {"object": "dashboard"}
+    r = h.put("/v1/dashboard/session")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
 
 
 # ---------------------------------------------------------------------- the browser
-
-
-def _chromium():
-    """(chromium, chromedriver) paths, or a skip that says what is missing."""
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        pytest.skip("selenium is not installed (pip install -e '.[test]')")
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    if not browser or not driver:
-        pytest.skip(
-            "headless Chromium is missing: apt-get install -y chromium chromium-driver "
-            "(.ci/run installs them)"
-        )
-    return browser, driver
-
-
-@pytest.fixture
-def browser():
-    path, driver_path = _chromium()
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = path
-    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        opts.add_argument(a)
-    opts.add_argument("--window-size=1440,2200")
-    d = webdriver.Chrome(service=Service(executable_path=driver_path), options=opts)
-    d.set_page_load_timeout(60)
-    yield d
-    d.quit()
-
-
-def _sign_in(d, key):
-    from selenium.webdriver.common.by import By
-
-    box = d.find_element(By.ID, "key")
-    box.clear()
-    box.send_keys(key)
-    d.find_element(By.CSS_SELECTOR, "#login button[type=submit]").click()
-
-
-def _rows(d) -> dict[str, dict[str, tuple[str, str | None]]]:
-    """class -> field -> (text, data-value) of the rendered class table."""
-    return d.execute_script(
-        """
-        const out = {};
-        for (const tr of document.querySelectorAll('#classes tr[data-class]')) {
-          const row = {};
-          for (const td of tr.querySelectorAll('td[data-field]'))
-            row[td.dataset.field] = [td.textContent, td.getAttribute('data-value')];
-          out[tr.dataset.class] = row;
-        }
-        return out;
-        """
-    )
 
 
 def _close(a, b, tol=1e-9) -> bool:
@@ -205,12 +193,12 @@ def test_browser_shows_a_row_per_class_matching_the_report(srv, browser, tmp_pat
     assert wait_for(lambda: d.find_element(By.ID, "login").is_displayed(), 30)
     assert not d.find_element(By.ID, "main").is_displayed()
     # a tenant without the admin role is turned away and sees nothing
-    _sign_in(d, USER)
+    sign_in(d, USER)
     assert wait_for(lambda: "admin" in d.find_element(By.ID, "login-msg").text, 30)
-    assert not _rows(d) and not d.find_element(By.ID, "main").is_displayed()
+    assert not class_rows(d) and not d.find_element(By.ID, "main").is_displayed()
     # the admin key: live data while the workload runs
-    _sign_in(d, ADMIN)
-    assert wait_for(lambda: set(_rows(d)) == set(CLASSES), 30), d.page_source[:2000]
+    sign_in(d, ADMIN)
+    assert wait_for(lambda: set(class_rows(d)) == set(CLASSES), 30), d.page_source[:2000]
     first = float(d.find_element(By.TAG_NAME, "body").get_attribute("data-as-of"))
     assert wait_for(
         lambda: float(d.find_element(By.TAG_NAME, "body").get_attribute("data-as-of")) > first, 30
@@ -221,11 +209,11 @@ def test_browser_shows_a_row_per_class_matching_the_report(srv, browser, tmp_pat
     total = before + len(result["resps"])
 
     def settled():
-        rows = _rows(d)
+        rows = class_rows(d)
         return rows and sum(int(r["requests"][1]) for r in rows.values()) == total and rows
 
     rows = wait_for(settled, 30)
-    assert rows, _rows(d)
+    assert rows, class_rows(d)
     rep = _get(srv, "/v1/slo/report", ADMIN).json()
     assert rep["requests"] == total
     for cls in CLASSES:
@@ -280,9 +268,21 @@ def test_browser_shows_a_row_per_class_matching_the_report(srv, browser, tmp_pat
     shot = tmp_path / "dashboard.png"
     assert d.save_screenshot(str(shot))
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # signing out clears what was shown
+    # the key is kept nowhere in the browser: an HttpOnly session cookie stands for it
+    assert d.execute_script("return sessionStorage.length + localStorage.length") == 0
+    assert d.execute_script("return document.cookie") == ""
+    (cookie,) = d.get_cookies()
+    assert cookie["name"] == COOKIE and cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    assert ADMIN not in cookie["value"]
+    # signing out clears what was shown, the cookie and the session
     d.find_element(By.ID, "signout").click()
-    assert wait_for(lambda: not _rows(d), 10)
+    assert wait_for(lambda: not class_rows(d), 10)
+    assert wait_for(lambda: d.find_element(By.ID, "login").is_displayed(), 30)
+    assert not d.find_element(By.ID, "main").is_displayed()
+    assert d.get_cookies() == []
+    stale = {"Cookie": f"{COOKIE}={cookie['value']}"}
+    with srv.http() as h:
+        assert h.get("/v1/dashboard/data", headers=stale).status_code == 401
 
 
 # ---------------------------------------------------------------------- the pieces
@@ -411,7 +411,7 @@ def test_bench_report_renders_offline_in_the_browser(bench_out, browser, tmp_pat
         if i:
             Select(d.find_element(By.ID, "run")).select_by_index(i)
         want = res[pol]["per_class"]
-        rows = wait_for(lambda w=want: set(_rows(d)) == set(w) and _rows(d), 10)
+        rows = wait_for(lambda w=want: set(class_rows(d)) == set(w) and class_rows(d), 10)
         assert rows, d.page_source[:2000]
         assert pol in d.find_element(By.ID, "meta").text
         for cls, m in want.items():

@@ -9,8 +9,9 @@ verification use, the recent per-iteration means; overall the engine gauges,
 acceptance by position, sheds and fallbacks by reason, per-tenant usage and the
 iteration timeline (``server.iterations.timeline_series``'s columns).
 
-A live page carries no data: it polls ``data_url`` with the key its sign-in form keeps
-in the tab's ``sessionStorage``. A static page embeds its views (one per run).
+A live page carries no data: it polls ``data_url`` with the session cookie its sign-in
+form obtained (``server.dashboard``); a sign-in page (``mode: "signin"``) is the form
+alone. A static page embeds its views (one per run).
 Torch-free (the benchmark's report writer imports it).
 """
 
@@ -78,17 +79,23 @@ def view(
     tenants: dict,
     timeline: dict,
     rolling_window_s: float = ROLLING_WINDOW_S,
+    recent_timeline: dict | None = None,
+    replicas: dict | None = None,
+    timeline_replica: str | None = None,
 ) -> dict:
     """The page's data. ``classes``: name -> {targets, requests, attained, attainment,
     rolling {requests, attained, attainment}, ttft_ms, tpot_ms (p50/p95/p99),
     verification {tree_nodes, accepted_tokens, share}}; ``tenants``: name -> {requests,
     prompt_tokens, completion_tokens, charge, rate_limited}; ``timeline``: column
-    arrays. Adds each class's means over the newest ``RECENT_ITERATIONS`` samples."""
+    arrays. Adds each class's means over the newest ``RECENT_ITERATIONS`` samples of
+    ``recent_timeline`` (default: ``timeline``). ``replicas`` (a service of replicas):
+    replica id -> {live, running, waiting, kv_usage, iterations, timeline}, the charts
+    showing ``timeline_replica``'s first."""
     cls_out = []
     for name, c in classes.items():
         recent = {}
         for key in ("tree_per_req", "accepted_per_req", "budget_share"):
-            col = (timeline.get(key) or {}).get(name) or []
+            col = ((recent_timeline or timeline).get(key) or {}).get(name) or []
             recent[key] = _mean(col[-RECENT_ITERATIONS:])
         cls_out.append({"name": name, **c, "recent": recent})
     return _jsonable(
@@ -108,6 +115,11 @@ def view(
             "fallback_iterations": dict(fallback_iterations),
             "tenants": tenants,
             "timeline": timeline,
+            **(
+                {"replicas": replicas, "timeline_replica": timeline_replica}
+                if replicas is not None
+                else {}
+            ),
         }
     )
 
@@ -131,8 +143,9 @@ def _script_json(obj) -> str:
 
 
 def render(boot: dict, title: str = "adaserve dashboard") -> str:
-    """The page. ``boot``: {"mode": "live", "data_url", "interval_ms"} or {"mode":
-    "static", "runs": [view, ...]}."""
+    """The page. ``boot``: {"mode": "live", "data_url", "session_url", "interval_ms",
+    "session"}, {"mode": "signin", "session_url", "message"} or {"mode": "static",
+    "runs": [view, ...]}."""
     html = _asset("dashboard", "dashboard.html")
     parts = {
         "{{TITLE}}": _escape(title),

@@ -8,6 +8,10 @@ cannot parse). Per request:
   server;
 - ``/metrics`` and ``/v1/slo/report``: answered here for the whole service, from the
   replicas' reports in the ``Ledger`` (``merge``), with the single server's key rules;
+- ``/dashboard``, ``/v1/dashboard/data`` and ``/v1/dashboard/session``: the single
+  server's dashboard (``server.dashboard.Dashboard``: the same page, admin-only auth and
+  session cookies, the sessions held here), its data the replicas' merged
+  (``merge.merge_dashboard``: service-wide tables, per-replica timelines);
 - everything else is read (body limit and timeout as the single server) and forwarded
   through the deployment's handle, whose request router picks the replica (the first
   argument, ``route``, is what the router reads: class, explicit targets, prompt and
@@ -28,14 +32,16 @@ import contextlib
 import json
 import logging
 import math
+import time
 from types import SimpleNamespace
 
 from starlette.datastructures import Headers
 
 from adaserve.cluster.asgi import request_data
-from adaserve.cluster.merge import merge_metrics, merge_report
+from adaserve.cluster.merge import merge_dashboard, merge_metrics, merge_report
 from adaserve.server.auth import TenantRegistry
 from adaserve.server.config import ServerConfig
+from adaserve.server.dashboard import Dashboard
 from adaserve.server.engine_errors import shutdown_error
 from adaserve.server.errors import ApiError, retry_after
 from adaserve.server.render import dumps, error_response
@@ -115,6 +121,7 @@ class FrontState:
         self.loop = _InFlight()
         self.draining = False
         self._drain_started = False
+        self.started_at = time.perf_counter()  # the dashboard's time axis starts here
 
     def begin_drain(self, grace_s: float | None = None) -> None:
         """Refuse new requests here; every replica gets the drain at its next push."""
@@ -137,6 +144,9 @@ class FrontDoor:
         self.retries = retries
         self.front = FrontState(cfg, model_name, ledger)
         self.state = SimpleNamespace(adaserve=self.front)
+        self.dashboard = Dashboard(
+            self.front.tenants, self._dashboard_data, title=f"adaserve dashboard: {model_name}"
+        )
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -157,6 +167,9 @@ class FrontDoor:
                 return
             if path == "/v1/slo/report" and method == "GET":
                 await self._report(scope, send)
+                return
+            if path in Dashboard.PATHS:
+                await self.dashboard.asgi(scope, receive, send)
                 return
             body = b""
             if method in ("POST", "PUT", "PATCH"):
@@ -284,6 +297,13 @@ class FrontDoor:
 
         body = json.dumps(_jsonable(rep), ensure_ascii=True, allow_nan=False).encode()
         await _send(send, 200, body, "application/json")
+
+    async def _dashboard_data(self) -> dict:
+        front = self.front
+        snaps = await self.ledger.snapshots.remote(True)
+        as_of = time.perf_counter() - front.started_at
+        names = list(front.tenants.tenants)
+        return await asyncio.to_thread(merge_dashboard, snaps, front.model_name, names, as_of)
 
 
 def _is_sse(headers) -> bool:

@@ -8,15 +8,16 @@ single server does) and hands back what it did not use in batches (``settle``): 
 actor is called per request, never per token.
 
 Reports: every replica pushes, a few times a second, its Prometheus text, its new
-finished-request records and its counts (``push``); the front door reads them all
-(``snapshots``) to answer ``/metrics`` and ``/v1/slo/report`` for the whole service. A
-replica that has not pushed for ``stale_s`` is taken for dead: its gauges are dropped,
-its counters and records kept (they happened), the concurrency slots its requests
-held are given back to their tenants, and so is the part of their output reservations
-they had not used: what the ledger reserved for the replica and has not seen settled,
-less the tokens its requests in flight had produced by its last push
-(``inflight_tokens`` in the report). The tenant is charged for what was produced up to
-a push period before the replica died, never for output it did not get.
+finished-request records, its new iteration samples and its counts (``push``); the
+front door reads them all (``snapshots``) to answer ``/metrics``, ``/v1/slo/report``
+and the dashboard's data for the whole service. A replica that has not pushed for
+``stale_s`` is taken for dead: its gauges are dropped, its counters and records kept
+(they happened), the concurrency slots its requests held are given back to their
+tenants, and so is the part of their output reservations they had not used: what the
+ledger reserved for the replica and has not seen settled, less the tokens its requests
+in flight had produced by its last push (``inflight_tokens`` in the report). The tenant
+is charged for what was produced up to a push period before the replica died, never
+for output it did not get.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Ledger:
         tenants: tuple[Tenant, ...],
         stale_s: float = 5.0,
         max_records: int = 200_000,
+        max_samples: int = 600,
         clock=time.monotonic,
     ):
         self.tenants = {t.name: t for t in tenants}
@@ -58,6 +60,8 @@ class Ledger:
         self.reports: dict[str, dict] = {}
         self.records: dict[str, deque] = {}
         self.max_records = max_records
+        self.samples: dict[str, deque] = {}
+        self.max_samples = max_samples  # per replica, as a single server's IterationLog
         self.pushed_at: dict[str, float] = {}
         # concurrency slots held per (replica, tenant): given back if the replica dies
         self.held: dict[tuple[str, str], int] = {}
@@ -135,9 +139,17 @@ class Ledger:
                 self.reserved[(rid, tenant)] = 0
 
     # ------------------------------------------------------------------ reports
-    def push(self, replica_id: str, report: dict, records: list, settlements: list) -> dict:
-        """A replica's latest report and its records since the last push; returns what
-        the replica must do (``{"drain_grace_s": ...}`` once a drain has begun)."""
+    def push(
+        self,
+        replica_id: str,
+        report: dict,
+        records: list,
+        settlements: list,
+        samples: list | None = None,
+    ) -> dict:
+        """A replica's latest report, its records and iteration samples since the last
+        push; returns what the replica must do (``{"drain_grace_s": ...}`` once a drain
+        has begun)."""
         self.settle(replica_id, settlements)
         self._forget_dead()
         self.reports[replica_id] = report
@@ -146,20 +158,28 @@ class Ledger:
         if records:
             q = self.records.setdefault(replica_id, deque(maxlen=self.max_records))
             q.extend(records)
+        if samples:
+            q = self.samples.setdefault(replica_id, deque(maxlen=self.max_samples))
+            q.extend(samples)
         return {"drain_grace_s": self.drain_grace_s}
 
-    def snapshots(self) -> dict:
-        """{replica_id: {"live": bool, "report": dict, "records": [...]}}."""
+    def snapshots(self, samples: bool = False) -> dict:
+        """{replica_id: {"live": bool, "age_s": seconds since its last push, "report":
+        dict, "records": [...]}}, and its iteration ``samples`` when asked."""
         now = self.clock()
         self._forget_dead()
-        return {
-            rid: {
-                "live": now - self.pushed_at.get(rid, -1e18) <= self.stale_s,
+        out = {}
+        for rid, rep in self.reports.items():
+            age = now - self.pushed_at.get(rid, -1e18)
+            out[rid] = {
+                "live": age <= self.stale_s,
+                "age_s": age,
                 "report": rep,
                 "records": list(self.records.get(rid, ())),
             }
-            for rid, rep in self.reports.items()
-        }
+            if samples:
+                out[rid]["samples"] = list(self.samples.get(rid, ()))
+        return out
 
     def live_replicas(self) -> list[str]:
         now = self.clock()

@@ -1,4 +1,5 @@
-"""One service's ``/metrics`` and ``/v1/slo/report`` from its replicas' reports.
+"""One service's ``/metrics``, ``/v1/slo/report`` and dashboard data from its
+replicas' reports.
 
 Metrics: counters and histograms are summed over the replicas (the dead ones
 included: what they counted happened), so every series reads as a single engine's
@@ -7,8 +8,10 @@ per replica, with a ``replica`` label, the live replicas only: what a gateway ro
 to replicas reads.
 
 Report: the single server's ``ReportStore.build`` over every replica's records and
-counts, usage summed per tenant and class; ``engine`` carries the sums and one entry
-per replica under ``replicas``.
+counts, usage summed per tenant and class; ``engine`` carries the sums (fallback
+iterations by reason too) and one entry per replica under ``replicas``.
+
+Dashboard: see ``merge_dashboard``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from adaserve.server.report import ReportStore
+from adaserve.dashboard_page import RECENT_ITERATIONS, ROLLING_WINDOW_S, timeline_series
+from adaserve.server.dashboard import report_view
+from adaserve.server.report import ReportStore, rolling_counts, rolling_rates
 
 
 class _Families:
@@ -75,6 +80,14 @@ def _add_usage(into: dict, usage: dict) -> None:
             t["total"][k] = t["total"].get(k, 0) + v
 
 
+def _sum_counts(dicts) -> dict:
+    out: dict = {}
+    for d in dicts:
+        for k, v in (d or {}).items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
 def merge_report(snaps: dict, tenant: str | None, model_name: str) -> dict:
     """The report of the whole service from ``Ledger.snapshots()``."""
     live = {rid: s for rid, s in snaps.items() if s["live"]}
@@ -102,6 +115,9 @@ def merge_report(snaps: dict, tenant: str | None, model_name: str) -> dict:
         "iterations": sum(e.get("iterations", 0) for e in replicas.values()),
         "spec_draft_tokens": sum(e.get("spec_draft_tokens", 0) for e in replicas.values()),
         "spec_accepted_tokens": sum(e.get("spec_accepted_tokens", 0) for e in replicas.values()),
+        "fallback_iterations": _sum_counts(
+            e.get("fallback_iterations", {}) for e in replicas.values()
+        ),
         "live_replicas": len(alive),
         "replicas": replicas,
     }
@@ -115,3 +131,72 @@ def merge_report(snaps: dict, tenant: str | None, model_name: str) -> dict:
     )
     out["model"] = model_name
     return out
+
+
+def merge_dashboard(snaps: dict, model_name: str, tenant_names, as_of_s: float) -> dict:
+    """The dashboard's data of the whole service from ``Ledger.snapshots(samples=True)``
+    at ``as_of_s`` seconds on the front door's clock (since it started).
+
+    What it merges: the class table, sheds and tenants are ``merge_report``'s (so they
+    agree with the front door's ``/v1/slo/report``); the rolling attainment sums each
+    replica's requests finished in the last ``ROLLING_WINDOW_S`` seconds (on that
+    replica's clock: its clock at its last push plus the time since); acceptance by
+    position and the draft count are summed over every replica (the dead included, as
+    the report's counters); running / waiting are summed and KV use averaged over the
+    live replicas (the report's engine).
+
+    The per-iteration timeline stays per replica: an iteration is one engine's decision
+    (its budget B, its tree depth, its batch), which does not add up across engines, and
+    an operator looking at one replica's chart sees how that engine schedules. So
+    ``replicas`` has, per replica, its live flag, gauges, iteration count and its
+    timeline (on the front door's time axis); the top-level ``timeline`` is that of
+    ``timeline_replica`` (the first live replica that has iterated), which the page
+    charts first and offers the others in a selector. The class table's per-iteration
+    means are over the service's newest ``RECENT_ITERATIONS`` iterations, all replicas'
+    samples in time order."""
+    rep = merge_report(snaps, None, model_name)
+    classes = list(rep["classes"])
+    rolling: dict[str, list[int]] = {c: [0, 0] for c in classes}
+    accepted: dict[int, int] = {}
+    drafts = 0
+    replicas: dict[str, dict] = {}
+    every: list[dict] = []
+    for rid, s in sorted(snaps.items()):
+        d = s["report"].get("dashboard") or {}
+        eng = rep["engine"]["replicas"].get(rid, {})
+        # this replica's clock now, and where its samples' zero lies on the front door's
+        now = d.get("clock", 0.0) + s.get("age_s", 0.0)
+        for c, r in rolling_counts(s["records"], classes, now, ROLLING_WINDOW_S).items():
+            n = rolling.setdefault(c, [0, 0])
+            n[0] += r["requests"]
+            n[1] += r["attained"]
+        for pos, n in (d.get("accepted_per_pos") or {}).items():
+            accepted[int(pos)] = accepted.get(int(pos), 0) + n
+        drafts += d.get("spec_drafts", 0)
+        shift = as_of_s - (now - d.get("started_at", now))
+        samples = [{**x, "t": x["t"] + shift} for x in s.get("samples", ())]
+        every.extend(samples)
+        replicas[rid] = {
+            "live": s["live"],
+            **{k: eng.get(k) for k in ("running", "waiting", "kv_usage", "iterations")},
+            "timeline": timeline_series(samples, classes),
+        }
+    every.sort(key=lambda x: x["t"])
+    shown = next(
+        (r for r, v in replicas.items() if v["live"] and v["timeline"]["t"]),
+        next(iter(replicas), None),
+    )
+    live = rep["engine"]["live_replicas"]
+    return report_view(
+        rep,
+        title=f"adaserve: {model_name} ({live} replica{'s' if live != 1 else ''})",
+        as_of_s=as_of_s,
+        rolling=rolling_rates(rolling),
+        tenant_names=tenant_names,
+        accepted_per_pos=accepted,
+        spec_drafts=drafts,
+        timeline=replicas[shown]["timeline"] if shown else timeline_series([], classes),
+        recent_timeline=timeline_series(every[-RECENT_ITERATIONS:], classes),
+        replicas=replicas,
+        timeline_replica=shown,
+    )

@@ -11,9 +11,10 @@ engine request.
 
 Shared with the other replicas through the ``Ledger`` actor: quotas (``SharedQuotaBook``),
 and, pushed a few times a second by a sync thread, this replica's Prometheus text, its
-new finished-request records and counts (for ``/metrics`` and ``/v1/slo/report`` of the
-whole service). Ray Serve reads ``record_routing_stats`` (the planner's headroom,
-``routing.replica_stats``) for the SLO-aware router.
+new finished-request records, new iteration samples and counts (for ``/metrics``,
+``/v1/slo/report`` and the dashboard of the whole service). Ray Serve reads
+``record_routing_stats`` (the planner's headroom, ``routing.replica_stats``) for the
+SLO-aware router.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class EngineReplica:
         self.state.quotas = self.quotas
         self._outbox: list = []
         self._outbox_lock = threading.Lock()
+        self._samples_seen = 0  # of the iteration log's samples, those pushed
         self.state.report.on_record = self._on_record
         self._stop = threading.Event()
         self._period = push_period_s
@@ -135,11 +137,13 @@ class EngineReplica:
     def _report(self) -> dict:
         from prometheus_client import generate_latest
 
+        from adaserve.server.dashboard import engine_now
         from adaserve.server.state import engine_summary
 
         st = self.state
         info = self.eloop.info
         shed, limited = st.report.counts()
+        counters = self.eloop.snapshot.counters or {}
         return {
             "metrics": generate_latest(st.metrics.registry).decode(),
             "tenant_metrics": generate_latest(st.metrics.tenant_registry).decode(),
@@ -156,6 +160,14 @@ class EngineReplica:
             "flops_per_token": info.flops_per_token_target,
             "model_name": st.model_name,
             "engine": {**engine_summary(self.eloop), "pid": os.getpid(), "draining": st.draining},
+            # the dashboard's: the engine clock now (the records' finish times and the
+            # samples' start are on it) and the counters the report has no room for
+            "dashboard": {
+                "clock": engine_now(st),
+                "started_at": st.started_at,
+                "accepted_per_pos": dict(counters.get("accepted_per_pos") or {}),
+                "spec_drafts": counters.get("spec_drafts", 0),
+            },
         }
 
     def _inflight_tokens(self) -> dict[str, int]:
@@ -173,10 +185,12 @@ class EngineReplica:
             try:
                 with self._outbox_lock:
                     recs, self._outbox = self._outbox, []
+                samples, seen = self.state.iterations.since(self._samples_seen)
                 ref = self.ledger.push.remote(
-                    self.replica_id, self._report(), recs, self.quotas.take_pending()
+                    self.replica_id, self._report(), recs, self.quotas.take_pending(), samples
                 )
                 order = ray.get(ref, timeout=10)
+                self._samples_seen = seen
             except Exception:  # the ledger is gone (shutdown) or slow: try again
                 if self._stop.is_set():
                     return

@@ -39,7 +39,7 @@ from adaserve.config import EngineConfig
 from adaserve.server.chat import create_chat
 from adaserve.server.completions import create_completion
 from adaserve.server.config import ServerConfig, Tenant, engine_config_for_server
-from adaserve.server.dashboard import create_dashboard
+from adaserve.server.dashboard import SELF_AUTH_PATHS, create_dashboard
 from adaserve.server.engine_errors import shutdown_error
 from adaserve.server.engine_loop import EngineLoop, model_name_of
 from adaserve.server.errors import ApiError, http_error, internal_error, validation_error
@@ -96,11 +96,13 @@ class _Guard:
             if path.startswith("/v1/") or path in AUTH_PATHS:
                 if st.draining and method == "POST":
                     raise shutdown_error()
-                headers = Headers(scope=scope)
-                tenant = st.tenants.authenticate(headers.get("authorization"))
-                scope.setdefault("state", {})["tenant"] = tenant
-                if method == "POST" and scope["path"] in GENERATION_PATHS:
-                    precheck_quotas(st, tenant)  # before the body is read or parsed
+                # the dashboard's routes take a Bearer key or its session cookie
+                if path not in SELF_AUTH_PATHS:
+                    headers = Headers(scope=scope)
+                    tenant = st.tenants.authenticate(headers.get("authorization"))
+                    scope.setdefault("state", {})["tenant"] = tenant
+                    if method == "POST" and scope["path"] in GENERATION_PATHS:
+                        precheck_quotas(st, tenant)  # before the body is read or parsed
             if method in ("POST", "PUT", "PATCH"):
                 receive = await self._buffer(scope, receive)
         except ApiError as e:

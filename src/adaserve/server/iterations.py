@@ -23,16 +23,25 @@ class IterationLog:
         self.t0 = t0
         self._lock = threading.Lock()
         self._samples: deque[dict] = deque(maxlen=max_samples)
+        self.recorded = 0  # samples recorded in all (kept or not)
 
     def record(self, tr: StepTrace) -> None:
         """Keep one iteration (called on the engine thread)."""
         s = sample(tr, tr.t_end - self.t0)
         with self._lock:
             self._samples.append(s)
+            self.recorded += 1
 
     def samples(self) -> list[dict]:
         with self._lock:
             return list(self._samples)
+
+    def since(self, seen: int) -> tuple[list[dict], int]:
+        """The samples recorded after the first ``seen`` (those still kept), and how
+        many have been recorded in all (a cluster replica pushes its new ones)."""
+        with self._lock:
+            n = min(self.recorded - seen, len(self._samples))
+            return (list(self._samples)[len(self._samples) - n :] if n > 0 else []), self.recorded
 
     def series(self, classes, last: int | None = None) -> dict:
         """Column arrays of the newest ``last`` samples (all kept when None): the

@@ -101,20 +101,8 @@ class ReportStore:
         """Class -> requests, attained and attainment (None without requests) of the
         requests that finished in the last ``window_s`` seconds before ``now`` (the
         clock of ``Record.finished_at``: the engine's)."""
-        since = now - window_s
-        out = {c: [0, 0] for c in self.class_names}
         with self._lock:
-            # records are appended as requests finish: newest last
-            for r in reversed(self._records):
-                if r.finished_at < since:
-                    break
-                n = out.setdefault(r.cls, [0, 0])
-                n[0] += 1
-                n[1] += int(r.attained)
-        return {
-            c: {"requests": n, "attained": a, "attainment": a / n if n else None}
-            for c, (n, a) in out.items()
-        }
+            return rolling_counts(self._records, self.class_names, now, window_s)
 
     def build(
         self,
@@ -185,6 +173,28 @@ class ReportStore:
             "tenants": tenants,
             "engine": engine,
         }
+
+
+def rolling_counts(records, class_names, now: float, window_s: float) -> dict[str, dict]:
+    """``ReportStore.rolling`` of ``records`` (a sequence in the order the requests
+    finished: newest last)."""
+    since = now - window_s
+    out = {c: [0, 0] for c in class_names}
+    for r in reversed(records):
+        if r.finished_at < since:
+            break
+        n = out.setdefault(r.cls, [0, 0])
+        n[0] += 1
+        n[1] += int(r.attained)
+    return rolling_rates(out)
+
+
+def rolling_rates(counts: dict[str, list[int]]) -> dict[str, dict]:
+    """{class: [requests, attained]} -> ``rolling``'s dicts."""
+    return {
+        c: {"requests": n, "attained": a, "attainment": a / n if n else None}
+        for c, (n, a) in counts.items()
+    }
 
 
 def _count(items) -> dict[str, int]:

@@ -1,16 +1,18 @@
 /* adaserve dashboard: renders one "view" (adaserve.dashboard_page.view) with uPlot.
-   Live mode polls boot.data_url once a second with the admin key kept in this tab's
-   sessionStorage (sent as the Authorization header); static mode shows embedded runs. */
+   Sign-in mode (the server's 401 / 403 page) shows the form, which trades the admin key
+   (sent once, as the Authorization header) for an HttpOnly session cookie and reloads;
+   the key is kept nowhere. Live mode polls boot.data_url once a second with that
+   cookie; static mode shows embedded runs. */
 (function () {
   "use strict";
   var BOOT = JSON.parse(document.getElementById("dash-boot").textContent);
-  var KEY_NAME = "adaserve.dashboard.key";
   // Okabe-Ito: distinguishable with the common colour-vision deficiencies
   var PALETTE = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000"];
   var DASHES = [[], [6, 3], [2, 2], [8, 3, 2, 3], [4, 4], [1, 3], [10, 2], [3, 6]];
   var $ = function (id) { return document.getElementById(id); };
   var charts = {};
   var timer = null;
+  var lastView = null;
 
   function el(tag, attrs, text) {
     var e = document.createElement(tag);
@@ -151,6 +153,47 @@
     }
   }
 
+  // a service of replicas (the scale-out front door): one row each; the charts show
+  // the timeline of the replica chosen in #replica
+  function renderReplicas(v) {
+    var reps = v.replicas || null;
+    $("replicas-box").hidden = !reps;
+    var sel = $("replica");
+    $("replica-pick").hidden = !reps;
+    if (!reps) return;
+    var ids = Object.keys(reps).sort();
+    var keep = sel.value;
+    sel.textContent = "";
+    ids.forEach(function (id) {
+      sel.appendChild(el("option", { value: id }, "replica " + id + (reps[id].live ? "" : " (gone)")));
+    });
+    if (ids.indexOf(keep) >= 0) sel.value = keep;
+    else if (v.timeline_replica && ids.indexOf(v.timeline_replica) >= 0) sel.value = v.timeline_replica;
+    var t = $("replicas");
+    t.textContent = "";
+    var head = el("tr");
+    head.appendChild(el("th", { "class": "name" }, "replica"));
+    ["live", "running", "waiting", "KV used", "iterations"].forEach(function (h) { head.appendChild(el("th", {}, h)); });
+    t.appendChild(head);
+    ids.forEach(function (id) {
+      var r = reps[id];
+      var tr = el("tr", { "data-replica": id });
+      cell(tr, "name", id, id, "name");
+      cell(tr, "live", r.live, r.live ? "yes" : "no");
+      cell(tr, "running", r.running, num(r.running, 0));
+      cell(tr, "waiting", r.waiting, num(r.waiting, 0));
+      cell(tr, "kv_usage", r.kv_usage, pct(r.kv_usage));
+      cell(tr, "iterations", r.iterations, num(r.iterations, 0));
+      t.appendChild(tr);
+    });
+  }
+
+  function timelineOf(v) {
+    var reps = v.replicas, id = $("replica").value;
+    if (reps && reps[id] && reps[id].timeline) return reps[id].timeline;
+    return v.timeline || {};
+  }
+
   // ------------------------------------------------------------------ charts
   function width(id) { return Math.max(300, $(id).clientWidth || 400); }
 
@@ -215,7 +258,7 @@
   }
 
   function renderCharts(v) {
-    var tl = v.timeline || {};
+    var tl = timelineOf(v);
     var t = tl.t || [];
     var names = (v.classes || []).map(function (c) { return c.name; });
     timeChart("c-queue", t, [
@@ -253,8 +296,10 @@
   function render(v) {
     $("meta").textContent = [v.model ? "model " + v.model : null, v.policy ? "policy " + v.policy : null,
       "at " + num(v.as_of_s, 1) + " s"].filter(Boolean).join(" \u00b7 ");
+    lastView = v;
     renderOverall(v);
     renderClasses(v);
+    renderReplicas(v);
     renderCharts(v);
     renderCounts("shed", v.shed, "reason");
     renderCounts("fallback", v.fallback_iterations, "reason");
@@ -265,7 +310,8 @@
   function clearData() {
     for (var id in charts) charts[id].u.destroy();
     charts = {};
-    ["overall", "classes", "shed", "fallback", "tenants", "meta", "classes-note"].forEach(function (id) { $(id).textContent = ""; });
+    lastView = null;
+    ["overall", "classes", "shed", "fallback", "tenants", "replicas", "meta", "classes-note"].forEach(function (id) { $(id).textContent = ""; });
     document.querySelectorAll(".charts figure > div").forEach(function (d) { d.textContent = ""; });
     $("main").hidden = true;
   }
@@ -273,34 +319,36 @@
   // ------------------------------------------------------------------ live mode
   function status(text, bad) { var s = $("status"); s.textContent = text; s.className = bad ? "bad" : ""; }
 
-  function showLogin(msg) {
-    clearData();
-    $("login").hidden = false;
-    $("signout").hidden = true;
-    $("login-msg").textContent = msg || "";
-    status("signed out", true);
+  function errorOf(body, code) {
+    return body && body.error && body.error.message ? body.error.message : "HTTP " + code;
+  }
+
+  function send(method, headers) {
+    return fetch(BOOT.session_url, { method: method, headers: headers || {}, cache: "no-store",
+                                     credentials: "same-origin" })
+      .then(function (r) {
+        if (r.status === 204) return [204, {}];
+        return r.json().catch(function () { return {}; }).then(function (body) { return [r.status, body]; });
+      });
   }
 
   function poll() {
-    var key = sessionStorage.getItem(KEY_NAME);
-    var headers = { Accept: "application/json" };
-    if (key) headers.Authorization = "Bearer " + key;
-    fetch(BOOT.data_url, { headers: headers, cache: "no-store", credentials: "omit" })
+    fetch(BOOT.data_url, { headers: { Accept: "application/json" }, cache: "no-store",
+                           credentials: "same-origin" })
       .then(function (r) {
         return r.json().catch(function () { return {}; }).then(function (body) { return [r.status, body]; });
       })
       .then(function (res) {
         var code = res[0], body = res[1];
         if (code === 401 || code === 403) {
-          if (code === 401) sessionStorage.removeItem(KEY_NAME);
-          var m = body && body.error && body.error.message ? body.error.message : "HTTP " + code;
-          showLogin((code === 403 ? "This key is not an admin key: " : "") + m);
+          // the session ended (expired, signed out elsewhere): the server's page says why
+          clearData();
+          status("signed out", true);
+          location.reload();
           return;
         }
         if (code !== 200) { status("HTTP " + code + "; retrying", true); schedule(); return; }
-        $("login").hidden = true;
         $("main").hidden = false;
-        $("signout").hidden = !key;
         render(body);
         status("live, updated " + new Date().toLocaleTimeString(), false);
         schedule();
@@ -311,18 +359,36 @@
   function schedule() { clearTimeout(timer); timer = setTimeout(poll, BOOT.interval_ms || 1000); }
 
   function live() {
-    $("login").addEventListener("submit", function (ev) {
-      ev.preventDefault();
-      sessionStorage.setItem(KEY_NAME, $("key").value.trim());
-      $("key").value = "";
-      poll();
-    });
+    $("signout").hidden = !BOOT.session;
     $("signout").addEventListener("click", function () {
       clearTimeout(timer);
-      sessionStorage.removeItem(KEY_NAME);
-      showLogin("");
+      clearData();
+      status("signing out", false);
+      send("DELETE").then(function () { location.reload(); }, function () { location.reload(); });
     });
+    $("replica").addEventListener("change", function () { if (lastView) renderCharts(lastView); });
     poll();
+  }
+
+  function signin() {
+    $("login").hidden = false;
+    $("login-msg").textContent = BOOT.message || "";
+    status("signed out", true);
+    $("login").addEventListener("submit", function (ev) {
+      ev.preventDefault();
+      var key = $("key").value.trim();
+      $("key").value = "";
+      $("login-msg").textContent = "";
+      status("signing in", false);
+      send("POST", { Authorization: "Bearer " + key })
+        .then(function (res) {
+          var code = res[0];
+          if (code === 204) { location.reload(); return; }
+          $("login-msg").textContent = (code === 403 ? "This key is not an admin key: " : "") + errorOf(res[1], code);
+          status("signed out", true);
+        })
+        .catch(function () { $("login-msg").textContent = "server unreachable"; status("signed out", true); });
+    });
   }
 
   // ------------------------------------------------------------------ static mode
@@ -339,5 +405,5 @@
   window.addEventListener("resize", function () {
     for (var id in charts) charts[id].u.setSize({ width: width(id), height: 220 });
   });
-  if (BOOT.mode === "live") live(); else offline();
+  if (BOOT.mode === "live") live(); else if (BOOT.mode === "signin") signin(); else offline();
 })();
