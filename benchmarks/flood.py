@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 
@@ -35,10 +36,15 @@ def probe(base: str, key: str, model: str | None) -> float:
     return (time.perf_counter() - t) * 1000
 
 
-def _flood(base: str, key: str, model: str | None, stop, counts, once: bool = False) -> None:
+def _flood(
+    base: str, key: str, model: str | None, stop, counts, once: bool = False, nice: int = 0
+) -> None:
     """One flooding client (its own process, as separate clients would be): the huge
     prompt again and again until ``stop`` (``once``: one request); puts its status
-    counts on ``counts``."""
+    counts on ``counts``. ``nice``: its CPU priority lowered by that much, to stand for
+    attackers on other machines when they share the server's cores here."""
+    if nice:
+        os.nice(nice)
     body = json.dumps({"prompt": HUGE, "max_tokens": 1, "model": model}).encode()
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     seen: dict[int, int] = {}
@@ -69,14 +75,26 @@ def main() -> int:
         help="each flooder sends one prompt per round (the attack: four 7.9 MB prompts), "
         "not a stream of them",
     )
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="lower the flooding processes' CPU priority by this much (0-19): on one "
+        "machine the attackers otherwise compete for the server's cores, which remote "
+        "attackers would not",
+    )
     a = p.parse_args()
+    if not 0 <= a.nice <= 19:
+        p.error("--nice must be between 0 and 19")
     idle, flooded, codes = [], [], {}
     for _ in range(a.rounds):
         idle += [probe(a.base_url, a.victim_key, a.model) for _ in range(a.probes)]
         stop = mp.Event()
         counts = mp.Queue()
         ps = [
-            mp.Process(target=_flood, args=(a.base_url, a.flood_key, a.model, stop, counts, a.once))
+            mp.Process(
+                target=_flood, args=(a.base_url, a.flood_key, a.model, stop, counts, a.once, a.nice)
+            )
             for _ in range(a.flooders)
         ]
         for p in ps:
