@@ -104,6 +104,9 @@ class AdaServeRequestRouter(RequestRouter):
         ranked = [[by_id[rid]] for rid in order if rid in by_id]
         if ranked:  # Ray sends it to the first that accepts: almost always this one
             self._note_sent(pending_request, order[0], route, now)
+            noted = getattr(self.policy, "routed", None)
+            if noted is not None:
+                noted(req, next(s for s in stats if s.replica_id == order[0]))
         return ranked
 
     def _note_sent(self, pending_request, rid: str, route: dict, now: float) -> None:
