@@ -88,7 +88,7 @@ def test_class_balance_spreads_strict_requests_on_their_own_and_relaxed_by_queue
     strict request would go to "a"."""
     a = replica("a", tpot=20.0, running={"interactive": 4})
     b = replica("b", tpot=20.0, running={"interactive": 1, "batch": 5})
-    r = make_router("slo")
+    r = make_router("slo:balance=class")
     assert r.rank(request(), [a, b]) == ["b", "a"]
     assert r.rank(request(), [b, a]) == ["b", "a"]
     assert r.rank(request("batch"), [a, b]) == ["a", "b"]
@@ -103,6 +103,28 @@ def test_class_balance_spreads_strict_requests_on_their_own_and_relaxed_by_queue
     assert r.rank(request(), [c, d]) == ["d", "c"]
 
 
+def test_in_overload_the_default_router_balances_by_class_not_by_slack():
+    """No replica keeps the interactive class within its aim (27 ms): "a" predicts less
+    (40 ms) but runs 10 strict requests; "b" 45 ms with 2 strict and 10 batch. The
+    slack says "a"; the default router sends the strict request to "b" (the fewest
+    strict requests) and a relaxed one to "a" (the shorter queue). While a replica stays
+    feasible, it comes first by slack whatever its strict requests."""
+    a = replica("a", tpot=40.0, running={"interactive": 10})
+    b = replica("b", tpot=45.0, running={"interactive": 2, "batch": 10})
+    r = make_router("slo")
+    assert not any(r.outlook(request(), s).feasible for s in (a, b))
+    assert r.rank(request(), [a, b]) == ["b", "a"]
+    assert r.rank(request("chat"), [b, a]) == ["a", "b"]
+    assert SloRouter(balance="slack").rank(request(), [a, b]) == ["a", "b"]
+    assert make_router("p2c").rank(request(), [a, b])[0] == "a"
+    # a feasible replica first, by slack, though it runs the most strict requests
+    ok = replica("ok", tpot=15.0, running={"interactive": 12})
+    quiet = replica("quiet", tpot=18.0, running={"interactive": 3})
+    assert r.outlook(request(), ok).feasible and r.outlook(request(), quiet).feasible
+    assert r.rank(request(), [a, quiet, b, ok]) == ["ok", "quiet", "b", "a"]
+    assert make_router("slo:balance=class").rank(request(), [a, quiet, b, ok])[0] == "b"
+
+
 def test_class_balance_puts_a_replica_whose_kv_cannot_hold_the_request_last():
     full = replica("full", kv_free=0.01, kv_total_tokens=10000)
     busy = replica("busy", tpot=25.0, running={"interactive": 6}, kv_total_tokens=10000)
@@ -111,7 +133,7 @@ def test_class_balance_puts_a_replica_whose_kv_cannot_hold_the_request_last():
 
 def test_ranking_changes_nothing_until_the_caller_reports_where_it_went():
     a, b = replica("a"), replica("b")
-    for mode in ("class", "slack"):
+    for mode in ("hybrid", "class", "slack"):
         r = SloRouter(balance=mode)
         for _ in range(20):
             r.rank(request("batch", prompt=4000), [a, b])
@@ -269,7 +291,7 @@ def test_round_robin_takes_replicas_in_turn_whatever_their_load():
         ("slo:margin=x", "must be a number"),
         ("slo:margin=1.5", "margin and pack_slack must be in [0, 1)"),
         ("slo:relaxed=nowhere", "relaxed must be apart, pack or spread"),
-        ("slo:balance=queue", "balance must be class or slack"),
+        ("slo:balance=queue", "balance must be hybrid, class or slack"),
         ("slo:relaxed=pack", "need balance=slack"),
         ("slo:depth=3", "unknown router option 'depth=3'"),
     ],

@@ -8,17 +8,7 @@ on the stats the replicas report).
 
 Routers (``make_router``):
 
-* ``slo``: class-aware balancing by default (``balance=class``): a strict request (rank
-  0) goes to the replica with the fewest strict requests (running + waiting), then the
-  shortest queue; a relaxed one to the shortest queue, then the fewest strict requests;
-  a replica whose KV cannot hold the request comes last, and the SLO slack below breaks
-  the remaining ties. Strict decoders are what a pass is sized for (each needs a deep
-  tree inside its tight TPOT; a relaxed decoder can take one token a pass), so they are
-  spread evenly on their own, while relaxed work fills the replicas by queue length
-  (docs/results/scale-out-sim.md).
-
-  ``balance=slack`` (the earlier rule) predicts, for each replica, the TPOT its classes
-  and the request would get
+* ``slo``: predicts, for each replica, the TPOT its classes and the request would get
   with the request added, and whether the request's TTFT stays reachable behind the
   prefill queued ahead of it. The prediction is a load model priced by the replica's
   hardware model (``replica_stats``: every request drafting and verifying a reference
@@ -26,11 +16,23 @@ Routers (``make_router``):
   prefill), stretched by the share of the replica's time that prefill of the prompts
   the router sent it takes (``SloRouter.prefill_share``). A replica is *feasible* when
   every class there, and the request, stays within its TPOT target less ``margin`` and
-  the TTFT is reachable; slack is the smallest margin left. Strict requests (rank 0) go
-  to the replica with the most slack; relaxed ones too by default (``relaxed=spread``),
-  or packed onto the feasible replica with the least slack (``relaxed=pack``), or onto
-  the feasible replica with the fewest strict requests (``relaxed=apart``). When no
-  replica is feasible: the most slack.
+  the TTFT is reachable; slack is the smallest margin left.
+
+  By default (``balance=hybrid``) the feasible replicas come first, the most slack
+  first; after them (and when none is feasible, as in a burst) the others by
+  *class-aware balancing*: a strict request (rank 0) to the replica with the fewest
+  strict requests (running + waiting), then the shortest queue; a relaxed one to the
+  shortest queue, then the fewest strict requests; a replica whose KV cannot hold the
+  request last, the slack breaking the remaining ties. Strict decoders are what a pass
+  is sized for (each needs a deep tree inside its tight TPOT, a relaxed one can take a
+  token a pass), so in overload they are spread evenly on their own while relaxed work
+  fills the replicas by queue length; the predicted slack, which ranks well while
+  targets are reachable, says little once none is (docs/results/scale-out-sim.md).
+  ``balance=class``: class-aware balancing alone. ``balance=slack``: the earlier rule,
+  the most slack throughout; strict requests (rank 0) to the most slack, relaxed ones
+  too (``relaxed=spread``), or packed onto the feasible replica with the least slack
+  (``relaxed=pack``), or onto the feasible replica with the fewest strict requests
+  (``relaxed=apart``).
 
   ``rank`` only ranks; the caller reports the replica the request went to with
   ``routed`` (the prefill rate that the slack prices is kept from those reports).
@@ -240,14 +242,16 @@ class Outlook:
 class SloRouter:
     """The SLO-aware router (module docstring).
 
-    balance:    "class" (default): strict requests to the fewest strict requests, then
-                the shortest queue; relaxed ones to the shortest queue, then the fewest
-                strict (KV that cannot hold it last; ties: the most slack). "slack":
-                the earlier rule, by the predicted slack below (and ``relaxed``)
+    balance:    "hybrid" (default): the feasible replicas by slack, then the others by
+                class-aware balancing (strict requests to the fewest strict requests,
+                then the shortest queue; relaxed ones to the shortest queue, then the
+                fewest strict; KV that cannot hold it last; ties: the most slack).
+                "class": class-aware balancing alone. "slack": the most slack
+                throughout (the earlier rule, with ``relaxed``)
     margin:     the fraction of each TPOT target predictions must stay below
     pack_slack: the slack a relaxed request must leave on the replica it goes to
-    relaxed:    where relaxed requests go: "spread" (default) the most slack, like
-                strict ones; or, among the replicas that stay feasible with
+    relaxed:    with ``balance=slack``, where relaxed requests go: "spread" (default)
+                the most slack, like strict ones; or, among the replicas that stay feasible with
                 ``pack_slack`` to spare, "pack" the least slack (bin packing: relaxed
                 work fills the room strict work leaves) or "apart" the fewest strict
                 requests, then the least slack (relaxed work and its long prompts
@@ -261,7 +265,7 @@ class SloRouter:
     pack_slack: float = 0.1
     relaxed: str = "spread"
     prefill_tau_s: float = 10.0
-    balance: str = "class"
+    balance: str = "hybrid"
     name: str = "slo"
     _rate: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -272,9 +276,9 @@ class SloRouter:
             raise ValueError("slo router: relaxed must be apart, pack or spread")
         if not self.prefill_tau_s > 0:
             raise ValueError("slo router: prefill_tau_s must be positive")
-        if self.balance not in ("class", "slack"):
-            raise ValueError("slo router: balance must be class or slack")
-        if self.balance == "class" and self.relaxed != "spread":
+        if self.balance not in ("hybrid", "class", "slack"):
+            raise ValueError("slo router: balance must be hybrid, class or slack")
+        if self.balance != "slack" and self.relaxed != "spread":
             raise ValueError("slo router: relaxed=apart and relaxed=pack need balance=slack")
 
     def prefill_share(self, s: ReplicaStats, extra_tokens: int = 0) -> float:
@@ -335,7 +339,9 @@ class SloRouter:
         outs = [self.outlook(req, s) for s in replicas]
         order = list(range(len(outs)))
         most_slack = sorted(order, key=lambda i: (-outs[i].slack, i))
-        if self.balance == "class":
+        if self.balance != "slack":
+            # class-aware balancing: strict requests by the strict requests there,
+            # relaxed ones by queue length; KV that cannot hold the request last
             strict = [_strict_load(s) for s in replicas]
             queue = [s.queue_len for s in replicas]
             first, second = (strict, queue) if req.rank == 0 else (queue, strict)
@@ -343,6 +349,9 @@ class SloRouter:
                 order,
                 key=lambda i: (not outs[i].kv_fits, first[i], second[i], -outs[i].slack, i),
             )
+            if self.balance == "hybrid":  # the feasible replicas first, by slack
+                fit = [i for i in most_slack if outs[i].feasible]
+                ranked = fit + [i for i in ranked if i not in fit]
         elif req.rank == 0 or self.relaxed == "spread":
             ranked = most_slack
         else:
