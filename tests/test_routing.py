@@ -123,6 +123,12 @@ def test_in_overload_the_default_router_balances_by_class_not_by_slack():
     assert r.outlook(request(), ok).feasible and r.outlook(request(), quiet).feasible
     assert r.rank(request(), [a, quiet, b, ok]) == ["ok", "quiet", "b", "a"]
     assert make_router("slo:balance=class").rank(request(), [a, quiet, b, ok])[0] == "b"
+    # feasible replicas with the same slack: the class-aware balancing decides
+    even = replica("even", tpot=20.0, running={"interactive": 4})
+    mixed = replica("mixed", tpot=20.0, running={"interactive": 1, "batch": 5})
+    assert r.outlook(request(), even).slack == r.outlook(request(), mixed).slack
+    assert r.rank(request(), [even, mixed]) == ["mixed", "even"]
+    assert r.rank(request("batch"), [mixed, even]) == ["even", "mixed"]
 
 
 def test_class_balance_puts_a_replica_whose_kv_cannot_hold_the_request_last():

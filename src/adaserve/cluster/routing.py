@@ -19,7 +19,7 @@ Routers (``make_router``):
   the TTFT is reachable; slack is the smallest margin left.
 
   By default (``balance=hybrid``) the feasible replicas come first, the most slack
-  first; after them (and when none is feasible, as in a burst) the others by
+  first (ties: by the balancing below); after them (and when none is feasible, as in a burst) the others by
   *class-aware balancing*: a strict request (rank 0) to the replica with the fewest
   strict requests (running + waiting), then the shortest queue; a relaxed one to the
   shortest queue, then the fewest strict requests; a replica whose KV cannot hold the
@@ -242,17 +242,18 @@ class Outlook:
 class SloRouter:
     """The SLO-aware router (module docstring).
 
-    balance:    "hybrid" (default): the feasible replicas by slack, then the others by
-                class-aware balancing (strict requests to the fewest strict requests,
-                then the shortest queue; relaxed ones to the shortest queue, then the
-                fewest strict; KV that cannot hold it last; ties: the most slack).
+    balance:    "hybrid" (default): the feasible replicas by slack (ties: as below),
+                then the others by class-aware balancing (strict requests to the
+                fewest strict requests, then the shortest queue; relaxed ones to the
+                shortest queue, then the fewest strict; KV that cannot hold it last;
+                ties: the most slack).
                 "class": class-aware balancing alone. "slack": the most slack
                 throughout (the earlier rule, with ``relaxed``)
     margin:     the fraction of each TPOT target predictions must stay below
     pack_slack: the slack a relaxed request must leave on the replica it goes to
     relaxed:    with ``balance=slack``, where relaxed requests go: "spread" (default)
-                the most slack, like strict ones; or, among the replicas that stay feasible with
-                ``pack_slack`` to spare, "pack" the least slack (bin packing: relaxed
+                the most slack, like strict ones; or, among the replicas that stay
+                feasible with ``pack_slack`` to spare, "pack" the least slack (bin packing: relaxed
                 work fills the room strict work leaves) or "apart" the fewest strict
                 requests, then the least slack (relaxed work and its long prompts
                 gather where strict work is not). On the reference workload at 8
@@ -350,7 +351,10 @@ class SloRouter:
                 key=lambda i: (not outs[i].kv_fits, first[i], second[i], -outs[i].slack, i),
             )
             if self.balance == "hybrid":  # the feasible replicas first, by slack
-                fit = [i for i in most_slack if outs[i].feasible]
+                fit = sorted(
+                    (i for i in order if outs[i].feasible),
+                    key=lambda i: (-outs[i].slack, first[i], second[i], i),
+                )
                 ranked = fit + [i for i in ranked if i not in fit]
         elif req.rank == 0 or self.relaxed == "spread":
             ranked = most_slack
