@@ -484,11 +484,11 @@ def _stats(rid: str, at_s: float = 0.0) -> dict:
 def test_router_adapter_spreads_a_burst_between_reports():
     """Between two reports the adapter adds what it has sent (``with_routed``), so a
     burst alternates between two idle replicas (strict and relaxed alike with the
-    default router), while ``relaxed=pack`` packs relaxed requests onto one."""
+    default router), while ``balance=slack:relaxed=pack`` packs relaxed requests onto one."""
     for spec, cls, spread in (
         ("slo", "interactive", True),
         ("slo", "chat", True),
-        ("slo:relaxed=pack", "chat", False),
+        ("slo:balance=slack:relaxed=pack", "chat", False),
     ):
         policy = make_router(spec)
         stats = [stats_of(r, _stats(r), 0.0) for r in ("r0", "r1")]

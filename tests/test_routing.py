@@ -80,26 +80,100 @@ def test_strict_requests_take_the_replica_with_the_most_strict_headroom():
     assert make_router("slo").rank(request(), [a, b, c]) == ["b", "c", "a"]
 
 
+def test_class_balance_spreads_strict_requests_on_their_own_and_relaxed_by_queue():
+    """Two replicas whose load model predicts the same TPOT: "a" runs 4 strict requests,
+    "b" 1 strict and 5 batch. A strict request goes to "b" (fewest strict requests:
+    strict decoders are what each pass is sized for), though its queue is longer; a
+    relaxed one goes to "a" (the shorter queue). By queue length or by slack alone the
+    strict request would go to "a"."""
+    a = replica("a", tpot=20.0, running={"interactive": 4})
+    b = replica("b", tpot=20.0, running={"interactive": 1, "batch": 5})
+    r = make_router("slo:balance=class")
+    assert r.rank(request(), [a, b]) == ["b", "a"]
+    assert r.rank(request(), [b, a]) == ["b", "a"]
+    assert r.rank(request("batch"), [a, b]) == ["a", "b"]
+    assert r.rank(request("chat"), [b, a]) == ["a", "b"]
+    # the earlier rules send the strict request to "a"
+    assert SloRouter(balance="slack").rank(request(), [a, b])[0] == "a"
+    assert make_router("p2c").rank(request(), [a, b])[0] == "a"
+    # ties on strict requests: the shorter queue; then the most slack
+    c = replica("c", tpot=20.0, running={"interactive": 1, "batch": 2})
+    d = replica("d", tpot=12.0, running={"interactive": 1, "batch": 2})
+    assert r.rank(request(), [a, b, c]) == ["c", "b", "a"]
+    assert r.rank(request(), [c, d]) == ["d", "c"]
+
+
+def test_in_overload_the_default_router_balances_by_class_not_by_slack():
+    """No replica keeps the interactive class within its aim (27 ms): "a" predicts less
+    (40 ms) but runs 10 strict requests; "b" 45 ms with 2 strict and 10 batch. The
+    slack says "a"; the default router sends the strict request to "b" (the fewest
+    strict requests) and a relaxed one to "a" (the shorter queue). While a replica stays
+    feasible, it comes first by slack whatever its strict requests."""
+    a = replica("a", tpot=40.0, running={"interactive": 10})
+    b = replica("b", tpot=45.0, running={"interactive": 2, "batch": 10})
+    r = make_router("slo")
+    assert not any(r.outlook(request(), s).feasible for s in (a, b))
+    assert r.rank(request(), [a, b]) == ["b", "a"]
+    assert r.rank(request("chat"), [b, a]) == ["a", "b"]
+    assert SloRouter(balance="slack").rank(request(), [a, b]) == ["a", "b"]
+    assert make_router("p2c").rank(request(), [a, b])[0] == "a"
+    # a feasible replica first, by slack, though it runs the most strict requests
+    ok = replica("ok", tpot=15.0, running={"interactive": 12})
+    quiet = replica("quiet", tpot=18.0, running={"interactive": 3})
+    assert r.outlook(request(), ok).feasible and r.outlook(request(), quiet).feasible
+    assert r.rank(request(), [a, quiet, b, ok]) == ["ok", "quiet", "b", "a"]
+    assert make_router("slo:balance=class").rank(request(), [a, quiet, b, ok])[0] == "b"
+    # feasible replicas with the same slack: the class-aware balancing decides
+    even = replica("even", tpot=20.0, running={"interactive": 4})
+    mixed = replica("mixed", tpot=20.0, running={"interactive": 1, "batch": 5})
+    assert r.outlook(request(), even).slack == r.outlook(request(), mixed).slack
+    assert r.rank(request(), [even, mixed]) == ["mixed", "even"]
+    assert r.rank(request("batch"), [mixed, even]) == ["even", "mixed"]
+
+
+def test_class_balance_puts_a_replica_whose_kv_cannot_hold_the_request_last():
+    full = replica("full", kv_free=0.01, kv_total_tokens=10000)
+    busy = replica("busy", tpot=25.0, running={"interactive": 6}, kv_total_tokens=10000)
+    assert make_router("slo").rank(request(prompt=400, out=400), [full, busy]) == ["busy", "full"]
+
+
+def test_ranking_changes_nothing_until_the_caller_reports_where_it_went():
+    a, b = replica("a"), replica("b")
+    for mode in ("hybrid", "class", "slack"):
+        r = SloRouter(balance=mode)
+        for _ in range(20):
+            r.rank(request("batch", prompt=4000), [a, b])
+        assert r.prefill_share(a) == 0.0 == r.prefill_share(b)
+        r.routed(request("batch", prompt=4000), b)
+        assert r.prefill_share(b) > 0.0 == r.prefill_share(a)
+
+
 def test_relaxed_work_packs_onto_the_feasible_replica_with_the_least_slack():
     busy = replica("busy", tpot=30.0, running={"batch": 8, "chat": 4})
     idle = replica("idle")
     full = replica("full", tpot=44.0, running={"chat": 30})  # chat at its 45 ms aim
-    r = SloRouter(relaxed="pack")
+    r = SloRouter(balance="slack", relaxed="pack")
     assert r.outlook(request("chat"), busy).slack < r.outlook(request("chat"), idle).slack
     assert not r.outlook(request("chat"), full).feasible
     assert r.rank(request("chat"), [idle, full, busy])[0] == "busy"
     # the strict request goes the other way: to the idle replica
     assert r.rank(request(), [idle, full, busy])[0] == "idle"
     # spread: relaxed work takes the most slack too
-    assert SloRouter(relaxed="spread").rank(request("chat"), [full, busy, idle])[0] == "idle"
+    assert (
+        SloRouter(balance="slack", relaxed="spread").rank(request("chat"), [full, busy, idle])[0]
+        == "idle"
+    )
 
 
 def test_relaxed_work_apart_goes_where_strict_work_is_not():
     strict = replica("strict", tpot=8.0, running={"interactive": 10})  # slack 0.67
     relaxed = replica("relaxed", tpot=60.0, running={"batch": 30})  # slack 0.55
-    apart = SloRouter(relaxed="apart")
+    apart = SloRouter(balance="slack", relaxed="apart")
     assert apart.rank(request("batch"), [strict, relaxed])[0] == "relaxed"
-    assert SloRouter(relaxed="spread").rank(request("batch"), [strict, relaxed])[0] == "strict"
+    assert (
+        SloRouter(balance="slack", relaxed="spread").rank(request("batch"), [strict, relaxed])[0]
+        == "strict"
+    )
 
 
 @pytest.mark.parametrize("mode", ["apart", "pack", "spread"])
@@ -107,14 +181,16 @@ def test_relaxed_work_keeps_off_a_replica_it_would_push_strict_past_its_target(m
     # chat alone would fit (45 ms aim), but the interactive class there is at its aim
     tight = replica("tight", tpot=26.5, running={"interactive": 9, "chat": 3})
     loose = replica("loose", tpot=12.0, running={"interactive": 12})
-    assert SloRouter(relaxed=mode).rank(request("chat"), [tight, loose])[0] == "loose"
+    assert (
+        SloRouter(balance="slack", relaxed=mode).rank(request("chat"), [tight, loose])[0] == "loose"
+    )
 
 
 def test_ttft_unreachable_behind_a_long_prefill_queue_is_infeasible():
     # 40 chunks of strict prefill ahead at ~62 ms a chunk pass: past the 2 s TTFT
     queued = replica("queued", prefill={"interactive": 40 * 256})
     free = replica("free", tpot=20.0, running={"interactive": 5})
-    r = SloRouter()
+    r = SloRouter(balance="slack")
     assert not r.outlook(request(), queued).feasible
     assert r.rank(request(), [queued, free])[0] == "free"
     # relaxed prefill queued there does not delay a strict request (it runs first)...
@@ -130,8 +206,11 @@ def test_the_prefill_the_router_sent_a_replica_keeps_strict_requests_off_it():
     """Two replicas alike; long prompts sent to one make its passes longer (prefill
     takes a share of its time), so the next strict request goes to the other."""
     a, b = replica("a", tpot=20.0), replica("b", tpot=20.0)
-    r = SloRouter()
-    assert r.rank(request("batch", prompt=4000), [a, b])[0] == "a"  # a tie: the first
+    r = SloRouter(balance="slack")
+    big = request("batch", prompt=4000)
+    assert r.rank(big, [a, b])[0] == "a"  # a tie: the first
+    assert r.prefill_share(a) == 0.0  # ranking alone changes nothing...
+    r.routed(big, a)  # ...the caller tells where it went
     assert r.prefill_share(a) > 0.0 == r.prefill_share(b)
     assert r.rank(request(), [a, b])[0] == "b"
     # the rate decays: long after, the replicas look alike again
@@ -143,8 +222,9 @@ def test_when_no_replica_stays_feasible_the_one_with_the_most_slack_comes_first(
     a = replica("a", tpot=52.0, running={"interactive": 30})
     b = replica("b", tpot=46.0, running={"interactive": 30})
     c = replica("c", tpot=49.0, running={"interactive": 30})
-    for mode in ("apart", "pack", "spread"):
-        r = SloRouter(relaxed=mode)
+    for r in [SloRouter()] + [
+        SloRouter(balance="slack", relaxed=m) for m in ("apart", "pack", "spread")
+    ]:
         for req in (request(), request("chat")):
             assert not any(r.outlook(req, s).feasible for s in (a, b, c))
         assert r.rank(request(), [a, b, c]) == ["b", "c", "a"]
@@ -217,6 +297,8 @@ def test_round_robin_takes_replicas_in_turn_whatever_their_load():
         ("slo:margin=x", "must be a number"),
         ("slo:margin=1.5", "margin and pack_slack must be in [0, 1)"),
         ("slo:relaxed=nowhere", "relaxed must be apart, pack or spread"),
+        ("slo:balance=queue", "balance must be hybrid, class or slack"),
+        ("slo:relaxed=pack", "need balance=slack"),
         ("slo:depth=3", "unknown router option 'depth=3'"),
     ],
 )

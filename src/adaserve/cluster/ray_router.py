@@ -103,10 +103,14 @@ class AdaServeRequestRouter(RequestRouter):
         self.decisions += 1
         ranked = [[by_id[rid]] for rid in order if rid in by_id]
         if ranked:  # Ray sends it to the first that accepts: almost always this one
-            self._note_sent(pending_request, order[0], route, now)
+            first = self._note_sent(pending_request, order[0], route, now)
+            noted = getattr(self.policy, "routed", None)
+            if noted is not None and first:  # the router's own record (once a request)
+                noted(req, next(s for s in stats if s.replica_id == order[0]))
         return ranked
 
-    def _note_sent(self, pending_request, rid: str, route: dict, now: float) -> None:
+    def _note_sent(self, pending_request, rid: str, route: dict, now: float) -> bool:
+        """Count the request as sent to ``rid``; True the first time it is chosen."""
         key = getattr(pending_request.metadata, "internal_request_id", None) or id(pending_request)
         prev = self._chosen.pop(key, None)
         if prev is not None:  # chosen again (the first choice refused it): move it
@@ -122,6 +126,7 @@ class AdaServeRequestRouter(RequestRouter):
             old = next(iter(self._chosen))
             self._chosen.pop(old)
             self._entries.pop(old, None)
+        return prev is None
 
     def _with_sent(self, rid: str, reported: dict | None, now: float) -> ReplicaStats:
         s = stats_of(rid, reported, now)

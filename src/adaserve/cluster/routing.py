@@ -16,11 +16,26 @@ Routers (``make_router``):
   prefill), stretched by the share of the replica's time that prefill of the prompts
   the router sent it takes (``SloRouter.prefill_share``). A replica is *feasible* when
   every class there, and the request, stays within its TPOT target less ``margin`` and
-  the TTFT is reachable; slack is the smallest margin left. Strict requests (rank 0) go
-  to the replica with the most slack; relaxed ones too by default (``relaxed=spread``),
-  or packed onto the feasible replica with the least slack (``relaxed=pack``), or onto
-  the feasible replica with the fewest strict requests (``relaxed=apart``). When no
-  replica is feasible: the most slack.
+  the TTFT is reachable; slack is the smallest margin left.
+
+  By default (``balance=hybrid``) the feasible replicas come first, the most slack
+  first (ties: by the balancing below); after them (and when none is feasible, as in a burst) the others by
+  *class-aware balancing*: a strict request (rank 0) to the replica with the fewest
+  strict requests (running + waiting), then the shortest queue; a relaxed one to the
+  shortest queue, then the fewest strict requests; a replica whose KV cannot hold the
+  request last, the slack breaking the remaining ties. Strict decoders are what a pass
+  is sized for (each needs a deep tree inside its tight TPOT, a relaxed one can take a
+  token a pass), so in overload they are spread evenly on their own while relaxed work
+  fills the replicas by queue length; the predicted slack, which ranks well while
+  targets are reachable, says little once none is (docs/results/scale-out-sim.md).
+  ``balance=class``: class-aware balancing alone. ``balance=slack``: the earlier rule,
+  the most slack throughout; strict requests (rank 0) to the most slack, relaxed ones
+  too (``relaxed=spread``), or packed onto the feasible replica with the least slack
+  (``relaxed=pack``), or onto the feasible replica with the fewest strict requests
+  (``relaxed=apart``).
+
+  ``rank`` only ranks; the caller reports the replica the request went to with
+  ``routed`` (the prefill rate that the slack prices is kept from those reports).
 * ``p2c``: Ray Serve's power of two choices: two replicas drawn at random (seeded), the
   one with the shorter queue (running + waiting) first.
 * ``rr``: round robin.
@@ -159,6 +174,10 @@ class Router(Protocol):
         """replica ids, best first (a caller takes the first that accepts)."""
         ...
 
+    def routed(self, req: RouteRequest, s: ReplicaStats) -> None:
+        """``req`` went to replica ``s`` (the caller tells, once it is placed)."""
+        ...
+
 
 # ---------------------------------------------------------------------- baselines
 @dataclass
@@ -175,6 +194,9 @@ class RoundRobinRouter:
         k = self._next % len(ids)
         self._next += 1
         return ids[k:] + ids[:k]
+
+    def routed(self, req: RouteRequest, s: ReplicaStats) -> None:
+        """Nothing to keep."""
 
 
 @dataclass
@@ -200,6 +222,9 @@ class PowerOfTwoRouter:
         )
         return [replicas[i].replica_id for i in two + rest]
 
+    def routed(self, req: RouteRequest, s: ReplicaStats) -> None:
+        """Nothing to keep."""
+
 
 # ---------------------------------------------------------------------- SLO-aware
 @dataclass(frozen=True)
@@ -210,17 +235,25 @@ class Outlook:
     feasible: bool
     slack: float  # the smallest slack over the classes served and the request's TTFT
     pass_ms: float  # the replica's pass time (``ReplicaStats.pass_ms``) plus what it adds
+    kv_fits: bool = True  # the replica's free KV holds the request's prompt and output
 
 
 @dataclass
 class SloRouter:
     """The SLO-aware router (module docstring).
 
+    balance:    "hybrid" (default): the feasible replicas by slack (ties: as below),
+                then the others by class-aware balancing (strict requests to the
+                fewest strict requests, then the shortest queue; relaxed ones to the
+                shortest queue, then the fewest strict; KV that cannot hold it last;
+                ties: the most slack).
+                "class": class-aware balancing alone. "slack": the most slack
+                throughout (the earlier rule, with ``relaxed``)
     margin:     the fraction of each TPOT target predictions must stay below
     pack_slack: the slack a relaxed request must leave on the replica it goes to
-    relaxed:    where relaxed requests go: "spread" (default) the most slack, like
-                strict ones; or, among the replicas that stay feasible with
-                ``pack_slack`` to spare, "pack" the least slack (bin packing: relaxed
+    relaxed:    with ``balance=slack``, where relaxed requests go: "spread" (default)
+                the most slack, like strict ones; or, among the replicas that stay
+                feasible with ``pack_slack`` to spare, "pack" the least slack (bin packing: relaxed
                 work fills the room strict work leaves) or "apart" the fewest strict
                 requests, then the least slack (relaxed work and its long prompts
                 gather where strict work is not). On the reference workload at 8
@@ -233,6 +266,7 @@ class SloRouter:
     pack_slack: float = 0.1
     relaxed: str = "spread"
     prefill_tau_s: float = 10.0
+    balance: str = "hybrid"
     name: str = "slo"
     _rate: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -243,6 +277,10 @@ class SloRouter:
             raise ValueError("slo router: relaxed must be apart, pack or spread")
         if not self.prefill_tau_s > 0:
             raise ValueError("slo router: prefill_tau_s must be positive")
+        if self.balance not in ("hybrid", "class", "slack"):
+            raise ValueError("slo router: balance must be hybrid, class or slack")
+        if self.balance != "slack" and self.relaxed != "spread":
+            raise ValueError("slo router: relaxed=apart and relaxed=pack need balance=slack")
 
     def prefill_share(self, s: ReplicaStats, extra_tokens: int = 0) -> float:
         """The share of ``s``'s time its prefill takes: the prompt tokens per second the
@@ -254,7 +292,8 @@ class SloRouter:
         return min(rate * s.ms_per_token / 1000.0, 0.9)
 
     def routed(self, req: RouteRequest, s: ReplicaStats) -> None:
-        """Count ``req``'s prompt into the prefill rate of the replica it went to."""
+        """Count ``req``'s prompt into the prefill rate of the replica it went to (the
+        caller tells once it is placed: ``rank`` changes nothing)."""
         rate, t = self._rate.get(s.replica_id, (0.0, s.at_s))
         rate *= math.exp(-max(s.at_s - t, 0.0) / self.prefill_tau_s)
         self._rate[s.replica_id] = (rate + req.prompt_tokens / self.prefill_tau_s, s.at_s)
@@ -287,19 +326,37 @@ class SloRouter:
             ttft += pass_ms * (s.waiting + 1) * 8
         if math.isfinite(req.ttft_ms):
             slack = min(slack, 1.0 - ttft / req.ttft_ms)
+        kv_fits = True
         if s.kv_total_tokens > 0:
             kv_need = (req.prompt_tokens + req.max_tokens) / s.kv_total_tokens
             slack = min(slack, s.kv_free_fraction - kv_need)
+            kv_fits = s.kv_free_fraction >= kv_need
         if math.isinf(slack):
             slack = 1.0
         added = max(after - now, 0.0) * s.gained_per_pass
-        return Outlook(s.replica_id, slack >= 0.0, slack, s.pass_ms + added)
+        return Outlook(s.replica_id, slack >= 0.0, slack, s.pass_ms + added, kv_fits)
 
     def rank(self, req: RouteRequest, replicas: Sequence[ReplicaStats]) -> list[str]:
         outs = [self.outlook(req, s) for s in replicas]
         order = list(range(len(outs)))
         most_slack = sorted(order, key=lambda i: (-outs[i].slack, i))
-        if req.rank == 0 or self.relaxed == "spread":
+        if self.balance != "slack":
+            # class-aware balancing: strict requests by the strict requests there,
+            # relaxed ones by queue length; KV that cannot hold the request last
+            strict = [_strict_load(s) for s in replicas]
+            queue = [s.queue_len for s in replicas]
+            first, second = (strict, queue) if req.rank == 0 else (queue, strict)
+            ranked = sorted(
+                order,
+                key=lambda i: (not outs[i].kv_fits, first[i], second[i], -outs[i].slack, i),
+            )
+            if self.balance == "hybrid":  # the feasible replicas first, by slack
+                fit = sorted(
+                    (i for i in order if outs[i].feasible),
+                    key=lambda i: (-outs[i].slack, first[i], second[i], i),
+                )
+                ranked = fit + [i for i in ranked if i not in fit]
+        elif req.rank == 0 or self.relaxed == "spread":
             ranked = most_slack
         else:
             fit = [i for i in order if outs[i].feasible and outs[i].slack >= self.pack_slack]
@@ -308,8 +365,6 @@ class SloRouter:
             else:
                 fit.sort(key=lambda i: (outs[i].slack, i))
             ranked = fit + [i for i in most_slack if i not in fit]
-        if ranked:
-            self.routed(req, replicas[ranked[0]])
         return [outs[i].replica_id for i in ranked]
 
 
@@ -359,16 +414,20 @@ def with_routed(s: ReplicaStats, req: RouteRequest) -> ReplicaStats:
 
 def make_router(spec: str, seed: int = 0) -> Router:
     """The router called ``spec``: "slo", "p2c" or "rr" (``slo`` takes options:
-    ``slo:margin=0.1:pack_slack=0.1``). ValueError on anything else."""
+    ``slo:balance=slack:margin=0.1:pack_slack=0.1``). ValueError on anything else."""
     if not isinstance(spec, str):
         raise ValueError(f"router must be a string, one of {', '.join(ROUTERS)}")
     head, *opts = spec.strip().split(":")
     kwargs: dict[str, float | str] = {}
     for o in opts:
         k, eq, v = o.partition("=")
-        if head != "slo" or not eq or k not in ("margin", "pack_slack", "relaxed", "prefill_tau_s"):
+        if (
+            head != "slo"
+            or not eq
+            or k not in ("margin", "pack_slack", "relaxed", "prefill_tau_s", "balance")
+        ):
             raise ValueError(f"unknown router option {o!r} in {spec!r}")
-        if k == "relaxed":
+        if k in ("relaxed", "balance"):
             kwargs[k] = v
             continue
         try:

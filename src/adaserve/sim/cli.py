@@ -136,7 +136,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--router",
         default=None,
-        help="the router with --replicas: slo (SLO headroom), p2c (power of two choices) "
+        help="the router with --replicas: slo (SLO headroom, then class-aware balancing; "
+        "options slo:balance=class|slack:margin=M), p2c (power of two choices) "
         "or rr (round robin); default slo",
     )
     c.add_argument(

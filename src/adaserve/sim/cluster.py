@@ -11,7 +11,8 @@ replica's ``replica_stats``:
   refreshes the router adds what it has itself sent to each replica
   (``routing.with_routed``), as a real router counts its requests in flight;
 * the request goes to the first replica of the router's ranking that admits it (a
-  replica sheds only with ``--admission``); shed everywhere, it fails as shed.
+  replica sheds only with ``--admission``); shed everywhere, it fails as shed. The
+  router is told where it went (``Router.routed``; ranking alone changes nothing).
 
 Events run in time order: an arrival at or before a replica's next pass start joins
 before that pass (as in the single replica's loop), so one replica with any router
@@ -98,6 +99,7 @@ def run_cluster(
     # replicas with work, by the time their next pass starts (ties: replica order)
     ready: list[tuple[float, int]] = []
     busy = [False] * len(reps)
+    noted = getattr(router, "routed", None)
     i, n = 0, len(items)
     while True:
         t_next = ready[0][0] if ready else float("inf")
@@ -121,6 +123,8 @@ def run_cluster(
                 except AdaServeError as e:
                     err, shed = str(e), False
                     break
+                if noted is not None:  # the router's own record of where it went
+                    noted(req, stats[k])
                 stats[k] = with_routed(stats[k], req)
                 routed[k] += 1
                 if not busy[k]:
