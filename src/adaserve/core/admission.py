@@ -6,13 +6,15 @@ Every class gets its own decision (not only the strictest):
 * **queue**: the waiting queue is bounded (``max_waiting``);
 * **decode pace**: with the new request the batch holds ``N`` requests (every running
   and queued one, up to ``max_num_seqs``); a pass over them is predicted from the
-  hardware model at the measured tree size per request and prefill per pass, scaled
-  by the measured/predicted pass time (the median of the recent passes). Each class
-  ``c`` at or above the new one's strictness must still be on pace:
-  ``pass_ms(N) / tokens_per_pass(c) <= bar(c) * tpot(c)``, with ``tokens_per_pass(c)``
-  the accepted tokens per pass measured for the class (1 until measured). The
-  prediction is of the load after admitting, so it never goes stale: a class nothing
-  has measured lately is judged like any other. ``bar(c)`` starts at
+  hardware model at the measured tree size per request and prefill per pass. Each
+  class ``c`` at or above the new one's strictness must still be on pace:
+  ``pace(c, N) <= bar(c) * tpot(c)``. ``pace(c, N)`` is the class's measured ms per
+  pass over its tokens per pass, scaled by the model's pass at ``N`` over its pass at
+  the batch the class was measured at; a class not measured within ``PACE_FRESH_S``
+  (or never: a server just started) gets the model's pass at ``N`` scaled by the
+  measured/predicted time of every recent pass, over its tokens per pass (1 until
+  measured). So there is always a prediction for the load after admitting: nothing
+  is admitted blind, nor refused on a stale measurement. ``bar(c)`` starts at
   ``1 + PACE_TOLERANCE`` and is learnt from the class's own requests: each that
   misses its TPOT target lowers it, each that meets it raises it a little, so that
   about ``PACE_MISS_GOAL`` of them miss. The prediction is of the mean pace; where
@@ -64,6 +66,9 @@ PACE_TOLERANCE = 0.05
 # a request is admitted only when its predicted first token leaves this share of its
 # TTFT target spare (seat waits and queues ahead are estimates)
 TTFT_MARGIN = 0.2
+# a class's own measured pace anchors its prediction for this long after it last
+# decoded; past it (or before any) the hardware model at the measured speed does
+PACE_FRESH_S = 5.0
 # a class is kept on pace for its slow requests, not its mean one: the share of its
 # admitted requests that may miss their TPOT target before its bar is lowered
 PACE_MISS_GOAL = 0.05
@@ -111,6 +116,8 @@ class AdmissionControl:
         self.prefill_per_pass: float | None = None  # prefill tokens per pass
         self.context: float | None = None  # context tokens per request in a pass
         self.tokens_per_pass: dict[str, float] = {}  # class -> tokens per decode pass
+        self.class_pass_ms: dict[str, float] = {}  # class -> ms of the passes it decoded in
+        self.class_batch: dict[str, float] = {}  # class -> decoders in those passes
         # class -> the share of its TPOT target its predicted pace may reach (learnt
         # from its requests' outcomes, see ``pace_bar``)
         self._bar: dict[str, float] = {}
@@ -152,6 +159,8 @@ class AdmissionControl:
             for cls, toks in got.items():
                 tpp = self.tokens_per_pass
                 tpp[cls] = _mix(tpp.get(cls), sum(toks) / len(toks), _CLASS_EWMA)
+                self.class_pass_ms[cls] = _mix(self.class_pass_ms.get(cls), dur_ms, _CLASS_EWMA)
+                self.class_batch[cls] = _mix(self.class_batch.get(cls), float(b), _CLASS_EWMA)
                 self._seen[cls] = tr.t_end
         n = b + len(tr.prefill)
         if n:
@@ -312,13 +321,23 @@ class AdmissionControl:
                 t = max(t, short / rate * 1000.0 + self.alone_ms(seq))
         return t
 
-    def pace_ms(self, cls: str, n: float = 1.0) -> float | None:
-        """Predicted ms per token of class ``cls`` with ``n`` requests decoding: the
-        pass the hardware model predicts at that load (scaled by the measured speed)
-        over the class's measured tokens per pass (1 until measured); None without a
-        hardware model."""
+    def pace_ms(self, cls: str, n: float = 1.0, now: float | None = None) -> float | None:
+        """Predicted ms per token of class ``cls`` with ``n`` requests decoding (None
+        without a hardware model). While the class's own pace was measured lately (it
+        decoded within ``PACE_FRESH_S`` of ``now``; any time without ``now``): that pace,
+        scaled by the model's pass at ``n`` over its pass at the batch it was measured
+        at. Otherwise (never measured, or measured long ago): the model's pass at
+        ``n``, scaled by the measured speed of every recent pass, over the class's
+        tokens per pass (1 until measured)."""
         ms = self.decode_pass_ms(n)
-        return None if ms is None else ms / self.tokens_per_pass.get(cls, 1.0)
+        if ms is None:
+            return None
+        was = self.class_pass_ms.get(cls)
+        if was is not None and (now is None or now - self._seen[cls] <= PACE_FRESH_S):
+            at = self.decode_pass_ms(self.class_batch[cls])
+            if at:
+                return was * ms / at / self.tokens_per_pass[cls]
+        return ms / self.tokens_per_pass.get(cls, 1.0)
 
     def pace_bar(self, cls: str) -> float:
         """The share of class ``cls``'s TPOT target its predicted pace may reach before
@@ -355,7 +374,7 @@ class AdmissionControl:
                 targets[r.slo.cls] = min(t, targets.get(r.slo.cls, t))
         n = min(n, s.cfg.max_num_seqs)
         for cls in sorted(targets, key=s.rank_of):
-            pace = self.pace_ms(cls, n)
+            pace = self.pace_ms(cls, n, now)
             if pace is None:
                 return None
             # a target this hardware misses by far even for a request alone is not
