@@ -60,8 +60,9 @@ from typing import TYPE_CHECKING
 from adaserve.core.config import CAPACITY_RETRY_S, QUEUE_FULL_RETRY_S
 from adaserve.errors import AdmissionRejected
 
-# a class may run this much over its TPOT target per pass before new work is refused
-# (a request's TPOT is its mean over its life: the planner makes up short stretches)
+# a class's predicted pace may run this much over its TPOT target before new work is
+# refused, until its requests' misses lower its bar (a request's TPOT is its mean over
+# its life: the planner makes up short stretches)
 PACE_TOLERANCE = 0.05
 # a request is admitted only when its predicted first token leaves this share of its
 # TTFT target spare (seat waits and queues ahead are estimates)
@@ -351,9 +352,8 @@ class AdmissionControl:
     def off_pace(self, seq: SeqState, rank: int, now: float) -> tuple[str, float, float] | None:
         """The first class at or above ``rank``'s strictness that would fall off its TPOT
         pace with ``seq`` in the batch, as (class, predicted ms per token, target), or
-        None when every one keeps pace. The predicted pace is the hardware model's at
-        the batch with ``seq`` (``pace_ms``) times the class's ``pace_error``: the pace
-        its slow requests get, not its mean."""
+        None when every one keeps pace: its predicted pace at the batch with ``seq``
+        (``pace_ms``) within its target times its bar (``pace_bar``)."""
         s = self.sched
         if not (s.running or s.waiting):  # an idle engine: no load to be off pace for
             return None
@@ -400,9 +400,11 @@ class AdmissionControl:
             if late is not None:
                 cls, pred, target = late
                 s.counters.count_shed("capacity")
+                bar = self.pace_bar(cls)
                 raise AdmissionRejected(
                     f"with this request class {cls!r} would run at {pred:.1f} ms per token "
-                    f"against its {target:.1f} ms target",
+                    f"against its {target:.1f} ms target"
+                    + ("" if bar >= 1.0 else f" x {bar:.2f} (what its late requests leave)"),
                     "capacity",
                     CAPACITY_RETRY_S,
                 )
