@@ -241,9 +241,7 @@ def test_a_burst_before_any_pass_is_judged_by_the_hardware_model():
 
 def test_a_pace_the_hardware_misses_alone_is_not_shed_for():
     clock = ManualClock(0.0)
-    # the hardware as profiled: 60 ms for one token (a machine merely slowed by load
-    # is not one: its model is what the drift monitor re-measures)
-    sched = _sched(clock, hw=HardwareModel((1.0, 256.0), (60.0, 600.0), (1.0,), (1.0,)))
+    sched = _sched(clock)
     r = _Req(1, _slo("interactive"), 0.0, out=5)
     sched.add(r)
     for i in range(100):  # alone at 60 ms per token against a 30 ms target

@@ -23,9 +23,10 @@ Every class gets its own decision (not only the strictest):
   would leave half of them late. A relaxed request is thus judged against what the
   stricter classes leave (those in the batch and those seen lately, at their own
   bars), and never admitted at the expense of a stricter class's TPOT. A class whose
-  target the hardware as profiled misses by far (``HOPELESS`` times) even for a
-  request alone is not kept on pace (shedding cannot fix a target the machine cannot
-  reach). An idle engine (nothing running or queued) admits;
+  target the hardware misses by far (``HOPELESS`` times) even for a request alone is
+  not kept on pace (shedding cannot fix a target the machine cannot reach); "alone" is
+  judged from the passes that carried one request (``alone_pace_ms``), not from the
+  passes under load. An idle engine (nothing running or queued) admits;
 * **TTFT**: the predicted time to its first token must be within its TTFT target,
   less ``TTFT_MARGIN`` for the prediction's error
   (when its own prefill alone fits it: a target nothing could meet is served as
@@ -113,6 +114,9 @@ class AdmissionControl:
         # measured passes carrying a prefill chunk (the pass time without a model)
         self.pass_ms: float | None = None
         self._speeds: deque[float] = deque(maxlen=_SPEED_PASSES)  # measured / predicted
+        # the same for the passes that carried one request only, and when the last did
+        self._alone_speeds: deque[float] = deque(maxlen=_SPEED_PASSES)
+        self._alone_at = -math.inf
         self.nodes_per_decode: float | None = None  # candidates verified per decode
         self.prefill_per_pass: float | None = None  # prefill tokens per pass
         self.context: float | None = None  # context tokens per request in a pass
@@ -171,6 +175,9 @@ class AdmissionControl:
             pred = float(hw.iteration_ms(tr.tokens, tr.kv_tokens))
             if pred > 0:
                 self._speeds.append(dur_ms / pred)
+                if n == 1:
+                    self._alone_speeds.append(dur_ms / pred)
+                    self._alone_at = tr.t_end
 
     def observe_finish(self, seq: SeqState) -> None:
         """``seq`` left the running batch (at ``seq.finished_at``). One that decoded to
@@ -266,16 +273,21 @@ class AdmissionControl:
         ctx = self.context if self.context is not None else _DEFAULT_CONTEXT
         return float(hw.iteration_ms(tokens, n * ctx)) * self.speed()
 
-    def alone_pace_ms(self, cls: str) -> float | None:
-        """Ms per token of a request of class ``cls`` decoding alone on the hardware as
-        profiled (the model's pass at the measured tree size, no prefill beside it, not
-        scaled by the measured speed: a machine slowed by load, its own included, is not
-        a target the hardware misses); None without a hardware model."""
+    def alone_pace_ms(self, cls: str, now: float) -> float | None:
+        """Ms per token of a request of class ``cls`` decoding alone: the model's pass
+        at the measured tree size, no prefill beside it, scaled by the measured speed of
+        the recent passes that carried one request only (measured within
+        ``_SEEN_WINDOW_S`` of ``now``; the model as profiled otherwise). Not the speed
+        of every pass: passes under load (the server's own included) are slower than
+        the model says, and a target judged unreachable from them would open the gate
+        to the load that keeps it so. None without a hardware model."""
         hw = self.sched.hw
         if hw is None:
             return None
         ctx = self.context if self.context is not None else _DEFAULT_CONTEXT
         ms = float(hw.iteration_ms(1.0 + (self.nodes_per_decode or 0.0), ctx))
+        if self._alone_speeds and now - self._alone_at <= _SEEN_WINDOW_S:
+            ms *= float(statistics.median(self._alone_speeds))
         return ms / self.tokens_per_pass.get(cls, 1.0)
 
     def alone_ms(self, seq: SeqState) -> float:
@@ -379,7 +391,7 @@ class AdmissionControl:
                 return None
             # a target this hardware misses by far even for a request alone is not
             # load's doing, and refusing work cannot meet it: the class runs best effort
-            if self.alone_pace_ms(cls) > HOPELESS * targets[cls]:
+            if self.alone_pace_ms(cls, now) > HOPELESS * targets[cls]:
                 continue
             if pace > targets[cls] * self.pace_bar(cls):
                 return cls, pace, targets[cls]
