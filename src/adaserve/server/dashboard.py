@@ -47,6 +47,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 from starlette.datastructures import Headers
@@ -59,8 +60,10 @@ from adaserve.server.config import Tenant
 from adaserve.server.errors import ApiError
 from adaserve.server.protocol import ErrorResponse
 from adaserve.server.render import JSON, error_response
-from adaserve.server.state import ServerState
 from adaserve.server.usage import Usage
+
+if TYPE_CHECKING:  # the state holds the engine (torch): the front door imports this
+    from adaserve.server.state import ServerState
 
 PAGE_URL = "/dashboard"
 DATA_URL = "/v1/dashboard/data"
