@@ -133,7 +133,10 @@ def test_requests_already_late_do_not_count_ahead():
     assert sched.admission.predicted_ttft_ms(_Req(51, _ttft_slo("interactive"), 1.5), 1.5) == want
 
 
-def test_relaxed_work_refused_when_it_would_push_a_stricter_class_off_pace():
+def _four_interactive_measured():
+    """(clock, scheduler) with four interactive requests decoding, measured at 4
+    decoders with chains of 3: a pass the model puts at 16 tokens, measured at 40 ms,
+    2 tokens per pass: 20 ms per token of a 30 ms target."""
     clock = ManualClock(0.0)
     sched = _sched(clock)
     run = [_Req(i, _slo("interactive"), 0.0, out=5) for i in range(4)]
@@ -143,12 +146,15 @@ def test_relaxed_work_refused_when_it_would_push_a_stricter_class_off_pace():
     sched.admit()
     for r in run:
         r.num_cached = r.num_tokens - 1
-    # interactive measured at 4 decoders with chains of 3: a pass the model puts at
-    # 16 tokens, measured at 40 ms, 2 tokens per pass: 20 ms per token of a 30 ms target
     cls = {r.rid: "interactive" for r in run}
     for i in range(100):
         _pass(sched, i * 0.04, (i + 1) * 0.04, [r.rid for r in run], {r.rid: 1 for r in run},
               classes=cls, nodes=3)  # fmt: skip
+    return clock, sched
+
+
+def test_relaxed_work_refused_when_it_would_push_a_stricter_class_off_pace():
+    clock, sched = _four_interactive_measured()
     ac = sched.admission
     assert ac.pace_ms("interactive", 4) == pytest.approx(20.0, rel=0.01)
     clock.set(4.0)
@@ -182,19 +188,7 @@ def test_strict_bar_is_learnt_from_requests_that_miss_their_tpot_target():
     when single paces spread about it (CPU: admitted strict attainment 47.7%). The
     requests that miss lower their class's bar until it is refused at a load its
     mean prediction still puts on target; requests that meet it raise it again."""
-    clock = ManualClock(0.0)
-    sched = _sched(clock)
-    run = [_Req(i, _slo("interactive"), 0.0, out=5) for i in range(4)]
-    for r in run:
-        sched.add(r)
-    sched.begin_step()
-    sched.admit()
-    for r in run:
-        r.num_cached = r.num_tokens - 1
-    cls = {r.rid: "interactive" for r in run}
-    for i in range(100):  # 20 ms per token at 4 decoders (as in the test above)
-        _pass(sched, i * 0.04, (i + 1) * 0.04, [r.rid for r in run], {r.rid: 1 for r in run},
-              classes=cls, nodes=3)  # fmt: skip
+    clock, sched = _four_interactive_measured()  # 20 ms per token at 4 decoders
     ac = sched.admission
     # ten interactive requests finish at 35 ms per token: every one missed
     for k in range(10):
