@@ -6,27 +6,17 @@ Every class gets its own decision (not only the strictest):
 * **queue**: the waiting queue is bounded (``max_waiting``);
 * **decode pace**: with the new request the batch holds ``N`` requests (every running
   and queued one, up to ``max_num_seqs``); a pass over them is predicted from the
-  hardware model at the measured tree size per request and prefill per pass. Each
-  class ``c`` at or above the new one's strictness must still be on pace:
-  ``pace(c, N) <= bar(c) * tpot(c)``. ``pace(c, N)`` is the class's measured ms per
-  pass over its tokens per pass, scaled by the model's pass at ``N`` over its pass at
-  the batch the class was measured at; a class not measured within ``PACE_FRESH_S``
-  (or never: a server just started) gets the model's pass at ``N`` scaled by the
-  measured/predicted time of every recent pass, over its tokens per pass (1 until
-  measured). So there is always a prediction for the load after admitting: nothing
-  is admitted blind, nor refused on a stale measurement. ``bar(c)`` starts at
-  ``1 + PACE_TOLERANCE`` and is learnt from the class's own requests: each that
-  misses its TPOT target lowers it, each that meets it raises it a little, so that
-  about ``PACE_MISS_GOAL`` of them miss. The prediction is of the mean pace; where
-  single requests' paces spread widely about it (on a shared CPU: pass times that
-  vary with other work, acceptance that varies by prompt) a mean held at the target
-  would leave half of them late. A relaxed request is thus judged against what the
-  stricter classes leave (those in the batch and those seen lately, at their own
-  bars), and never admitted at the expense of a stricter class's TPOT. A class whose
-  target the hardware misses by far (``HOPELESS`` times) even for a request alone is
-  not kept on pace (shedding cannot fix a target the machine cannot reach); "alone" is
-  judged from the passes that carried one request (``alone_pace_ms``), not from the
-  passes under load. An idle engine (nothing running or queued) admits;
+  hardware model at the measured tree size per request and prefill per pass, scaled
+  by the measured/predicted pass time. Each class ``c`` at or above the new one's
+  strictness must still be on pace: ``pass_ms(N) / tokens_per_pass(c) <= tpot(c)``,
+  with ``tokens_per_pass(c)`` the accepted tokens per pass measured for the class (1
+  until measured), within ``PACE_TOLERANCE``. A relaxed request is thus judged
+  against what the stricter classes leave (those in the batch and those seen lately),
+  and never admitted at the expense of a stricter class's TPOT. A class whose target
+  the hardware misses by far (``HOPELESS`` times) even for a request alone is not kept
+  on pace (shedding cannot fix a target the machine cannot reach), nor is a class
+  whose pace was last measured more than ``PACE_FRESH_S`` ago (admitting is how it
+  gets measured again);
 * **TTFT**: the predicted time to its first token must be within its TTFT target,
   less ``TTFT_MARGIN`` for the prediction's error
   (when its own prefill alone fits it: a target nothing could meet is served as
@@ -61,22 +51,15 @@ from typing import TYPE_CHECKING
 from adaserve.core.config import CAPACITY_RETRY_S, QUEUE_FULL_RETRY_S
 from adaserve.errors import AdmissionRejected
 
-# a class's predicted pace may run this much over its TPOT target before new work is
-# refused, until its requests' misses lower its bar (a request's TPOT is its mean over
-# its life: the planner makes up short stretches)
+# a class may run this much over its TPOT target per pass before new work is refused
+# (a request's TPOT is its mean over its life: the planner makes up short stretches)
 PACE_TOLERANCE = 0.05
 # a request is admitted only when its predicted first token leaves this share of its
 # TTFT target spare (seat waits and queues ahead are estimates)
 TTFT_MARGIN = 0.2
-# a class's own measured pace anchors its prediction for this long after it last
-# decoded; past it (or before any) the hardware model at the measured speed does
+# a class's measured pace counts for this long after it last decoded (a stale one,
+# say from a burst long gone, would refuse work forever: nothing would re-measure it)
 PACE_FRESH_S = 5.0
-# a class is kept on pace for its slow requests, not its mean one: the share of its
-# admitted requests that may miss their TPOT target before its bar is lowered
-PACE_MISS_GOAL = 0.05
-# each miss lowers a class's bar by this share; each hit raises it by
-# PACE_GAIN * PACE_MISS_GOAL / (1 - PACE_MISS_GOAL) (misses settle at the goal)
-PACE_GAIN = 0.05
 # a class whose predicted pace for a request alone exceeds its target this many times
 # over runs best effort (no load level would meet it; near the target, shedding helps)
 HOPELESS = 1.5
@@ -114,18 +97,12 @@ class AdmissionControl:
         # measured passes carrying a prefill chunk (the pass time without a model)
         self.pass_ms: float | None = None
         self._speeds: deque[float] = deque(maxlen=_SPEED_PASSES)  # measured / predicted
-        # the same for the passes that carried one request only, and when the last did
-        self._alone_speeds: deque[float] = deque(maxlen=_SPEED_PASSES)
-        self._alone_at = -math.inf
         self.nodes_per_decode: float | None = None  # candidates verified per decode
         self.prefill_per_pass: float | None = None  # prefill tokens per pass
         self.context: float | None = None  # context tokens per request in a pass
         self.tokens_per_pass: dict[str, float] = {}  # class -> tokens per decode pass
         self.class_pass_ms: dict[str, float] = {}  # class -> ms of the passes it decoded in
         self.class_batch: dict[str, float] = {}  # class -> decoders in those passes
-        # class -> the share of its TPOT target its predicted pace may reach (learnt
-        # from its requests' outcomes, see ``pace_bar``)
-        self._bar: dict[str, float] = {}
         self._finishes: deque[float] = deque()
         self._seen: dict[str, float] = {}  # class -> when it last decoded
         # class -> (time, prompt tokens, ttft) of the requests admitted lately
@@ -165,8 +142,8 @@ class AdmissionControl:
                 tpp = self.tokens_per_pass
                 tpp[cls] = _mix(tpp.get(cls), sum(toks) / len(toks), _CLASS_EWMA)
                 self.class_pass_ms[cls] = _mix(self.class_pass_ms.get(cls), dur_ms, _CLASS_EWMA)
-                self.class_batch[cls] = _mix(self.class_batch.get(cls), float(b), _CLASS_EWMA)
                 self._seen[cls] = tr.t_end
+                self.class_batch[cls] = _mix(self.class_batch.get(cls), float(b), _CLASS_EWMA)
         n = b + len(tr.prefill)
         if n:
             self.context = _mix(self.context, tr.kv_tokens / n)
@@ -175,34 +152,12 @@ class AdmissionControl:
             pred = float(hw.iteration_ms(tr.tokens, tr.kv_tokens))
             if pred > 0:
                 self._speeds.append(dur_ms / pred)
-                if n == 1:
-                    self._alone_speeds.append(dur_ms / pred)
-                    self._alone_at = tr.t_end
 
-    def observe_finish(self, seq: SeqState) -> None:
-        """``seq`` left the running batch (at ``seq.finished_at``). One that decoded to
-        its end moves its class's pace bar: down when it missed its TPOT target (or was
-        degraded), up when it met it."""
-        t = seq.finished_at
+    def observe_finish(self, t: float) -> None:
+        """A request left the running batch at ``t`` (s)."""
         self._finishes.append(t)
         while self._finishes and self._finishes[0] < t - _FINISH_WINDOW_S:
             self._finishes.popleft()
-        n = seq.num_output
-        cls = seq.cls  # the class it was admitted in, before any degradation
-        if seq.cancelled or seq.first_token_at is None or n < 2 or cls not in self.sched._classes:
-            return
-        if seq.degraded_from is not None:  # the planner gave up on its target
-            missed = True
-        elif seq.slo.tpot_ms:
-            missed = (t - seq.first_token_at) * 1000.0 / (n - 1) > seq.slo.tpot_ms
-        else:
-            return
-        bar = self.pace_bar(cls)
-        if missed:
-            bar *= 1.0 - PACE_GAIN
-        else:
-            bar *= 1.0 + PACE_GAIN * PACE_MISS_GOAL / (1.0 - PACE_MISS_GOAL)
-        self._bar[cls] = min(max(bar, 1.0 / HOPELESS), 1.0 + PACE_TOLERANCE)
 
     def finish_rate(self, now: float) -> float | None:
         """Running requests finishing per second over the recent window (None: too few
@@ -273,23 +228,6 @@ class AdmissionControl:
         ctx = self.context if self.context is not None else _DEFAULT_CONTEXT
         return float(hw.iteration_ms(tokens, n * ctx)) * self.speed()
 
-    def alone_pace_ms(self, cls: str, now: float) -> float | None:
-        """Ms per token of a request of class ``cls`` decoding alone: the model's pass
-        at the measured tree size, no prefill beside it, scaled by the measured speed of
-        the recent passes that carried one request only (measured within
-        ``_SEEN_WINDOW_S`` of ``now``; the model as profiled otherwise). Not the speed
-        of every pass: passes under load (the server's own included) are slower than
-        the model says, and a target judged unreachable from them would open the gate
-        to the load that keeps it so. None without a hardware model."""
-        hw = self.sched.hw
-        if hw is None:
-            return None
-        ctx = self.context if self.context is not None else _DEFAULT_CONTEXT
-        ms = float(hw.iteration_ms(1.0 + (self.nodes_per_decode or 0.0), ctx))
-        if self._alone_speeds and now - self._alone_at <= _SEEN_WINDOW_S:
-            ms *= float(statistics.median(self._alone_speeds))
-        return ms / self.tokens_per_pass.get(cls, 1.0)
-
     def alone_ms(self, seq: SeqState) -> float:
         """Predicted ms of ``seq``'s prefill with nothing ahead of it (0 without a model
         of the pass time)."""
@@ -334,40 +272,20 @@ class AdmissionControl:
                 t = max(t, short / rate * 1000.0 + self.alone_ms(seq))
         return t
 
-    def pace_ms(self, cls: str, n: float = 1.0, now: float | None = None) -> float | None:
-        """Predicted ms per token of class ``cls`` with ``n`` requests decoding (None
-        without a hardware model). While the class's own pace was measured lately (it
-        decoded within ``PACE_FRESH_S`` of ``now``; any time without ``now``): that pace,
-        scaled by the model's pass at ``n`` over its pass at the batch it was measured
-        at. Otherwise (never measured, or measured long ago): the model's pass at
-        ``n``, scaled by the measured speed of every recent pass, over the class's
-        tokens per pass (1 until measured)."""
-        ms = self.decode_pass_ms(n)
-        if ms is None:
-            return None
-        was = self.class_pass_ms.get(cls)
-        if was is not None and (now is None or now - self._seen[cls] <= PACE_FRESH_S):
-            at = self.decode_pass_ms(self.class_batch[cls])
-            if at:
-                return was * ms / at / self.tokens_per_pass[cls]
-        return ms / self.tokens_per_pass.get(cls, 1.0)
-
-    def pace_bar(self, cls: str) -> float:
-        """The share of class ``cls``'s TPOT target its predicted pace may reach before
-        work is refused: ``1 + PACE_TOLERANCE`` at first, lowered by each of its
-        requests that misses the target and raised by each that meets it, so that
-        about ``PACE_MISS_GOAL`` of them miss (the prediction is a mean: where the pace
-        of single requests spreads widely about it, the mean must stay further under
-        the target), never below ``1 / HOPELESS``."""
-        return self._bar.get(cls, 1.0 + PACE_TOLERANCE)
+    def pace_ms(self, cls: str) -> float | None:
+        """The ms per token class ``cls`` runs at now: its measured ms per pass over its
+        measured tokens per pass (None until measured)."""
+        ms = self.class_pass_ms.get(cls)
+        return None if ms is None else ms / self.tokens_per_pass[cls]
 
     def off_pace(self, seq: SeqState, rank: int, now: float) -> tuple[str, float, float] | None:
         """The first class at or above ``rank``'s strictness that would fall off its TPOT
         pace with ``seq`` in the batch, as (class, predicted ms per token, target), or
-        None when every one keeps pace: its predicted pace at the batch with ``seq``
-        (``pace_ms``) within its target times its bar (``pace_bar``)."""
+        None when every one keeps pace (or nothing is measured yet). The predicted pace
+        is the measured one scaled by the predicted pass time of the batch with ``seq``
+        over that of the batch the pace was measured at."""
         s = self.sched
-        if not (s.running or s.waiting):  # an idle engine: no load to be off pace for
+        if not s.running:  # nothing decodes: no load to be off pace because of
             return None
         # the classes to keep on pace: those at or above rank in the batch, and every
         # stricter class seen decoding lately (its next request must still find room)
@@ -384,17 +302,24 @@ class AdmissionControl:
             t = r.slo.tpot_ms
             if t and s.rank_of(r.slo.cls) <= rank:
                 targets[r.slo.cls] = min(t, targets.get(r.slo.cls, t))
-        n = min(n, s.cfg.max_num_seqs)
+        then_ms = self.decode_pass_ms(min(n, s.cfg.max_num_seqs))
+        if then_ms is None:
+            return None
         for cls in sorted(targets, key=s.rank_of):
-            pace = self.pace_ms(cls, n, now)
-            if pace is None:
-                return None
-            # a target this hardware misses by far even for a request alone is not
-            # load's doing, and refusing work cannot meet it: the class runs best effort
-            if self.alone_pace_ms(cls, now) > HOPELESS * targets[cls]:
+            pace = self.pace_ms(cls)
+            if pace is None or now - self._seen.get(cls, -math.inf) > PACE_FRESH_S:
+                continue  # not measured lately: admitting it is how it is measured again
+            # scaled from the batch its pace was measured at to the batch with seq
+            was_ms = self.decode_pass_ms(self.class_batch[cls])
+            if not was_ms:
                 continue
-            if pace > targets[cls] * self.pace_bar(cls):
-                return cls, pace, targets[cls]
+            pred = pace * then_ms / was_ms
+            # a target this hardware misses even for a request alone is not load's
+            # doing, and refusing work cannot meet it: the class runs best effort
+            if pace * self.decode_pass_ms(1) / was_ms > HOPELESS * targets[cls]:
+                continue
+            if pred > targets[cls] * (1.0 + PACE_TOLERANCE):
+                return cls, pred, targets[cls]
         return None
 
     # ------------------------------------------------------------------ decisions
@@ -412,11 +337,9 @@ class AdmissionControl:
             if late is not None:
                 cls, pred, target = late
                 s.counters.count_shed("capacity")
-                bar = self.pace_bar(cls)
                 raise AdmissionRejected(
                     f"with this request class {cls!r} would run at {pred:.1f} ms per token "
-                    f"against its {target:.1f} ms target"
-                    + ("" if bar >= 1.0 else f" x {bar:.2f} (what its late requests leave)"),
+                    f"against its {target:.1f} ms target",
                     "capacity",
                     CAPACITY_RETRY_S,
                 )

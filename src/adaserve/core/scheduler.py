@@ -172,7 +172,7 @@ class Scheduler:
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         if seq.status is Status.RUNNING:
-            self.admission.observe_finish(seq)
+            self.admission.observe_finish(seq.finished_at)
         seq.status = Status.FINISHED
         if seq.table is not None:
             seq.table.release()
