@@ -384,8 +384,7 @@ def test_bench_writes_an_offline_html_report(bench_out):
     assert (out / "summary.md").is_file()
     assert not re.search(r"<script[^>]*\bsrc=", html)
     assert not re.search(r"<link[^>]*\bhref=", html)
-    boot = re.search(r'<script type="application/json" id="dash-boot">(.*?)</script>', html)
-    data = json.loads(boot.group(1))
+    data = boot_of(html)
     assert data["mode"] == "static"
     res = json.loads((out / "result.json").read_text())["results"]
     assert [v["policy"] for v in data["runs"]] == list(res)

@@ -102,11 +102,10 @@ class AdaServeRequestRouter(RequestRouter):
         order = self.policy.rank(req, stats)
         self.decisions += 1
         ranked = [[by_id[rid]] for rid in order if rid in by_id]
-        if ranked:  # Ray sends it to the first that accepts: almost always this one
-            first = self._note_sent(pending_request, order[0], route, now)
-            noted = getattr(self.policy, "routed", None)
-            if noted is not None and first:  # the router's own record (once a request)
-                noted(req, next(s for s in stats if s.replica_id == order[0]))
+        # Ray sends it to the first that accepts: almost always this one; the router's
+        # own record of it is kept once a request
+        if ranked and self._note_sent(pending_request, order[0], route, now):
+            self.policy.routed(req, next(s for s in stats if s.replica_id == order[0]))
         return ranked
 
     def _note_sent(self, pending_request, rid: str, route: dict, now: float) -> bool:

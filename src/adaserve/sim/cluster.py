@@ -99,7 +99,6 @@ def run_cluster(
     # replicas with work, by the time their next pass starts (ties: replica order)
     ready: list[tuple[float, int]] = []
     busy = [False] * len(reps)
-    noted = getattr(router, "routed", None)
     i, n = 0, len(items)
     while True:
         t_next = ready[0][0] if ready else float("inf")
@@ -123,8 +122,7 @@ def run_cluster(
                 except AdaServeError as e:
                     err, shed = str(e), False
                     break
-                if noted is not None:  # the router's own record of where it went
-                    noted(req, stats[k])
+                router.routed(req, stats[k])  # the router's own record of where it went
                 stats[k] = with_routed(stats[k], req)
                 routed[k] += 1
                 if not busy[k]:
