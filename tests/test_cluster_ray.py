@@ -67,7 +67,7 @@ class LiveCluster:
     def __init__(self, replicas: int = 2, router: str = "slo"):
         cfg = parse_config(tomllib.loads(CONFIG))
         ecfg = engine_config_for_server(
-            EngineConfig(auto_profile=False, reprofile_on_drift=False, kv_cache_bytes=16 << 20),
+            EngineConfig(auto_profile=False, drift_detect=False, kv_cache_bytes=16 << 20),
             cfg,
         )
         self.cluster = Cluster(ecfg, cfg, replicas, router=router, stats_period_s=0.2)

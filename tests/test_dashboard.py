@@ -59,7 +59,7 @@ def srv(tmp_path_factory):
     prof.write_text(
         json.dumps({"verify": {"tokens": [1, 64], "latency_ms": [20.0, 40.0]}, "draft_step_ms": 5})
     )
-    ecfg = EngineConfig(profile=str(prof), kv_cache_bytes=16 << 20, reprofile_on_drift=False)
+    ecfg = EngineConfig(profile=str(prof), kv_cache_bytes=16 << 20, drift_detect=False)
     s = LiveServer(ecfg, parse_config(tomllib.loads(CONFIG)))
     yield s
     s.stop()

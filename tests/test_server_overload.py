@@ -55,7 +55,7 @@ _env = pytest.fixture(scope="module", autouse=True)(server_test_env)
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     target, draft = model_pair(tmp_path_factory)
-    cfg = engine_config(target, draft, policy="adaserve", max_num_seqs=8, reprofile_on_drift=False)
+    cfg = engine_config(target, draft, policy="adaserve", max_num_seqs=8, drift_detect=False)
     s = LiveServer(cfg, parse_config(tomllib.loads(CONFIG)))
     yield s
     s.stop()

@@ -194,6 +194,8 @@ def _cmd_profile(args) -> int:
         if args.shapes:
             if args.model or args.draft:
                 raise AdaServeError("give --shapes or --model/--draft, not both")
+            if args.out is None:
+                raise AdaServeError("--shapes needs --out (its profile is not the server's)")
             model, draft, shapes = _shape_dirs(args.shapes, tmp)
             no_draft = no_draft or draft is None
         eng = build_engine(
@@ -209,8 +211,11 @@ def _cmd_profile(args) -> int:
                     model, None if no_draft else draft, args.dtype, args.device
                 ),
                 random_weights=args.random_weights or shapes is not None,
+                threads=args.threads,
             )
         )
+        if args.out is None:  # the server's cache, by the adoption rule
+            return _profile_into_cache(eng, args)
         prof = profile_engine(eng, reps=args.reps)
     if shapes is not None:
         prof["shapes"] = shapes
@@ -229,6 +234,23 @@ def _cmd_profile(args) -> int:
         for t, ms in zip(prof["draft_step"]["tokens"], prof["draft_step"]["latency_ms"]):
             print(f"  draft  {t:4d} tokens: {ms:7.2f} ms")
     return 0
+
+
+def _profile_into_cache(eng, args) -> int:
+    """``adaserve profile`` without ``--out``: measure, then adopt into the cache the
+    server reads (kept out when slower than the stored spread, unless --reprofile)."""
+    from adaserve import profile
+
+    path = profile.cached_profile_path(eng)
+    prof = profile.measure_checked(eng, reps=args.reps)
+    used, why = profile.adopt(eng, prof, path, args.reprofile)
+    print(why)
+    t = used.get("targets") or profile.attach_targets(eng, used)
+    print(
+        f"class targets multiply an unloaded TPOT of {t['unloaded_tpot_ms']:.4g} ms ({t['from']})"
+    )
+    print("a running server takes it with POST /v1/admin/profile (admin key)")
+    return 0 if used is prof else 3
 
 
 def _delegate(module: str, fn: str):
@@ -290,8 +312,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("profile", help="measure the pair's latencies (hardware profile)")
     _add_model_args(pr)
-    pr.add_argument("--out", required=True, help="profile JSON file to write")
+    pr.add_argument(
+        "--out",
+        help="profile JSON file to write (default: adopt it into the cache the server "
+        "reads, unless it is slower than the stored one's spread)",
+    )
     pr.add_argument("--reps", type=cli_args.int_at_least(1), default=5)
+    pr.add_argument(
+        "--threads",
+        type=cli_args.int_at_least(1),
+        help="intra-op threads to measure with (default: as the server chooses them)",
+    )
+    pr.add_argument(
+        "--reprofile",
+        action="store_true",
+        help="adopt the measurement even when slower than the stored spread, with new "
+        "class targets",
+    )
     pr.add_argument(
         "--shapes",
         metavar="TARGET[:DRAFT]",

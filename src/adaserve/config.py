@@ -29,11 +29,18 @@ class EngineConfig(SchedulerConfig):
     generation_config:   where default sampling parameters come from, as vLLM's flag:
                          "auto" (the model's generation_config.json), "vllm" (none),
                          or a directory (see ``adaserve.generation_config``)
-    reprofile_on_drift:  re-measure the hardware profile (at an idle moment) when the
-                         median measured / profiled iteration time over
-                         ``drift_window`` iterations leaves [``drift_low``,
-                         ``drift_high``], at most once per ``drift_min_interval_s``
+    drift_detect:        watch for drift from the profile: when the median measured /
+                         profiled iteration time over ``drift_window`` iterations
+                         leaves [``drift_low``, ``drift_high``] it is reported (log,
+                         metric, dashboard), at most once per ``drift_min_interval_s``;
+                         the profile is never re-measured inside the serving loop
                          (see ``adaserve.sched.drift``)
+    threads:             intra-op threads of the forward passes (None: ``$ADASERVE_NUM_THREADS``,
+                         ``$OMP_NUM_THREADS``, else the usable cores less a reserve;
+                         see ``adaserve.threads``)
+    reprofile:           adopt a freshly measured profile even when it is slower than
+                         the stored one's spread, and take its class targets
+                         (``--reprofile``; see ``adaserve.profile``)
     """
 
     model: str | None = None
@@ -52,11 +59,13 @@ class EngineConfig(SchedulerConfig):
     generation_config: str = "auto"
     seed: int | None = None  # seeds the generators of requests without their own seed
     # the drift monitor's settings, flat like the rest (defaults: DriftConfig's)
-    reprofile_on_drift: bool = DriftConfig.enabled
+    drift_detect: bool = DriftConfig.enabled
     drift_window: int = DriftConfig.window
     drift_low: float = DriftConfig.low
     drift_high: float = DriftConfig.high
     drift_min_interval_s: float = DriftConfig.min_interval_s
+    threads: int | None = None
+    reprofile: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -64,6 +73,10 @@ class EngineConfig(SchedulerConfig):
             raise InvalidRequestError("the engine needs a default SLO class", "default_class")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise InvalidRequestError("kv_cache_bytes must be positive", "kv_cache_bytes")
+        if self.threads is not None and (
+            not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 1
+        ):
+            raise InvalidRequestError("threads must be a positive integer", "threads")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise InvalidRequestError("seed must be a non-negative integer", "seed")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -86,9 +99,9 @@ class EngineConfig(SchedulerConfig):
 
     @property
     def drift_config(self) -> DriftConfig:
-        """The drift monitor's settings (``reprofile_on_drift``, ``drift_*``)."""
+        """The drift monitor's settings (``drift_detect``, ``drift_*``)."""
         return DriftConfig(
-            enabled=self.reprofile_on_drift,
+            enabled=self.drift_detect,
             window=self.drift_window,
             low=self.drift_low,
             high=self.drift_high,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import platform
@@ -136,6 +137,7 @@ def measure(
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "machine": f"{platform.machine()} {platform.processor()} threads={torch.get_num_threads()}",
+        "threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "target": {"params": target.cfg.num_parameters()},
@@ -169,10 +171,11 @@ def measure(
     return out
 
 
-def measure_step_overhead(engine, new_tokens: int = 24) -> float:
-    """Host time per engine iteration beyond the target forward: a single request
-    decodes ``new_tokens`` tokens without speculation; the median step time minus the
-    profiled one-token verification is the overhead (scheduling, metadata, sampling)."""
+def measure_step_overhead(engine, new_tokens: int = 24) -> list[float]:
+    """Measured ms of each plain decode step of a single request (``new_tokens``
+    steps without speculation, the first two dropped as warm-up): the engine's whole
+    iteration, forward pass, scheduling, metadata and sampling included. The host
+    overhead is their median less the profiled one-token verification."""
     from adaserve.sampling import SamplingParams
     from adaserve.sched.static import AutoregressivePolicy
     from adaserve.slo import SLO
@@ -191,7 +194,7 @@ def measure_step_overhead(engine, new_tokens: int = 24) -> float:
             times.append((time.perf_counter() - t0) * 1000)
     finally:
         engine.set_policy(saved)
-    return statistics.median(times[2:]) if len(times) > 3 else statistics.median(times)
+    return times[2:] if len(times) > 3 else times
 
 
 def measure_draft_host(engine, requests: int = 8, depth: int = 4, width: int = 2) -> float:
@@ -228,10 +231,13 @@ def measure_draft_host(engine, requests: int = 8, depth: int = 4, width: int = 2
 def profile_engine(engine, reps: int = 5, timer=None) -> dict:
     """Profile the engine's loaded pair and annotate it with paths and fingerprints."""
     prof = measure(engine.target, engine.draft, reps=reps, timer=timer)
-    step = measure_step_overhead(engine)
+    steps = measure_step_overhead(engine)
+    step = statistics.median(steps)
     one = float(HardwareModel.from_dict(prof).verify_latency(1, 40))
     prof["overhead_ms"] = round(max(0.0, step - one), 3)
     prof["decode_step_ms"] = round(step, 3)
+    st = summarize([steps])
+    prof["decode_step_spread"] = {"p10_ms": round(st.p10[0], 4), "p90_ms": round(st.p90[0], 4)}
     if engine.draft is not None:
         n, d, w = 8, 4, 2
         total = measure_draft_host(engine, n, d, w)
@@ -241,6 +247,11 @@ def profile_engine(engine, reps: int = 5, timer=None) -> dict:
     prof["target"].update(path=str(engine.model_dir), fingerprint=fingerprint(engine.model_dir))
     if prof["draft"] is not None:
         prof["draft"].update(path=str(engine.draft_dir), fingerprint=fingerprint(engine.draft_dir))
+    plan = getattr(engine.runner, "thread_plan", None)
+    if plan is not None:
+        prof["thread_plan"] = plan.as_dict()
+    # the checks that need the whole iteration (the step overhead against the pass)
+    prof["sanity"] = check_profile(prof, SanityLimits.for_device(str(engine.cfg.device)))
     return prof
 
 
@@ -250,6 +261,18 @@ def cached_profile_path(engine) -> Path:
     dtype = str(engine.dtype).removeprefix("torch.")
     key = profile_key(engine.model_dir, engine.draft_dir, engine.cfg.device, dtype)
     return cache_root() / "profiles" / f"{key}.json"
+
+
+def targets_path(engine) -> Path:
+    """Where the class targets of the engine's pair on this machine are recorded: one
+    record per pair, device, dtype and CPU architecture, whatever the thread count, so
+    that every profile measured here (and the bench, the demo and the simulator fed
+    one) is judged by the same targets."""
+    from adaserve.paths import cache_root
+
+    dtype = str(engine.dtype).removeprefix("torch.")
+    fp = f"{fingerprint(engine.model_dir)}-{fingerprint(engine.draft_dir)}"
+    return cache_root() / "targets" / f"{fp}-{engine.cfg.device}-{dtype}-{platform.machine()}.json"
 
 
 def _say(msg: str) -> None:
@@ -262,7 +285,7 @@ def _what(engine, reps: int) -> str:
     return (
         f"verify {VERIFY_TOKENS[0]}-{VERIFY_TOKENS[-1]} tokens at KV {'/'.join(map(str, KV_LENS))}"
         f"{', draft steps' if engine.draft is not None else ''}, {reps} interleaved repeats, "
-        f"on {engine.cfg.device} ({pair})"
+        f"{torch.get_num_threads()} threads, on {engine.cfg.device} ({pair})"
     )
 
 
@@ -288,89 +311,217 @@ def measure_checked(engine, reps: int = 3, timer=None) -> dict:
     return prof
 
 
-def _save(prof: dict, path: Path) -> bool:
-    """Write ``prof`` to the cache unless it is impossible (then it serves this run
-    only and is measured again on the next start)."""
-    if (prof.get("sanity") or {}).get("impossible"):
-        _say(f"not caching an impossible profile (faster than the roofline allows): {path}")
-        return False
+def _write(obj: dict, path: Path) -> bool:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(prof, indent=1))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(obj, indent=1) + "\n")
+        tmp.replace(path)
     except OSError as e:
-        _say(f"cannot write the profile cache ({e}); the profile serves this run only")
+        _say(f"cannot write the profile cache {path} ({e}); it serves this run only")
         return False
     return True
 
 
-def load_or_profile(engine, auto: bool, timer=None) -> HardwareModel | None:
+def _save(prof: dict, path: Path) -> bool:
+    """Write ``prof`` to the cache unless a check flagged it (then it serves this run
+    only and is measured again on the next start)."""
+    if (prof.get("sanity") or {}).get("impossible"):
+        _say(f"not caching an impossible profile (faster than the roofline allows): {path}")
+        return False
+    if _flags(prof):
+        _say(f"not caching a profile that failed its checks (measured under load?): {path}")
+        return False
+    return _write(prof, path)
+
+
+# ---------------------------------------------------------------------- trust
+def slower_than_spread(old: dict, new: dict) -> list[str]:
+    """Why ``new`` is slower than the stored profile ``old`` allows ([] when it is not):
+    more than half of the points both profiles measured have a new median above the
+    stored 90th percentile. A profile without a stored spread cannot be judged ([])."""
+    pairs = []
+    ov, nv = old.get("verify") or {}, new.get("verify") or {}
+    for kv, osp in (ov.get("spread_by_kv") or {}).items():
+        nsp = (nv.get("spread_by_kv") or {}).get(kv)
+        if nsp and ov.get("tokens") == nv.get("tokens"):
+            for t, p90, med in zip(ov["tokens"], osp["p90_ms"], nsp["raw_median_ms"]):
+                pairs.append((f"verify {t} tokens at KV {kv}", p90, med))
+    od, nd = old.get("draft_step") or {}, new.get("draft_step") or {}
+    if od.get("spread") and nd.get("spread") and od.get("tokens") == nd.get("tokens"):
+        for t, p90, med in zip(od["tokens"], od["spread"]["p90_ms"], nd["spread"]["raw_median_ms"]):
+            pairs.append((f"draft {t} tokens", p90, med))
+    if old.get("decode_step_spread") and new.get("decode_step_ms") is not None:
+        pairs.append(
+            ("decode step", old["decode_step_spread"]["p90_ms"], float(new["decode_step_ms"]))
+        )
+    if not pairs:
+        return []
+    slow = [(n, p90, m) for n, p90, m in pairs if m > p90]
+    if 2 * len(slow) <= len(pairs):
+        return []
+    worst = max(slow, key=lambda x: x[2] / max(x[1], 1e-9))
+    return [
+        f"{len(slow)} of {len(pairs)} points are slower than the stored profile's 90th "
+        f"percentile (worst: {worst[0]}, {worst[2]:.3g} ms against {worst[1]:.3g} ms)"
+    ]
+
+
+def check_threads(prof: dict, where: str) -> None:
+    """ValueError when ``prof`` was measured with another intra-op thread count than
+    this process runs; a profile that records none is used, and said so."""
+    rec = prof.get("threads")
+    now = torch.get_num_threads()
+    if rec is None:
+        _say(f"the hardware profile {where} records no thread count; using it with {now}")
+        return
+    if int(rec) != now:
+        raise ValueError(
+            f"the hardware profile {where} was measured with {rec} intra-op threads, but "
+            f"this engine runs {now}: start with --threads {rec}, or measure one for "
+            f"{now} threads (adaserve profile --threads {now})"
+        )
+
+
+def attach_targets(engine, prof: dict, reprofile: bool = False) -> dict:
+    """Give ``prof`` the pair's targets record (``targets_path``): the stored one, so
+    that a re-measurement never moves the class targets; with ``reprofile``, or when
+    none is stored, one made from this profile and stored. Returns the record."""
+    from adaserve.sched.hardware import HardwareModel, measured_unloaded_tpot_ms
+
+    path = targets_path(engine)
+    rec = None
+    if path.is_file() and not reprofile:
+        try:
+            rec = json.loads(path.read_text())
+            float(rec["unloaded_tpot_ms"])
+        except (OSError, ValueError, KeyError, TypeError):
+            _say(f"the targets record {path} is unreadable; recording new targets")
+            rec = None
+    if rec is None:
+        own = measured_unloaded_tpot_ms(HardwareModel.from_dict({**prof, "targets": None}))
+        rec = {
+            "unloaded_tpot_ms": round(own, 4),
+            "recorded": prof.get("created") or time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "threads": prof.get("threads"),
+            "machine": prof.get("machine"),
+            "from": f"the profile measured {prof.get('created')} with "
+            f"{prof.get('threads')} threads on {prof.get('machine')}",
+            "record": str(path),
+        }
+        if not (prof.get("sanity") or {}).get("impossible"):
+            _write(rec, path)
+    prof["targets"] = rec
+    return rec
+
+
+def _load_file(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+        HardwareModel.from_dict(raw)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read profile {path}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"profile {path} lacks or mistypes {e}") from None
+    return raw
+
+
+def adopt(engine, new: dict, path: Path, reprofile: bool = False) -> tuple[dict, str]:
+    """(the profile to use, why) of a fresh measurement ``new`` against the one
+    stored at ``path``: the stored one is kept when the new one failed its checks, or
+    is slower than the stored spread (``slower_than_spread``; measured while the
+    machine was busy), unless ``reprofile``. An adopted profile is written there."""
+    old = None
+    if path.is_file():
+        with contextlib.suppress(ValueError):
+            old = _load_file(path)
+    if old is not None and not reprofile:
+        if _flags(new) and not _flags(old):
+            return old, "the new measurement failed its checks; kept the stored profile"
+        slow = slower_than_spread(old, new)
+        if slow:
+            return old, f"kept the stored profile: {slow[0]} (--reprofile adopts it)"
+    attach_targets(engine, new, reprofile)
+    saved = _save(new, path)
+    return new, (f"cached in {path} (later starts load it)" if saved else "not cached")
+
+
+def load_or_profile(
+    engine, auto: bool, timer=None, reprofile: bool | None = None
+) -> HardwareModel | None:
     """The engine's hardware model: explicit file, cached profile, or (auto) measure
-    now. A cached profile the sanity check flagged is measured again (when auto)."""
+    now. A profile measured with other threads is refused (explicit file) or not
+    looked at (the cache key holds the thread count); a cached profile the checks
+    flagged is measured again (when auto) and the better one kept (``adopt``). Every
+    profile carries the pair's targets record (``attach_targets``)."""
+    reprofile = bool(engine.cfg.reprofile if reprofile is None else reprofile)
     if engine.cfg.profile:
-        _say(f"using the hardware profile {engine.cfg.profile}")
-        return HardwareModel.load(engine.cfg.profile)
+        where = engine.cfg.profile
+        raw = _load_file(Path(where))
+        check_threads(raw, where)
+        _say(f"using the hardware profile {where}")
+        if (raw.get("targets") or {}).get("unloaded_tpot_ms") is None:
+            raw["targets"] = {
+                "unloaded_tpot_ms": HardwareModel.from_dict(raw).unloaded_tpot_ms(),
+                "from": f"the profile {where}",
+            }
+        return HardwareModel.from_dict(raw, source=str(where))
     path = cached_profile_path(engine)
+    raw = None
     if path.is_file():
         try:
-            raw = json.loads(path.read_text())
-            hw = HardwareModel.from_dict(raw, source=str(path))
-        except (OSError, ValueError, KeyError, TypeError):
-            _say(f"the cached hardware profile {path} is unreadable; measuring again")
-        else:
-            if not (auto and _flags(raw)):
-                _say(f"using the cached hardware profile {path} (measured {raw.get('created')})")
-                return hw
-            _say(f"the cached hardware profile {path} was flagged; measuring again")
+            raw = _load_file(path)
+            check_threads(raw, str(path))
+        except ValueError as e:
+            _say(f"{e}; measuring again")
+            raw = None
+    if raw is not None and auto and _flags(raw):
+        _say(f"the cached hardware profile {path} was flagged; measuring again")
+    if raw is not None and not (auto and _flags(raw)) and not (auto and reprofile):
+        _say(f"using the cached hardware profile {path} (measured {raw.get('created')})")
+        attach_targets(engine, raw, False)
+        return HardwareModel.from_dict(raw, source=str(path))
     if not auto:
+        if raw is not None:
+            attach_targets(engine, raw, False)
+            return HardwareModel.from_dict(raw, source=str(path))
         return None
     reps = 3
     _say(
         f"measuring the hardware profile: {_what(engine, reps)}; caching it in {path} "
-        "(once per machine, model pair, device and dtype)"
+        "(once per machine, model pair, device, dtype and thread count)"
     )
     t0 = time.perf_counter()
     prof = measure_checked(engine, reps=reps, timer=timer)
-    saved = _save(prof, path)
-    took = time.perf_counter() - t0
-    _say(
-        f"measured the hardware profile in {took:.1f} s"
-        + (f"; cached in {path} (later starts load it)" if saved else "; not cached")
-    )
+    prof, why = adopt(engine, prof, path, reprofile)
+    if "targets" not in prof:
+        attach_targets(engine, prof, False)
+    _say(f"measured the hardware profile in {time.perf_counter() - t0:.1f} s; {why}")
+    t = prof["targets"]
+    _say(f"class targets multiply an unloaded TPOT of {t['unloaded_tpot_ms']:.4g} ms ({t['from']})")
     return HardwareModel.from_dict(prof, source=str(path))
 
 
+def reload_profile(engine) -> HardwareModel:
+    """The admin action: the engine's profile read again from its file (explicit or
+    cached: what ``adaserve profile`` last adopted), with the pair's targets record.
+    ValueError when there is none or it does not fit this engine."""
+    hw = load_or_profile(engine, auto=False, reprofile=False)
+    if hw is None:
+        raise ValueError(
+            f"no hardware profile at {cached_profile_path(engine)}: measure one with "
+            "`adaserve profile`"
+        )
+    return hw
+
+
 def log_drift(engine) -> None:
-    """Say on stderr that the machine has drifted from the profile."""
+    """Say on stderr that the machine has drifted from the profile (reported, never
+    re-measured inside the serving loop)."""
     d = engine.drift
     _say(
         f"measured iteration times are {d.median():.2f}x the profile's over the last "
-        f"{d.cfg.window} steps (outside [{d.cfg.low:g}, {d.cfg.high:g}]): the profile is "
-        "measured again at the next idle moment"
+        f"{d.cfg.window} steps (outside [{d.cfg.low:g}, {d.cfg.high:g}]): the online "
+        "correction follows live passes; for a fresh profile run `adaserve profile` "
+        "and POST /v1/admin/profile"
     )
-
-
-def remeasure(engine, reps: int = 3, timer=None) -> HardwareModel:
-    """A fresh profile of the engine's pair after drift: the forward passes measured
-    again (no request is stepped, so the engine's statistics stay as they are), the
-    host overheads of the old profile scaled by the new / old one-token pass. Written
-    to the cache (not over an explicitly named profile file)."""
-    old = engine.hw
-    path = cached_profile_path(engine)
-    _say(f"re-measuring the hardware profile after drift: {_what(engine, reps)}; cache {path}")
-    prof = measure(engine.target, engine.draft, reps=reps, timer=timer)
-    new = HardwareModel.from_dict(prof)
-    scale = float(new.verify_latency(1)) / max(float(old.verify_latency(1)), 1e-9)
-    prof["overhead_ms"] = round(old.overhead_ms * scale, 4)
-    if engine.draft is not None:
-        prof["draft_host_ms"] = round(old.draft_host_ms * scale, 5)
-    prof["remeasured_after_drift"] = {"scale": round(scale, 4)}
-    for f in _flags(prof):
-        _say(f"profile check: {f}")
-    saved = False if engine.cfg.profile else _save(prof, path)
-    hw = HardwareModel.from_dict(prof, source=str(path) if saved else "remeasured")
-    _say(
-        f"re-measured: one-token verify {float(new.verify_latency(1)):.3g} ms "
-        f"({scale:.2f}x the old profile), unloaded TPOT {hw.unloaded_tpot_ms():.3g} ms"
-        + (f"; cached in {path}" if saved else "; not cached")
-    )
-    return hw

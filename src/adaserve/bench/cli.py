@@ -14,6 +14,7 @@ from adaserve.bench.capacity import annotate_sweep
 from adaserve.bench.energy import device_energy
 from adaserve.bench.metrics import shift_convergence, summarize
 from adaserve.bench.report import write_report
+from adaserve.bench.rounds import compare, mean_ci
 from adaserve.bench.runner import (
     EngineFactory,
     class_ranks,
@@ -22,7 +23,7 @@ from adaserve.bench.runner import (
     run_http,
     run_in_process,
 )
-from adaserve.bench.tables import format_class_table
+from adaserve.bench.tables import comparison_lines, format_class_table, rounds_lines
 from adaserve.bench.workload import build_workload
 from adaserve.bench.workload_spec import (
     DEFAULT_CLASS_MIX,
@@ -103,8 +104,10 @@ def _add_common(p: argparse.ArgumentParser, default_duration: float) -> None:
         type=int,
         default=1,
         help="run the policies N times, each round starting one policy later; report "
-        "figures pooled over all runs plus each run's attainment (a machine whose speed "
-        "drifts within minutes makes one sequential run per policy unreliable)",
+        "figures pooled over all runs plus each run's attainment, each figure's mean and "
+        "95%% interval across runs and whether the first policy is separated from each "
+        "other (a machine whose speed drifts within minutes makes one sequential run per "
+        "policy unreliable)",
     )
     w.add_argument(
         "--class-mix",
@@ -539,6 +542,7 @@ def _serve_once(backend, spec: WorkloadSpec, args, progress: bool):
                 }
     for pol in pols:
         results[pol] = runs[pol][0][0] if len(runs[pol]) == 1 else _pooled(runs[pol])
+    comparisons = _comparisons(pols, runs)
     config = {
         **spec.to_dict(),
         **({"seeds": seeds} if len(seeds) > 1 else {}),
@@ -549,13 +553,71 @@ def _serve_once(backend, spec: WorkloadSpec, args, progress: bool):
         "convergence_window_s": args.convergence_window,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    return {"config": config, "results": results}, records, timelines
+    out = {"config": config, "results": results}
+    if comparisons is not None:
+        out["comparisons"] = comparisons
+    return out, records, timelines
+
+
+# figures compared across runs (``overall.rounds``, ``comparisons``)
+ROUND_FIGURES = ("attainment", "tpot_attainment", "goodput_tok_s")
+
+
+def _run_keys(runs: list[tuple[dict, list, int]]) -> list[dict]:
+    """{"round", "seed"} of each run (``_serve_once``'s order: round by round, each
+    round every seed once): the round is 1 + the earlier runs on the same seed."""
+    seen: dict[int, int] = {}
+    keys = []
+    for _, _, seed in runs:
+        seen[seed] = seen.get(seed, 0) + 1
+        keys.append({"round": seen[seed], "seed": seed})
+    return keys
+
+
+def _rounds(runs: list[tuple[dict, list, int]]) -> dict:
+    """``overall.rounds`` of one policy's runs: the mean and 95% interval across runs
+    (``rounds.mean_ci``: ``{"mean", "ci95", "n"}``) of each of ``ROUND_FIGURES`` and
+    of each class's attainment and TPOT attainment, with the runs' round and seed."""
+    sums = [s for s, _, _ in runs]
+    classes = sorted({c for s in sums for c in s["per_class"]})
+    out: dict = {"n": len(sums), "runs": _run_keys(runs)}
+    for k in ROUND_FIGURES:
+        out[k] = mean_ci([s["overall"].get(k) for s in sums])
+    for k in ("attainment", "tpot_attainment"):
+        out[f"per_class_{k}"] = {
+            c: mean_ci([s["per_class"].get(c, {}).get(k) for s in sums]) for c in classes
+        }
+    return out
+
+
+def _comparisons(pols: list[str], runs: dict[str, list]) -> dict | None:
+    """``result["comparisons"]``: the first policy (the one under test) against each
+    other one on each of ``ROUND_FIGURES`` (``rounds.compare``: whether the 95%
+    intervals across runs are apart, and the paired difference first - other over the
+    runs of the same round and seed); None with fewer than two policies."""
+    if len(pols) < 2:
+        return None
+    ref = pols[0]
+    keys = _run_keys(runs[ref])
+    against = {}
+    for pol in pols[1:]:
+        if _run_keys(runs[pol]) != keys:  # _serve_once runs every policy alike
+            raise AssertionError(f"runs of {ref} and {pol} do not line up")
+        against[pol] = {
+            k: compare(
+                [s["overall"].get(k) for s, _, _ in runs[ref]],
+                [s["overall"].get(k) for s, _, _ in runs[pol]],
+            )
+            for k in ROUND_FIGURES
+        }
+    return {"reference": ref, "n": len(keys), "against": against}
 
 
 def _pooled(runs: list[tuple[dict, list, int]]) -> dict:
     """One policy's runs (summary, records, workload seed) as one summary over all their
     requests (throughputs over the summed durations), with each run's figures under
-    ``overall.repeats``."""
+    ``overall.repeats`` and their mean and 95% interval across runs under
+    ``overall.rounds`` (``_rounds``)."""
     pooled = [r for _, recs, _ in runs for r in recs]
     out = summarize(
         pooled,
@@ -578,6 +640,7 @@ def _pooled(runs: list[tuple[dict, list, int]]) -> dict:
         }
         for s, _, seed in runs
     ]
+    out["overall"]["rounds"] = _rounds(runs)
     return out
 
 
@@ -622,8 +685,10 @@ def _pooled_power(overalls: list[dict]) -> dict | None:
     return out
 
 
-def _repeat_lines(results: dict) -> str:
-    """Per-run attainment of each policy when runs were repeated ('' otherwise)."""
+def _repeat_lines(results: dict, comparisons: dict | None = None) -> str:
+    """Per-run attainment of each policy when runs were repeated, their mean and 95%
+    interval across runs and the first policy against each other one (``comparisons``,
+    ``_comparisons``); '' without repeats."""
     lines = []
     for pol, s in results.items():
         reps = s["overall"].get("repeats")
@@ -634,7 +699,19 @@ def _repeat_lines(results: dict) -> str:
                 for r in reps
             )
             lines.append(f"  {pol}: attainment per run {att} % (TPOT only {tpot} %)")
-    return ("runs (in-order; pooled figures above):\n" + "\n".join(lines) + "\n") if lines else ""
+    if not lines:
+        return ""
+    out = "runs (in-order; pooled figures above):\n" + "\n".join(lines) + "\n"
+    across = rounds_lines(results)
+    if across:
+        out += "across runs (mean ± half the 95% interval):\n" + "\n".join(across) + "\n"
+    pairs = comparison_lines(comparisons)
+    if pairs:
+        out += (
+            f"{comparisons['reference']} against each policy (paired over the runs of the "
+            "same round and seed; 95% intervals):\n" + "\n".join(pairs) + "\n"
+        )
+    return out
 
 
 # ---------------------------------------------------------------------- commands
@@ -648,7 +725,7 @@ def run_serve(args, backend=None) -> int:
     out = _out_dir(args, "serve")
     write_report(out, result, "serve", timelines or None, records, plots=not args.no_plots)
     print(format_class_table(result))
-    print(_repeat_lines(result["results"]), end="")
+    print(_repeat_lines(result["results"], result.get("comparisons")), end="")
     print(f"\nwrote {out}/result.json, summary.md and plots", file=sys.stderr)
     return 0
 
@@ -694,8 +771,11 @@ def run_sweep(args, backend=None) -> int:
             if progress:
                 print(f"[{name}] x = {v:g}", file=sys.stderr)
             result, _records, _tl = _serve_once(backend, spec, args, progress)
-            points.append({"x": v, "results": result["results"]})
-            per_run = _repeat_lines(result["results"])
+            point = {"x": v, "results": result["results"]}
+            if "comparisons" in result:
+                point["comparisons"] = result["comparisons"]
+            points.append(point)
+            per_run = _repeat_lines(result["results"], result.get("comparisons"))
             if per_run:
                 print(f"[{name}] x = {v:g}\n" + per_run, end="")
             config = config or result["config"]

@@ -1,10 +1,13 @@
-"""``summary.md``: the configuration, overall and per-class tables, shifts (serve) or
-one row per point, the SLO capacity and the oracle share (sweep), in Markdown."""
+"""``summary.md``: the configuration, overall and per-class tables, shifts and, with
+repeated runs, the figures across runs and the comparisons (serve) or one row per
+point, the SLO capacity and the oracle share (sweep), in Markdown."""
 
 from __future__ import annotations
 
 from adaserve.bench.tables import (
     AZURE_ATTRIBUTION,
+    PAIR_LABELS,
+    ROUND_LABELS,
     _class_order,
     _f,
     _md_table,
@@ -13,6 +16,8 @@ from adaserve.bench.tables import (
     _uses_azure,
     capacity_table,
     capacity_title,
+    format_difference,
+    format_stat,
     sweep_capacity,
 )
 
@@ -172,6 +177,61 @@ def _shifts_md(results: dict) -> str | None:
     return _md_table(header, rows)
 
 
+def _rounds_md(result: dict) -> str | None:
+    """The figures across runs (``overall.rounds``: mean ± half the 95% interval) and
+    the first policy against each other one (``result["comparisons"]``); None without
+    repeated runs."""
+    results = result.get("results", {})
+    have = {p: r["overall"]["rounds"] for p, r in results.items() if r["overall"].get("rounds")}
+    if not have:
+        return None
+    classes = _class_order([results])
+    header = ["policy", "runs"] + [f"{label} {unit}" for label, _, unit in ROUND_LABELS.values()]
+    header += [f"{c} SLO ok %" for c in classes]
+    rows = []
+    for pol, rd in have.items():
+        per = rd.get("per_class_attainment") or {}
+        rows.append(
+            [pol, str(rd.get("n", "-"))]
+            + [format_stat(rd.get(k), scale) for k, (_, scale, _) in ROUND_LABELS.items()]
+            + [format_stat(per.get(c), 100.0) for c in classes]
+        )
+    out = (
+        "Mean ± half the 95% interval (Student t, n - 1 degrees of freedom) across the "
+        "runs (rounds x seeds), each run weighted alike; the tables above pool all "
+        "requests.\n\n" + _md_table(header, rows)
+    )
+    cmp = result.get("comparisons")
+    if cmp and cmp.get("against"):
+        rows = []
+        for pol, figs in cmp["against"].items():
+            for k, c in figs.items():
+                p = c["paired"]
+                no_ci = p.get("ci95") is None
+                rows.append(
+                    [
+                        pol,
+                        PAIR_LABELS.get(k, (k,))[0],
+                        format_difference(c, k),
+                        "no interval"
+                        if no_ci
+                        else ("separated" if p["separated"] else "not separated"),
+                        "-"
+                        if no_ci
+                        else ("separated" if c["intervals"]["separated"] else "not separated"),
+                    ]
+                )
+        ref = cmp["reference"]
+        out += (
+            f"\n\n### {ref} against each policy\n\nPaired: the mean difference {ref} - "
+            "policy over the runs of the same round and seed, its 95% interval, separated "
+            "when that excludes 0. Intervals: separated only when the two policies' 95% "
+            "intervals do not overlap (usually the stricter test).\n\n"
+            + _md_table(["policy", "figure", f"{ref} - policy [95%]", "paired", "intervals"], rows)
+        )
+    return out
+
+
 ATTAINMENT_NOTE = (
     "SLO ok %: requests that completed with mean TPOT and TTFT within their class's "
     "targets (`attainment`); TPOT ok %: completed with mean TPOT within target, TTFT "
@@ -192,6 +252,9 @@ def serve_summary_md(result: dict) -> str:
         + _md_table(OVERALL_HEADER, [_overall_row(p, r["overall"]) for p, r in results.items()]),
         "## Per class\n\n" + _per_class_md(results),
     ]
+    rd = _rounds_md(result)
+    if rd:
+        parts.append("## Across runs\n\n" + rd)
     sh = _shifts_md(results)
     if sh:
         parts.append(

@@ -8,6 +8,11 @@ carries when the Azure trace was used.
 Two attainment columns everywhere: ``SLO ok %`` (completed, mean TPOT and TTFT within
 their targets: ``attainment``) and ``TPOT ok %`` (TPOT target only, TTFT ignored:
 ``tpot_attainment``).
+
+Repeated runs (``--repeat`` / ``--seeds``): ``rounds_lines`` gives each policy's mean
+± half its 95% interval across runs (``overall.rounds``), ``comparison_lines`` the
+first policy against each other one (``result["comparisons"]``), in the terminal and
+in ``summary.md``.
 """
 
 from __future__ import annotations
@@ -214,3 +219,99 @@ def _sweep_policies(pts: list[dict]) -> list[str]:
             if k not in pols:
                 pols.append(k)
     return pols
+
+
+# ---------------------------------------------------------------------- across runs
+# (label, scale, unit) of the figures ``overall.rounds`` and ``comparisons`` carry
+ROUND_LABELS = {
+    "attainment": ("SLO ok", 100.0, "%"),
+    "tpot_attainment": ("TPOT ok", 100.0, "%"),
+    "goodput_tok_s": ("goodput", 1.0, "tok/s"),
+}
+# the comparison's names: attainment differences are in percentage points
+PAIR_LABELS = {
+    "attainment": ("attainment", 100.0, "points"),
+    "tpot_attainment": ("TPOT attainment", 100.0, "points"),
+    "goodput_tok_s": ("goodput", 1.0, "tok/s"),
+}
+
+
+def format_stat(stat: dict | None, scale: float = 1.0, fmt: str = "{:.1f}") -> str:
+    """``mean ± half-width`` of a ``rounds.mean_ci`` dict (x ``scale``); ``mean (one
+    run: no interval)`` without an interval, ``-`` without a mean."""
+    if not stat or stat.get("mean") is None:
+        return "-"
+    mean = fmt.format(scale * stat["mean"])
+    ci = stat.get("ci95")
+    if ci is None:
+        return f"{mean} (one run: no interval)"
+    return f"{mean} ± {fmt.format(scale * (ci[1] - ci[0]) / 2)}"
+
+
+def rounds_lines(results: dict) -> list[str]:
+    """One line per policy with ``overall.rounds``: SLO ok, TPOT ok and goodput as
+    mean ± half the 95% interval across runs, then each class's SLO attainment."""
+    lines = []
+    for pol, r in results.items():
+        rd = r.get("overall", {}).get("rounds")
+        if not rd:
+            continue
+        figs = ", ".join(
+            f"{label} {format_stat(rd.get(k), scale)} {unit}"
+            for k, (label, scale, unit) in ROUND_LABELS.items()
+            if k in rd
+        )
+        lines.append(f"  {pol}: {figs} ({rd.get('n', '?')} runs)")
+        per = rd.get("per_class_attainment") or {}
+        if per:
+            order = _class_order([{pol: {"per_class": per}}])
+            cls = ", ".join(f"{c} {format_stat(per[c], 100.0)} %" for c in order)
+            lines.append(f"      SLO ok per class: {cls}")
+    return lines
+
+
+def _signed(v: float) -> str:
+    return f"{v:+.1f}"
+
+
+def pair_verdict(cmp: dict) -> str:
+    """Both verdicts of one figure's ``rounds.compare`` dict, in words: "separated
+    (paired); intervals overlap: not separated"."""
+    p = cmp["paired"]
+    if p.get("ci95") is None:
+        return "not separated (fewer than two runs: no interval)"
+    paired = "separated" if p["separated"] else "not separated"
+    iv = "apart: separated" if cmp["intervals"]["separated"] else "overlap: not separated"
+    return f"{paired} (paired); intervals {iv}"
+
+
+def format_difference(cmp: dict, key: str) -> str:
+    """``+12.3 points [+4.1, +20.5]`` (the paired difference and its 95% interval)."""
+    _, scale, unit = PAIR_LABELS.get(key, (key, 1.0, ""))
+    p = cmp["paired"]
+    if p.get("mean_diff") is None:
+        return "-"
+    out = f"{_signed(scale * p['mean_diff'])} {unit}"
+    ci = p.get("ci95")
+    if ci is not None:
+        out += f" [{_signed(scale * ci[0])}, {_signed(scale * ci[1])}]"
+    return out
+
+
+def comparison_lines(comparisons: dict | None, keys=("attainment", "goodput_tok_s")) -> list[str]:
+    """One line per other policy and figure of ``keys``: "adaserve vs ar: attainment
+    +12.3 points [+4.1, +20.5], separated (paired); intervals overlap: not separated"."""
+    if not comparisons:
+        return []
+    ref = comparisons["reference"]
+    lines = []
+    for pol, figs in comparisons.get("against", {}).items():
+        for k in keys:
+            cmp = figs.get(k)
+            if cmp is None:
+                continue
+            label = PAIR_LABELS.get(k, (k,))[0]
+            lines.append(
+                f"  {ref} vs {pol}: {label} {format_difference(cmp, k)}, {pair_verdict(cmp)}"
+            )
+    return lines

@@ -25,6 +25,7 @@ class Counters:
     preemptions: int = 0
     degraded: int = 0
     shed: dict[str, int] = field(default_factory=dict)
+    stalls: dict[str, int] = field(default_factory=dict)  # cause -> passes > 3x predicted
     model_time_s: float = 0.0
     step_time_s: float = 0.0
 
@@ -35,3 +36,7 @@ class Counters:
     def count_shed(self, reason: str) -> None:
         """One more request shed for ``reason``."""
         self.shed[reason] = self.shed.get(reason, 0) + 1
+
+    def count_stall(self, cause: str) -> None:
+        """One more pass far over its prediction, for ``cause`` (``core.stalls``)."""
+        self.stalls[cause] = self.stalls.get(cause, 0) + 1

@@ -30,6 +30,8 @@ class StepTrace:
     draft_tokens / draft_passes: tokens the draft processed and its forward passes
     draft_catchup: tokens the draft cached before drafting (its first pass)
     drafted:     candidate nodes the draft produced (before selection)
+    predicted_ms: the profile's prediction of this pass (0: no profile)
+    stall:       the cause when the pass ran over 3x its prediction (``core.stalls``)
     """
 
     plan: Plan
@@ -53,6 +55,8 @@ class StepTrace:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    predicted_ms: float = 0.0
+    stall: str | None = None
 
     @property
     def duration_s(self) -> float:

@@ -21,6 +21,7 @@ from adaserve.config import EngineConfig
 from adaserve.core.clock import Clock, WallClock
 from adaserve.core.counters import Counters
 from adaserve.core.scheduler import Batch, Scheduler
+from adaserve.core.stalls import StallDetector
 from adaserve.core.trace import StepTrace
 from adaserve.core.tree import CandidateTree
 from adaserve.engine.model_runner import ModelRunner
@@ -111,11 +112,13 @@ class Engine:
         self.on_step: Callable[[Engine, StepTrace], None] | None = None
         self._sel_log = SelectionLog(cfg.selection_log) if cfg.selection_log else None
         self.drift = DriftMonitor(cfg.drift_config)  # measured vs profiled step times
+        self.stalls = StallDetector()  # passes over 3x their prediction, with a cause
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[Request]:
         """Run one iteration; returns the requests that finished in it."""
         sched = self.scheduler
+        probe = self.stalls.begin()
         sched.begin_step()  # (ends queued requests past their TTFT deadline)
         sched.admit()  # --- admit
         if not sched.running:
@@ -141,18 +144,30 @@ class Engine:
         trace = sched.end_step(batch, now)
         self._fill_trace(trace, plan, batch, trees, accepted, drafts, generated)
         self.policy.feedback(plan, trace.duration_s * 1000)
-        if self.hw is not None and self.drift.observe(
-            predicted_step_ms(self.hw, trace), trace.duration_s * 1000, now
-        ):
-            from adaserve.profile import log_drift
-
-            log_drift(self)
+        self._judge_pass(trace, probe, now)
         self.last_trace = trace
         if self._sel_log is not None:
             self._sel_log.write(self.policy, view, plan, trees, accepted)
         if self.on_step is not None:
             self.on_step(self, trace)
         return finished
+
+    def _judge_pass(self, trace: StepTrace, probe, now: float) -> None:
+        """The pass against the profile's prediction: a stall (over 3x) is counted with
+        its cause; drift (the window's median ratio out of bounds) is reported."""
+        if self.hw is None:
+            return
+        predicted = predicted_step_ms(self.hw, trace)
+        measured = trace.duration_s * 1000
+        trace.predicted_ms = predicted
+        cause = self.stalls.end(probe, predicted, measured)
+        if cause is not None:
+            trace.stall = cause
+            self.counters.count_stall(cause)
+        if self.drift.observe(predicted, measured, now):
+            from adaserve.profile import log_drift
+
+            log_drift(self)
 
     def run_until_done(self) -> None:
         """Step until no request is waiting or running."""
@@ -258,8 +273,10 @@ class Engine:
         self.scheduler.set_policy(make_policy(policy) if isinstance(policy, str) else policy)
 
     def set_hardware(self, hw) -> None:
-        """The hardware model (profile) the budgeted policies and admission use."""
+        """The hardware model (profile) the budgeted policies and admission use (the
+        drift window starts afresh)."""
         self.scheduler.set_hardware(hw)
+        self.drift.reset()
 
     def reset_stats(self) -> None:
         """Fresh counters and calibration, no faults: a clean start between runs
@@ -315,6 +332,7 @@ class Engine:
     kv_bytes_per_slot = _From("runner")
     flops_per_token_target = _From("runner")
     flops_per_token_draft = _From("runner")
+    thread_plan = _From("runner")
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (a string needs a tokenizer)."""
@@ -336,17 +354,6 @@ class Engine:
             return self.hw.unloaded_tpot_ms()
         return self.runner.estimate_tpot_ms()
 
-    def reprofile_if_drifted(self) -> bool:
-        """Re-measure the hardware profile (and update its cache) when the drift
-        monitor asks for it and no request is in flight; True when it did."""
-        if not self.drift.pending or self.has_work() or self.hw is None:
-            return False
-        from adaserve.profile import remeasure
-
-        self.set_hardware(remeasure(self))
-        self.drift.remeasured(self.clock.now())
-        return True
-
     def output_text(self, r: Request) -> str | None:
         """The request's output text (None without a tokenizer)."""
         return self.output.output_text(r)
@@ -363,6 +370,7 @@ def build_engine(cfg: EngineConfig | None = None, clock: Clock | None = None, **
     from adaserve.profile import load_or_profile  # imports the engine's modules
 
     eng = Engine(cfg, clock, **overrides)
+    _say_threads(eng.thread_plan)
     if eng.policy.uses_draft or eng.cfg.profile:
         try:
             eng.set_hardware(load_or_profile(eng, auto=eng.cfg.auto_profile))
@@ -370,6 +378,19 @@ def build_engine(cfg: EngineConfig | None = None, clock: Clock | None = None, **
             raise ModelLoadError(str(e)) from None
         eng.reset_stats()
     return eng
+
+
+_SAID: set = set()
+
+
+def _say_threads(plan) -> None:
+    """The thread plan, on stderr, once per process and plan."""
+    if plan in _SAID:
+        return
+    _SAID.add(plan)
+    import sys
+
+    print(f"adaserve: forward passes: {plan.describe()}", file=sys.stderr, flush=True)
 
 
 def _power_model(run: ModelRunner, device: str) -> PowerModel | None:

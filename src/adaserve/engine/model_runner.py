@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from adaserve import paths
+from adaserve import paths, threads
 from adaserve.core.scheduler import Batch
 from adaserve.core.tree import CandidateTree, ancestor_mask
 from adaserve.errors import InvalidRequestError, ModelLoadError
@@ -53,6 +53,11 @@ class ModelRunner:
 
     def __init__(self, cfg):
         self.cfg = cfg
+        try:
+            self.thread_plan = threads.choose(getattr(cfg, "threads", None))
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "threads") from None
+        threads.apply(self.thread_plan)
         model_dir = Path(cfg.model) if cfg.model else paths.DEFAULT_TARGET
         draft_dir = None
         if not cfg.no_draft:

@@ -1,11 +1,14 @@
 """Noticing that the machine no longer runs at the speed it was profiled at (no torch).
 
 The online correction absorbs moderate drift (a CPU 1.4x slower than profiled), but a
-profile measured under load, or a machine whose speed changed for good, leaves every
-prediction off by a large factor. ``DriftMonitor`` keeps the ratio measured / profiled
-iteration time of the last ``window`` iterations; when their median leaves
-``[low, high]`` it asks for the profile to be measured again (at an idle moment, at
-most once per ``min_interval_s``).
+machine whose speed changed for good leaves every prediction off by a large factor.
+``DriftMonitor`` keeps the ratio measured / profiled iteration time of the last
+``window`` iterations; when their median leaves ``[low, high]`` it reports drift (the
+engine logs it, exports it as a metric and shows it on the dashboard), and again when
+the median comes back inside. It never re-measures anything: a measurement inside the
+serving loop stalls every request for seconds, and one taken while the machine is busy
+moves every class target. A fresh profile comes from ``adaserve profile`` or the
+explicit admin action (``POST /v1/admin/profile``).
 """
 
 from __future__ import annotations
@@ -18,12 +21,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class DriftConfig:
-    """When to re-measure the hardware profile.
+    """When to report drift from the hardware profile.
 
     enabled:        watch for drift at all
     window:         iterations whose median measured / profiled ratio is judged
     low / high:     the median ratio outside [low, high] means the profile is stale
-    min_interval_s: at least this long (clock seconds) between two re-measurements
+    min_interval_s: at least this long (clock seconds) between two drift reports
     """
 
     enabled: bool = True
@@ -42,14 +45,18 @@ class DriftConfig:
 
 
 class DriftMonitor:
-    """Median measured / profiled iteration time over a sliding window."""
+    """Median measured / profiled iteration time over a sliding window.
+
+    ``drifted`` is True while the window's median is outside ``[low, high]``;
+    ``events`` counts the times it went outside; ``reported_at`` is when the last
+    report was made (reports are at most one per ``min_interval_s``)."""
 
     def __init__(self, cfg: DriftConfig | None = None):
         self.cfg = cfg or DriftConfig()
         self.ratios: deque[float] = deque(maxlen=self.cfg.window)
-        self.pending = False  # a re-measurement is due
-        self.last_remeasure: float | None = None
-        self.remeasures = 0
+        self.drifted = False
+        self.events = 0
+        self.reported_at: float | None = None
 
     def median(self) -> float | None:
         """The window's median ratio (None until the window is full)."""
@@ -58,24 +65,42 @@ class DriftMonitor:
         return statistics.median(self.ratios)
 
     def observe(self, predicted_ms: float, measured_ms: float, now: float) -> bool:
-        """Fold in one iteration; True when this one makes a re-measurement due."""
-        if not self.cfg.enabled or self.pending or not (predicted_ms > 0 and measured_ms > 0):
-            return False
-        if self.last_remeasure is not None and now - self.last_remeasure < self.cfg.min_interval_s:
+        """Fold in one iteration; True when drift should be reported now (the median
+        just left the bounds, and no report was made in the last ``min_interval_s``)."""
+        if not self.cfg.enabled or not (predicted_ms > 0 and measured_ms > 0):
             return False
         self.ratios.append(measured_ms / predicted_ms)
         m = self.median()
-        if m is not None and not self.cfg.low <= m <= self.cfg.high:
-            self.pending = True
-            return True
-        return False
+        if m is None:
+            return False
+        outside = not self.cfg.low <= m <= self.cfg.high
+        if outside == self.drifted:
+            return False
+        self.drifted = outside
+        if not outside:
+            return False
+        self.events += 1
+        if self.reported_at is not None and now - self.reported_at < self.cfg.min_interval_s:
+            return False
+        self.reported_at = now
+        return True
 
-    def remeasured(self, now: float) -> None:
-        """The profile was measured again at ``now``: start a fresh window."""
-        self.pending = False
+    def reset(self) -> None:
+        """A new profile was adopted: start a fresh window."""
         self.ratios.clear()
-        self.last_remeasure = now
-        self.remeasures += 1
+        self.drifted = False
+
+    def as_dict(self) -> dict:
+        """What ``/v1/slo/report`` and the dashboard show."""
+        m = self.median()
+        return {
+            "enabled": self.cfg.enabled,
+            "median_ratio": None if m is None else round(m, 4),
+            "drifted": self.drifted,
+            "events": self.events,
+            "bounds": [self.cfg.low, self.cfg.high],
+            "window": self.cfg.window,
+        }
 
 
 def predicted_step_ms(hw, trace) -> float:

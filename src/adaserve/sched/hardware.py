@@ -13,7 +13,10 @@ Profile JSON schema (``adaserve.profile/1``; written by ``adaserve profile``)::
       "draft_step_ms": float,                                      # one step, few tokens
       "overhead_ms": float,                                        # host work per iteration
       "draft_host_ms": float,                  # host work per speculating request per step
-      "kv_bytes_per_token": {"target": int, "draft": int}
+      "kv_bytes_per_token": {"target": int, "draft": int},
+      "threads": int,                          # intra-op threads it was measured with
+      "targets": {"unloaded_tpot_ms": float,   # what the class targets multiply
+                  "recorded": "...", "from": "..."}   # (see adaserve.profile)
     }
 
 A reduced profile (for the simulator) may give only
@@ -45,13 +48,32 @@ def unloaded_tpot_ms(profile) -> float:
     profiled one-token verification plus the host overhead of an iteration. A profile
     dict that records ``"unloaded_tpot_ms"`` (one rescaled to another machine speed by
     ``benchmarks/fit_host_overhead.py``, which stores the original profile's value of
-    this function) gives that value, so that its targets stay the engine's."""
+    this function) gives that value, so that its targets stay the engine's; so does one
+    whose ``"targets"`` record keeps the targets of the first profile measured for the
+    pair on this machine (``adaserve.profile``), so that re-measuring never moves them."""
     if isinstance(profile, dict):
-        rec = profile.get("unloaded_tpot_ms")
+        rec = recorded_unloaded_tpot_ms(profile)
         if rec is not None:
-            return float(rec)
+            return rec
         profile = HardwareModel.from_dict(profile)
-    return float(profile.verify_latency(1, UNLOADED_KV_TOKENS) + profile.overhead_ms)
+    if profile.targets_tpot_ms is not None:
+        return float(profile.targets_tpot_ms)
+    return measured_unloaded_tpot_ms(profile)
+
+
+def measured_unloaded_tpot_ms(hw: HardwareModel) -> float:
+    """The unloaded TPOT this profile's own curves predict (not the recorded one)."""
+    return float(hw.verify_latency(1, UNLOADED_KV_TOKENS) + hw.overhead_ms)
+
+
+def recorded_unloaded_tpot_ms(profile: dict) -> float | None:
+    """The unloaded TPOT a profile dict records for its class targets (its
+    ``targets`` record, else a top-level ``unloaded_tpot_ms``), None when it records
+    none."""
+    rec = (profile.get("targets") or {}).get("unloaded_tpot_ms")
+    if rec is None:
+        rec = profile.get("unloaded_tpot_ms")
+    return None if rec is None else float(rec)
 
 
 @dataclass(frozen=True)
@@ -68,6 +90,11 @@ class HardwareModel:
     kv_bytes_target: int = 0
     kv_bytes_draft: int = 0
     source: str = "profile"
+    # the recorded unloaded TPOT the class targets multiply (None: this profile's own)
+    targets_tpot_ms: float | None = None
+    targets_from: str = ""
+    measured: str = ""  # when the profile was measured (its "created")
+    threads: int | None = None  # the intra-op threads it was measured with
 
     def __post_init__(self) -> None:
         if len(self.verify_tokens) < 1 or len(self.verify_tokens) != len(self.verify_ms):
@@ -136,8 +163,8 @@ class HardwareModel:
         return first + (draft_depth - 1) * step + draft_depth * draft_requests * self.draft_host_ms
 
     def unloaded_tpot_ms(self) -> float:
-        """Per-token latency (ms) of one request decoding alone, without speculation
-        (the module's ``unloaded_tpot_ms``: the one definition)."""
+        """The unloaded TPOT the class targets multiply (the module's
+        ``unloaded_tpot_ms``: the one definition; the recorded one when recorded)."""
         return unloaded_tpot_ms(self)
 
     # ------------------------------------------------------------------ I/O
@@ -161,7 +188,23 @@ class HardwareModel:
             kv_bytes_target=int(kvb.get("target", 0)),
             kv_bytes_draft=int(kvb.get("draft") or 0),
             source=source,
+            targets_tpot_ms=recorded_unloaded_tpot_ms(d),
+            targets_from=str((d.get("targets") or {}).get("from", "")),
+            measured=str(d.get("created", "")),
+            threads=int(d["threads"]) if d.get("threads") is not None else None,
         )
+
+    def provenance(self) -> dict:
+        """Where this profile and the class targets come from (``/v1/slo/report``, the
+        dashboard and every bench summary show it)."""
+        return {
+            "profile": self.source,
+            "measured": self.measured or None,
+            "threads": self.threads,
+            "unloaded_tpot_ms": round(self.unloaded_tpot_ms(), 4),
+            "profile_unloaded_tpot_ms": round(measured_unloaded_tpot_ms(self), 4),
+            "targets_from": self.targets_from or "this profile",
+        }
 
     @classmethod
     def load(cls, path: str | Path) -> HardwareModel:

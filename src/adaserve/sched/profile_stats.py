@@ -194,4 +194,31 @@ def check_profile(prof: dict, limits: SanityLimits) -> dict:
         )
         impossible += a
         suspicious += b
+    suspicious += check_step(prof)
     return {"impossible": impossible, "suspicious": suspicious}
+
+
+# a whole decode step may cost this many one-token passes plus this many ms of host
+# work before its overhead is flagged (on the shipped CPU pair a step is about 1.2
+# one-token passes; a start on a busy machine once cached 1,075 ms of "overhead")
+STEP_PASSES, STEP_HOST_MS = 2.0, 5.0
+
+
+def check_step(prof: dict) -> list[str]:
+    """Suspicious findings on the measured decode step: a whole iteration of one
+    request should cost about one one-token verification plus a little host work;
+    one measured at over ``STEP_PASSES`` passes plus ``STEP_HOST_MS`` was measured
+    while the machine was busy, and its overhead would be wrong."""
+    step = prof.get("decode_step_ms")
+    v = prof.get("verify") or {}
+    spread = (v.get("spread_by_kv") or {}).get(str((v.get("kv_len") or [None])[0]))
+    if step is None or not spread or not v.get("tokens") or v["tokens"][0] != 1:
+        return []
+    one = float(spread["raw_median_ms"][0])
+    if float(step) <= STEP_PASSES * one + STEP_HOST_MS:
+        return []
+    return [
+        f"decode step: {float(step):.4g} ms for one request, but a one-token verification "
+        f"took {one:.4g} ms (over {STEP_PASSES:g}x + {STEP_HOST_MS:g} ms: the step overhead "
+        "was measured under load?)"
+    ]

@@ -312,6 +312,26 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
         rep = await asyncio.to_thread(state.slo_report, only)
         return JSON(_jsonable(rep))
 
+    @app.post("/v1/admin/profile", responses=_ERRORS)
+    async def admin_profile(request: Request, _key: BearerKey):
+        """The explicit admin action that adopts a fresh hardware profile: the engine
+        reads its profile file again (what ``adaserve profile`` last adopted, or the
+        ``--profile`` file) between two steps. The class targets stay those of the
+        pair's targets record. Needs an admin key (or open mode)."""
+        tenant: Tenant = request.state.tenant
+        if not (state.tenants.open_mode or tenant.admin):
+            raise ApiError(
+                403,
+                "reloading the hardware profile needs an API key with the admin role",
+                type="permission_error",
+                code="admin_required",
+            )
+        try:
+            prov = await asyncio.wrap_future(state.loop.reload_profile())
+        except ValueError as e:
+            raise ApiError(409, str(e), code="no_profile") from None
+        return JSON({"status": "reloaded", "profile": _jsonable(prov)})
+
     @app.get("/health")
     async def health():
         """200 when serving; 503 while draining or when the engine thread is down (HEAD,

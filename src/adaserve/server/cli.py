@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from adaserve import cli_args
+from adaserve import cli_args, threads
 from adaserve.chat_template import load_template_arg
 from adaserve.config import EngineConfig
 from adaserve.errors import AdaServeError, InvalidRequestError, ModelLoadError
@@ -93,6 +93,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="auto (default: float32 on CPU, the checkpoint's half precision on CUDA)",
     )
     p.add_argument("--seed", type=cli_args.int_at_least(0), help="seed of unseeded sampling")
+    p.add_argument(
+        "--threads",
+        type=cli_args.int_at_least(1),
+        help="intra-op threads of the forward passes (default: $ADASERVE_NUM_THREADS, "
+        "$OMP_NUM_THREADS, else the usable cores less a reserve for the HTTP loop)",
+    )
+    p.add_argument(
+        "--reprofile",
+        action="store_true",
+        help="measure the hardware profile now and adopt it, even when slower than the "
+        "stored one's spread, with new class targets",
+    )
     p.add_argument(
         "--kv-cache-bytes",
         "--kv-cache-memory-bytes",  # vLLM's name
@@ -233,8 +245,15 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
         "max_model_len": args.max_model_len,
         "generation_config": getattr(args, "generation_config", None),
         "seed": getattr(args, "seed", None),
+        "threads": getattr(args, "threads", None),
     }
     kw.update({k: v for k, v in flags.items() if v is not None})
+    if getattr(args, "reprofile", False):
+        kw["reprofile"] = True
+    try:
+        threads.choose(kw.get("threads"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if args.no_draft:
         kw["no_draft"] = True
     if cfg.classes is not None:

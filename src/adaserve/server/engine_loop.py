@@ -39,9 +39,6 @@ from adaserve.request import Status
 from adaserve.sampling import SamplingParams
 from adaserve.slo import SLO, SLOClass
 
-# a drifted profile is re-measured only after this many seconds without work
-REPROFILE_QUIET_S = 3.0
-
 log = logging.getLogger("adaserve.server")
 
 SHUTDOWN = "server_shutdown"
@@ -85,6 +82,7 @@ class EngineSnapshot:
     kv_usage: float = 0.0
     counters: dict = field(default_factory=dict)
     time: float = 0.0
+    drift: dict = field(default_factory=dict)  # ``DriftMonitor.as_dict``
 
 
 @dataclass(frozen=True)
@@ -199,11 +197,12 @@ class EngineLoop:
         self.snapshot = EngineSnapshot()
         self.class_slos: dict[str, SLO] = {}
         self.unloaded_tpot_ms: float | None = None  # what the class targets multiply
+        self.pinned = False  # the engine thread is pinned to the thread plan's cores
+        self.provenance: dict = {}  # ``engine_provenance``: threads, profile, targets
         self._class_slos_at = 0.0
         self._owns_engine = isinstance(source, EngineConfig)
         self._drain_deadline: float | None = None
         self._closed = False  # no more adds (draining past its deadline, or stopping)
-        self._last_busy = time.monotonic()  # when the engine last had work
         self.alive = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -261,6 +260,18 @@ class EngineLoop:
         h.aborted = True
         self._inbox.put(("abort", h, reason))
 
+    def reload_profile(self) -> concurrent.futures.Future:
+        """Queue the admin action (``reload_profile``): the profile read again from its
+        file between two steps, the class targets refreshed; resolves to its
+        provenance (or the ValueError saying why not)."""
+
+        def go(e):
+            prov = reload_profile(e)
+            self._refresh_class_slos(force=True)
+            return prov
+
+        return self.call(go)
+
     def call(self, fn) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the engine thread between steps."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -271,8 +282,13 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             if isinstance(self._source, EngineConfig):
+                from adaserve import threads
                 from adaserve.engine import build_engine
 
+                # the serving loop's thread (and the OpenMP team it starts) runs on the
+                # cores the thread plan leaves after the reserve; the HTTP loop does not
+                with contextlib.suppress(ValueError):  # a bad count: build_engine says so
+                    self.pinned = threads.pin_current_thread(threads.choose(self._source.threads))
                 self.engine = build_engine(self._source)
             else:
                 self.engine = self._source
@@ -315,19 +331,11 @@ class EngineLoop:
         while True:
             cmds = []
             if not e.has_work():
+                # the loop never measures anything while it waits: a profile comes from
+                # ``adaserve profile`` or the admin action, not from an idle moment
                 timeout = None
-                drift = getattr(e, "drift", None)
-                if drift is not None and drift.pending:
-                    # re-measuring blocks the loop for seconds: only once the server
-                    # has been quiet a while, not in a lull between arrivals
-                    quiet = time.monotonic() - self._last_busy
-                    if quiet >= REPROFILE_QUIET_S:
-                        self._idle_reprofile()
-                    else:
-                        timeout = REPROFILE_QUIET_S - quiet + 0.01
                 if self._drain_deadline is not None:
-                    left = max(0.0, self._drain_deadline - time.monotonic()) + 0.01
-                    timeout = left if timeout is None else min(timeout, left)
+                    timeout = max(0.0, self._drain_deadline - time.monotonic()) + 0.01
                 with contextlib.suppress(queue.Empty):
                     cmds.append(self._inbox.get(timeout=timeout))
             while True:
@@ -351,7 +359,6 @@ class EngineLoop:
                 self._drain_deadline = None
                 self._abort_all(SHUTDOWN)
             if e.has_work():
-                self._last_busy = time.monotonic()
                 before = getattr(e, "last_trace", None)
                 tokens_before = _step_tokens(e)
                 try:
@@ -515,19 +522,8 @@ class EngineLoop:
             kv_usage=float(e.kv_usage()),
             counters=dataclasses.asdict(e.counters),
             time=time.time(),
+            drift=_drift_of(e),
         )
-
-    def _idle_reprofile(self) -> None:
-        """At an idle moment: re-measure the hardware profile when the engine's drift
-        monitor asks for it (``Engine.reprofile_if_drifted``); class targets follow."""
-        redo = getattr(self.engine, "reprofile_if_drifted", None)
-        if redo is None:
-            return
-        try:
-            if redo():
-                self._refresh_class_slos(force=True)
-        except Exception:  # a failed re-measurement keeps the old profile
-            log.exception("re-measuring the hardware profile failed; keeping the old one")
 
     def _refresh_class_slos(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -537,6 +533,7 @@ class EngineLoop:
         self.class_slos = {c.name: self.engine.class_slo(c.name) for c in self.engine.cfg.classes}
         unloaded = getattr(self.engine, "unloaded_tpot_ms", None)
         self.unloaded_tpot_ms = float(unloaded()) if unloaded is not None else None
+        self.provenance = engine_provenance(self.engine, self.pinned)
 
     def _fail_pending(self) -> None:
         """After the loop ends: answer queued adds and unfinished handles."""
@@ -552,6 +549,32 @@ class EngineLoop:
         if self.engine is not None and self._tracked:
             self._abort_all(SHUTDOWN)
             self._publish()
+
+
+def _drift_of(e) -> dict:
+    d = getattr(e, "drift", None)
+    return d.as_dict() if d is not None else {}
+
+
+def engine_provenance(e, pinned: bool = False) -> dict:
+    """Threads, profile and where the class targets come from (immutable once made)."""
+    plan = getattr(e, "thread_plan", None)
+    hw = getattr(e, "hw", None)
+    out: dict = {"threads": None, "profile": None}
+    if plan is not None:
+        out["threads"] = {**plan.as_dict(), "pinned": bool(pinned)}
+    if hw is not None and hasattr(hw, "provenance"):
+        out["profile"] = hw.provenance()
+    return out
+
+
+def reload_profile(e) -> dict:
+    """The admin action, run on the engine thread: the profile read again from its
+    file (what ``adaserve profile`` last adopted); returns its provenance."""
+    from adaserve.profile import reload_profile as load
+
+    e.set_hardware(load(e))
+    return e.hw.provenance()
 
 
 def _step_tokens(e) -> int:

@@ -367,6 +367,7 @@ class _EngineCollector:
         self.attainment_fn = attainment_fn
         self.targets_fn = targets_fn  # () -> {class: SLO} (the current class targets)
         self.cache_info: dict | None = None
+        self.threads_fn = None  # () -> the thread plan dict (``engine_provenance``)
 
     def describe(self):
         return []
@@ -423,6 +424,52 @@ class _EngineCollector:
             fb.add_metric([mn, str(reason)], v)
         yield fb
         yield counter("adaserve:engine_iterations", "Engine iterations.", c.get("iterations", 0))
+        stalls = CounterMetricFamily(
+            "adaserve:stalls",
+            "Passes over 3x the profile's prediction, by cause (compile, gc, "
+            "slowed_machine, unknown).",
+            labels=["model_name", "cause"],
+        )
+        for cause, v in sorted((c.get("stalls") or {}).items()):
+            stalls.add_metric([mn, str(cause)], v)
+        yield stalls
+        drift = s.drift or {}
+        if drift.get("median_ratio") is not None:
+            yield gauge(
+                "adaserve:profile_drift_ratio",
+                "Median measured / profiled iteration time over the drift window.",
+                drift["median_ratio"],
+            )
+        yield counter(
+            "adaserve:profile_drift_events",
+            "Times the drift window's median left its bounds.",
+            drift.get("events", 0),
+        )
+        if self.threads_fn is not None:
+            th = self.threads_fn() or {}
+            if th.get("threads"):
+                yield gauge(
+                    "adaserve:intra_op_threads",
+                    "Intra-op threads of the forward passes.",
+                    th["threads"],
+                )
+                info = GaugeMetricFamily(
+                    "adaserve:thread_config_info",
+                    "The engine's thread plan (how it was chosen, reserve, pinned cores).",
+                    labels=["model_name", "source", "usable", "reserve", "cores", "pinned"],
+                )
+                info.add_metric(
+                    [
+                        mn,
+                        str(th.get("source")),
+                        str(th.get("usable")),
+                        str(th.get("reserve")),
+                        ",".join(map(str, th.get("cores") or [])),
+                        str(bool(th.get("pinned"))).lower(),
+                    ],
+                    1,
+                )
+                yield info
         yield counter(
             "vllm:num_preemptions", "Cumulative number of preemptions.", c.get("preemptions", 0)
         )

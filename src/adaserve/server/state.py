@@ -39,6 +39,10 @@ def engine_summary(loop: EngineLoop) -> dict:
         "fallback_iterations": c.get("fallback_iterations", {}),
         "spec_draft_tokens": c.get("spec_draft_tokens", 0),
         "spec_accepted_tokens": c.get("spec_accepted_tokens", 0),
+        "stalls": c.get("stalls", {}),
+        "drift": snap.drift,
+        # the thread plan, the profile and where the class targets come from
+        **getattr(loop, "provenance", {}),
     }
 
 
@@ -97,6 +101,9 @@ class ServerState:
             lambda: self.loop.snapshot,
             self.report.attainment,
             lambda: self.loop.class_slos,
+        )
+        self.metrics._collector.threads_fn = lambda: getattr(self.loop, "provenance", {}).get(
+            "threads"
         )
         # the engine's clock (``WallClock``: perf_counter) at start; iteration samples
         # are stamped in seconds from here

@@ -1,0 +1,174 @@
+"""One trusted profile: a profile measured with other threads is refused, a
+re-measurement slower than the stored spread is not adopted, the class targets stay
+put across re-measurements, the step overhead is checked against the pass, and slow
+passes are counted with their cause. Every timing is injected."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+import torch
+
+from adaserve import profile
+from adaserve.config import EngineConfig
+from adaserve.core.clock import TickClock
+from adaserve.core.stalls import StallDetector
+from adaserve.engine.engine import Engine
+from adaserve.sampling import SamplingParams
+from adaserve.sched.hardware import HardwareModel
+from adaserve.sched.profile_stats import check_step
+
+KV = 4 << 20
+
+
+def _timer(scale: float):
+    """A forward timer for ``profile.measure``: ms linear in the pass size, times
+    ``scale`` (the machine's speed)."""
+
+    def factory(model, kv, n_tokens, ctx):
+        return lambda: scale * (1.0 + 0.02 * n_tokens + 0.001 * ctx)
+
+    return factory
+
+
+@pytest.fixture
+def eng(tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("ADASERVE_CACHE", str(tmp_path))
+    target, draft, _ = tiny_pair
+    return Engine(EngineConfig(model=str(target), draft=str(draft), policy="ar", kv_cache_bytes=KV))
+
+
+def _steps(ms: float):
+    """``measure_step_overhead`` replaced: every decode step takes ``ms``."""
+    return lambda engine, new_tokens=24: [ms] * 20
+
+
+def test_a_slower_remeasurement_is_not_adopted_and_targets_stay_put(eng, monkeypatch):
+    monkeypatch.setattr(profile, "measure_step_overhead", _steps(2.5))
+    monkeypatch.setattr(profile, "measure_draft_host", lambda *a, **k: 1.0)
+    path = profile.cached_profile_path(eng)
+    first = profile.load_or_profile(eng, auto=True, timer=_timer(1.0))
+    stored = json.loads(path.read_text())
+    targets = stored["targets"]["unloaded_tpot_ms"]
+    assert stored["threads"] == torch.get_num_threads() and stored["targets"]["record"]
+    assert first.unloaded_tpot_ms() == pytest.approx(targets)
+
+    # measured again while the machine is 3x slower: kept out of the cache
+    slow = profile.measure_checked(eng, reps=3, timer=_timer(3.0))
+    used, why = profile.adopt(eng, slow, path)
+    assert used is not slow and "slower than the stored profile's 90th percentile" in why
+    assert json.loads(path.read_text())["verify"] == stored["verify"]
+    # ... unless asked: then it is adopted, with targets of its own
+    used, _ = profile.adopt(eng, slow, path, reprofile=True)
+    assert used is slow
+    moved = json.loads(path.read_text())["targets"]["unloaded_tpot_ms"]
+    assert moved > targets
+
+    # a faster re-measurement is adopted, but the targets stay those of the record
+    fast = profile.measure_checked(eng, reps=3, timer=_timer(0.5))
+    used, _ = profile.adopt(eng, fast, path)
+    assert used is fast
+    hw = HardwareModel.load(path)
+    assert hw.unloaded_tpot_ms() == pytest.approx(moved)
+    assert hw.provenance()["profile_unloaded_tpot_ms"] < moved
+    assert hw.provenance()["targets_from"].startswith("the profile measured")
+
+
+def test_targets_are_shared_across_thread_counts(eng, monkeypatch):
+    """A profile for another thread count is another cache entry, with the same
+    targets record: one machine, one set of targets."""
+    monkeypatch.setattr(profile, "measure_step_overhead", _steps(2.5))
+    monkeypatch.setattr(profile, "measure_draft_host", lambda *a, **k: 1.0)
+    before = torch.get_num_threads()
+    try:
+        a = profile.load_or_profile(eng, auto=True, timer=_timer(1.0))
+        torch.set_num_threads(before + 1)
+        b = profile.load_or_profile(eng, auto=True, timer=_timer(0.6))
+        assert b.threads == before + 1 and a.threads == before
+        assert b.verify_ms[0] < a.verify_ms[0]
+        assert b.unloaded_tpot_ms() == a.unloaded_tpot_ms()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_profile_measured_with_other_threads_is_refused(eng, tmp_path):
+    prof = profile.measure(eng.target, eng.draft, reps=2, timer=_timer(1.0))
+    prof["threads"] = torch.get_num_threads() + 3
+    p = tmp_path / "other.json"
+    p.write_text(json.dumps(prof))
+    e2 = Engine(
+        EngineConfig(
+            model=str(eng.model_dir),
+            draft=str(eng.draft_dir),
+            policy="ar",
+            kv_cache_bytes=KV,
+            profile=str(p),
+        )
+    )
+    with pytest.raises(ValueError, match=f"measured with {prof['threads']} intra-op threads"):
+        profile.load_or_profile(e2, auto=True)
+    # a cached one with a wrong record is measured again, not used
+    cached = profile.cached_profile_path(eng)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_text(json.dumps(prof))
+    hw = profile.load_or_profile(eng, auto=True, timer=_timer(1.0))
+    assert hw.threads == torch.get_num_threads()
+
+
+def test_the_step_overhead_is_checked_against_the_pass(eng, monkeypatch, capsys):
+    """The issue's first start on a busy machine: a 1,075 ms step overhead. The check
+    flags it, the profile is measured again, and a flagged one is never cached."""
+    monkeypatch.setattr(profile, "measure_step_overhead", _steps(1077.0))
+    monkeypatch.setattr(profile, "measure_draft_host", lambda *a, **k: 1.0)
+    hw = profile.load_or_profile(eng, auto=True, timer=_timer(1.0))
+    err = capsys.readouterr().err
+    assert "decode step: 1077 ms" in err and "measuring the profile again" in err
+    assert "not caching a profile that failed its checks" in err
+    assert hw is not None and not profile.cached_profile_path(eng).exists()
+    ok = {"decode_step_ms": 1.4, "verify": {"tokens": [1, 2], "kv_len": [64, 512]}}
+    ok["verify"]["spread_by_kv"] = {"64": {"raw_median_ms": [1.2, 1.3]}}
+    assert check_step(ok) == []
+    assert check_step({**ok, "decode_step_ms": 9.0}) != []
+
+
+def test_stalls_are_counted_with_their_cause(tiny_pair, cheap_profile):
+    """A fake executor: each pass takes 1 s on a tick clock against a 10-ms profile;
+    what happened during it names the cause."""
+    target, _, _ = tiny_pair
+    eng = Engine(
+        EngineConfig(model=str(target), no_draft=True, policy="ar", kv_cache_bytes=KV),
+        clock=TickClock(0.5),
+    )
+    eng.set_hardware(HardwareModel.load(cheap_profile))
+    cpu, wall, compiles = [0.0], [0.0], [0]
+    eng.stalls = StallDetector(
+        cpu_time=lambda: cpu[0], wall_time=lambda: wall[0], compiles=lambda: compiles[0]
+    )
+    forward = eng.runner.verify_forward
+    what = {"n": 0}
+
+    def fake_forward(*a, **k):
+        what["n"] += 1
+        kind = ["gc", "compile", "slowed_machine", "unknown"][(what["n"] - 1) % 4]
+        wall[0] += 1.0
+        cpu[0] += 0.2 if kind == "slowed_machine" else 1.0
+        if kind == "gc":
+            gc.collect()
+        if kind == "compile":
+            compiles[0] += 1
+        return forward(*a, **k)
+
+    eng.runner.verify_forward = fake_forward
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    eng.run_until_done()
+    st = eng.counters.stalls
+    assert st == {"gc": 2, "compile": 2, "slowed_machine": 2, "unknown": 2}
+    assert eng.last_trace.stall == "unknown" and eng.last_trace.predicted_ms > 0
+
+    # passes within 3x of the prediction are not stalls
+    d = StallDetector(cpu_time=lambda: 0.0, wall_time=lambda: 0.0, compiles=lambda: 0)
+    assert d.end(d.begin(), 10.0, 29.0) is None and d.end(d.begin(), 10.0, 31.0) == "unknown"
+    with pytest.raises(ValueError):
+        StallDetector(factor=1.0)
