@@ -14,11 +14,10 @@ from adaserve.bench.demo import (
     SAMPLE_TOKENS,
     demo_items,
     demo_workload,
-    recorded_unloaded_tpot,
     run,
-    targets_record,
 )
 from adaserve.errors import InvalidRequestError
+from adaserve.profile import targets_path_for
 
 _env = pytest.fixture(scope="module", autouse=True)(server_test_env)
 
@@ -26,11 +25,12 @@ _env = pytest.fixture(scope="module", autouse=True)(server_test_env)
 def test_demo_serves_adaserve_beside_a_baseline(tiny_pair, tmp_path, capsys, monkeypatch):
     target, _, _ = tiny_pair
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the server subprocesses
-    # a recorded unloaded TPOT, as an earlier run leaves it: the workload (its rate) and the
-    # targets then do not depend on how fast this machine is today
-    rec = targets_record(target, target)
+    # the pair's targets record, as the first profile measured here leaves it: the
+    # workload (its rate) and the targets then do not depend on how fast this machine
+    # is today (the servers measure their profiles, and keep these targets)
+    rec = targets_path_for(target, target)
     rec.parent.mkdir(parents=True, exist_ok=True)
-    rec.write_text(json.dumps({"unloaded_tpot_ms": 8.0, "recorded": "earlier"}))
+    rec.write_text(json.dumps({"unloaded_tpot_ms": 8.0, "from": "an earlier profile"}))
     args = argparse.Namespace(
         duration=3.0, port=0, baseline="ar", model=str(target), draft=str(target), out=tmp_path
     )
@@ -52,7 +52,7 @@ def test_demo_serves_adaserve_beside_a_baseline(tiny_pair, tmp_path, capsys, mon
     assert {"interactive", "chat", "batch"} <= set(res["adaserve"]["per_class"])
     # targets: the class multiples of the unloaded TPOT recorded for this pair
     tpot = cfg["unloaded_tpot_ms"]
-    assert tpot == 8.0 and "first demo run" in cfg["unloaded_tpot_source"]
+    assert tpot == 8.0 and cfg["unloaded_tpot_source"] == "an earlier profile"
     assert cfg["slo_targets"]["interactive"]["tpot_ms"] == pytest.approx(1.2 * tpot)
     assert cfg["slo_targets"]["batch"]["tpot_ms"] == pytest.approx(5.0 * tpot)
     # the report: one side-by-side table, per class, the targets in ms, what it means
@@ -75,23 +75,6 @@ def test_demo_refuses_an_unknown_baseline_before_starting(tmp_path):
     args = argparse.Namespace(duration=3.0, port=0, baseline="nope", out=tmp_path)
     with pytest.raises(InvalidRequestError, match="unknown or malformed policy"):
         run(args)
-
-
-def test_targets_come_from_the_first_run_record(tmp_path):
-    rec = tmp_path / "demo" / "pair.json"
-    calls = []
-
-    def measure():
-        calls.append(1)
-        return 12.5 + len(calls)  # a re-measured profile would give another value
-
-    first = recorded_unloaded_tpot(rec, measure)
-    again = recorded_unloaded_tpot(rec, measure)
-    assert first[0] == again[0] == 13.5 and len(calls) == 1
-    assert "recorded now" in first[1] and "first demo run" in again[1]
-    rec.write_text("not json")  # an unreadable record is measured and written again
-    assert recorded_unloaded_tpot(rec, measure)[0] == 14.5
-    assert json.loads(rec.read_text())["unloaded_tpot_ms"] == 14.5
 
 
 def test_demo_prompts_humaneval_for_interactive_stdlib_for_the_rest():

@@ -268,11 +268,16 @@ def targets_path(engine) -> Path:
     record per pair, device, dtype and CPU architecture, whatever the thread count, so
     that every profile measured here (and the bench, the demo and the simulator fed
     one) is judged by the same targets."""
+    dtype = str(engine.dtype).removeprefix("torch.")
+    return targets_path_for(engine.model_dir, engine.draft_dir, engine.cfg.device, dtype)
+
+
+def targets_path_for(model_dir, draft_dir, device: str = "cpu", dtype: str = "float32") -> Path:
+    """``targets_path`` of a pair named by its directories."""
     from adaserve.paths import cache_root
 
-    dtype = str(engine.dtype).removeprefix("torch.")
-    fp = f"{fingerprint(engine.model_dir)}-{fingerprint(engine.draft_dir)}"
-    return cache_root() / "targets" / f"{fp}-{engine.cfg.device}-{dtype}-{platform.machine()}.json"
+    fp = f"{fingerprint(model_dir)}-{fingerprint(draft_dir)}"
+    return cache_root() / "targets" / f"{fp}-{device}-{dtype}-{platform.machine()}.json"
 
 
 def _say(msg: str) -> None:

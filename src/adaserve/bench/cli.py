@@ -351,6 +351,8 @@ def _extra(tl, records, spec, strict: str, energy, window: float) -> dict:
         "peak_kv_usage",
         "peak_kv_bytes",
         "wall_s",
+        "stalls",
+        "stalls_total",
     )
     extra = {k: info[k] for k in keys if k in info}
     extra["energy"] = {
@@ -425,6 +427,9 @@ class _InProcess:
             "max_num_seqs": self.cfg.max_num_seqs,
             "admission": self.cfg.admission,
             "unloaded_tpot_ms": eng.unloaded_tpot_ms(),
+            # where the class targets and the profile come from, and the threads
+            "targets": eng.hw.provenance() if eng.hw is not None else None,
+            "threads": eng.thread_plan.as_dict(),
             "energy_model": self.energy.as_dict(),
         }
 
@@ -624,6 +629,13 @@ def _pooled(runs: list[tuple[dict, list, int]]) -> dict:
         sum(s["overall"]["duration_s"] for s, _, _ in runs),
         class_extra=_pooled_energy(runs),
     )
+    stalls: dict[str, int] = {}
+    for sm, _, _ in runs:
+        for cause, n in (sm["overall"].get("stalls") or {}).items():
+            stalls[cause] = stalls.get(cause, 0) + n
+    if any("stalls" in sm["overall"] for sm, _, _ in runs):
+        out["overall"]["stalls"] = stalls
+        out["overall"]["stalls_total"] = sum(stalls.values())
     power = _pooled_power([s["overall"] for s, _, _ in runs])
     if power is not None:
         out["overall"]["power"] = power
@@ -714,6 +726,33 @@ def _repeat_lines(results: dict, comparisons: dict | None = None) -> str:
     return out
 
 
+def _provenance_lines(result: dict) -> str:
+    """Where the targets came from, and each policy's stalls (passes over 3x the
+    profile's prediction, by cause); '' when the run reports neither."""
+    cfg = result.get("config") or {}
+    lines = []
+    t = cfg.get("targets")
+    if t:
+        lines.append(
+            f"targets: unloaded TPOT {t['unloaded_tpot_ms']:.4g} ms from {t['targets_from']}; "
+            f"profile {t['profile']} (measured {t.get('measured')}, {t.get('threads')} threads)"
+        )
+    elif cfg.get("unloaded_tpot_ms") is not None:
+        lines.append(f"targets: unloaded TPOT {cfg['unloaded_tpot_ms']:.4g} ms")
+    th = cfg.get("threads")
+    if th:
+        lines.append(f"threads: {th['threads']} ({th['source']}, {th['usable']} usable cores)")
+    st = []
+    for pol, sm in (result.get("results") or {}).items():
+        o = sm.get("overall") or {}
+        if "stalls" in o:
+            why = ", ".join(f"{k} {v}" for k, v in sorted(o["stalls"].items()))
+            st.append(f"{pol} {o.get('stalls_total', 0)}" + (f" ({why})" if why else ""))
+    if st:
+        lines.append("stalls (passes > 3x predicted): " + "; ".join(st))
+    return "".join(x + "\n" for x in lines)
+
+
 # ---------------------------------------------------------------------- commands
 def run_serve(args, backend=None) -> int:
     """``bench serve``; ``backend`` (default: in-process or HTTP from ``args``) may be any
@@ -726,6 +765,7 @@ def run_serve(args, backend=None) -> int:
     write_report(out, result, "serve", timelines or None, records, plots=not args.no_plots)
     print(format_class_table(result))
     print(_repeat_lines(result["results"], result.get("comparisons")), end="")
+    print(_provenance_lines(result), end="")
     print(f"\nwrote {out}/result.json, summary.md and plots", file=sys.stderr)
     return 0
 

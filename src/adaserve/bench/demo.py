@@ -5,7 +5,6 @@ greedy sample of each server's text (``adaserve.bench.demo_report``)."""
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import socket
@@ -98,38 +97,6 @@ def demo_workload(
     )
 
 
-def targets_record(model_dir: Path, draft_dir: Path | None) -> Path:
-    """Where the demo keeps the unloaded TPOT its targets multiply, per model pair."""
-    import hashlib
-
-    from adaserve import paths
-
-    key = f"{Path(model_dir).resolve()}|{Path(draft_dir).resolve() if draft_dir else '-'}"
-    return paths.cache_dir() / "demo" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
-
-
-def recorded_unloaded_tpot(record: Path, measure) -> tuple[float, str]:
-    """(unloaded TPOT ms, where it comes from): the one recorded in ``record`` by an
-    earlier demo run, else ``measure()`` (the server's profile value), recorded now. The
-    server may re-measure its profile when the machine drifts; the demo's targets stay
-    those of its first run on this machine, so back-to-back runs judge by the same ones."""
-    import datetime
-    import json
-
-    try:
-        d = json.loads(record.read_text())
-        v = float(d["unloaded_tpot_ms"])
-        if v > 0:
-            return v, f"recorded by the first demo run here, {d.get('recorded', '?')}"
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    v = float(measure())
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    record.parent.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps({"unloaded_tpot_ms": v, "recorded": now}) + "\n")
-    return v, "the server's hardware profile, recorded now for later runs"
-
-
 def _context_of(model_dir: Path) -> int | None:
     """The checkpoint's context length (``max_position_embeddings``), None if unknown."""
     import json
@@ -199,7 +166,7 @@ def run(args) -> int:
     from adaserve.bench.demo_report import format_demo, load_line
     from adaserve.bench.metrics import summarize
     from adaserve.bench.report import write_report
-    from adaserve.bench.runner import class_slos, measure_unloaded_tpot, run_http
+    from adaserve.bench.runner import class_slos, run_http, server_targets
     from adaserve.sched.registry import check_servable, make_policy
     from adaserve.slo import DEFAULT_CLASSES
     from adaserve.tokenizer import load_tokenizer
@@ -241,11 +208,10 @@ def run(args) -> int:
             except AdaServeError as e:
                 raise AdaServeError(f"{e}\n--- server log tail ---\n{_tail(log_path)}") from None
             if config is None:  # one workload and one set of targets for every policy
-                record = targets_record(mdir, Path(draft) if draft else paths.DEFAULT_DRAFT)
-                tpot, tpot_src = recorded_unloaded_tpot(
-                    record, functools.partial(measure_unloaded_tpot, base_url)
-                )
-                print(f"demo: unloaded TPOT {tpot:.3f} ms, {tpot_src} ({record})", file=sys.stderr)
+                # the pair's targets record on this machine (``adaserve.profile``): the
+                # first profile measured here fixed it, so every run judges alike
+                tpot, tpot_src = server_targets(base_url)
+                print(f"demo: unloaded TPOT {tpot:.3f} ms, from {tpot_src}", file=sys.stderr)
                 spec = demo_workload(duration, tpot, max_model_len=_context_of(mdir))
                 items = demo_items(spec, tokenizer=tok, vocab_size=vocab)
                 slos = class_slos(
@@ -258,7 +224,6 @@ def run(args) -> int:
                     "policies": policies,
                     "unloaded_tpot_ms": tpot,
                     "unloaded_tpot_source": tpot_src,
-                    "unloaded_tpot_record": str(record),
                     "tpot_multiples": {c.name: c.tpot_x for c in DEFAULT_CLASSES if c.tpot_x},
                     "slo_targets": {
                         k: {"tpot_ms": v.tpot_ms, "ttft_ms": v.ttft_ms} for k, v in slos.items()

@@ -285,6 +285,9 @@ def run_in_process(
         "step_time_s": c.step_time_s,
         "shifts_applied": applied,
         "unloaded_tpot_ms": engine.unloaded_tpot_ms(),
+        # passes over 3x the profile's prediction, by cause (``core.stalls``)
+        "stalls": dict(c.stalls),
+        "stalls_total": sum(c.stalls.values()),
     }
     records.sort(key=lambda r: r.idx)
     return records, timeline
@@ -484,6 +487,26 @@ async def _unloaded_of(client, model, n: int) -> float:
     v = await _measure_unloaded(client, model, n)
     print(f"bench: unloaded TPOT {v:.3f} ms (probed: {n} single requests)", file=sys.stderr)
     return v
+
+
+def server_targets(base_url: str, api_key: str | None = None) -> tuple[float, str]:
+    """(the unloaded TPOT the server's class targets multiply, where it comes from):
+    an adaserve server reports its pair's targets record (``adaserve.profile``), the
+    one the bench, the demo and the simulator all read; a server that reports none is
+    probed (``measure_unloaded_tpot``)."""
+    import httpx
+
+    try:
+        r = httpx.get(f"{base_url}/v1/slo/report", headers=_auth_headers(api_key), timeout=60.0)
+        eng = r.json().get("engine") or {} if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        eng = {}
+    prof = eng.get("profile") or {}
+    v = prof.get("unloaded_tpot_ms", eng.get("unloaded_tpot_ms"))
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+        src = prof.get("targets_from") or "the server's hardware profile"
+        return float(v), src
+    return measure_unloaded_tpot(base_url, api_key=api_key), "probed: single requests"
 
 
 def measure_unloaded_tpot(base_url: str, n: int = 3, api_key: str | None = None) -> float:
