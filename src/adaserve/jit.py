@@ -12,6 +12,13 @@ instead of failing at import.
 The first run compiles (up to a minute on a slow machine; later runs load the cache).
 The first compilation in a process says on stderr what it compiles and where it is
 cached; each one, when it is done, what it compiled and how long it took.
+
+Bookkeeping, for start-up warm-up (``engine.warmup``) and the stall probe
+(``core.stalls``): ``compiles()`` counts the real compiles of adaserve's functions in
+this process (a function loaded from the on-disk cache is not one), and
+``specialisations()`` / ``compiled_functions()`` count each function's compiled or
+loaded specialisations (one per argument-type combination), which is what tells that
+nothing new was needed after warm-up, cache or no cache.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numba
 from numba import njit
@@ -62,12 +70,52 @@ def compiled(fn):
     _install_notice()
     folder = cache_folder()
     if folder is None:
-        return njit(fn)
+        return _register(njit(fn))
     try:
         with _numba_cache_dir(folder):
-            return njit(cache=True)(fn)
+            return _register(njit(cache=True)(fn))
     except RuntimeError:  # numba: "cannot cache function ...: no locator available"
-        return njit(fn)
+        return _register(njit(fn))
+
+
+# every dispatcher ``compiled`` made, in decoration order (their modules imported)
+_DISPATCHERS: list = []
+
+
+def _register(dispatcher):
+    _DISPATCHERS.append(dispatcher)
+    return dispatcher
+
+
+class CompiledFunction(NamedTuple):
+    """One of adaserve's numba functions: ``module.function`` (``adaserve.`` left
+    out), its dispatcher, and how many specialisations (argument-type combinations)
+    it holds now, compiled in this process or loaded from the on-disk cache."""
+
+    name: str
+    dispatcher: object
+    specialisations: int
+
+
+def compiles() -> int:
+    """Compiles of adaserve's numba functions in this process so far: real compiles
+    only (a specialisation loaded from the on-disk cache is not one), each counted once
+    it ends (a failed one too), a function compiled inside another's compile counted
+    in the outermost one. Monotone; 0 before any."""
+    return _NOTICE.count if _NOTICE is not None else 0
+
+
+def compiled_functions() -> list[CompiledFunction]:
+    """adaserve's numba functions whose modules are imported, in decoration order, with
+    their specialisations now."""
+    return [CompiledFunction(_name(d) or repr(d), d, len(d.signatures)) for d in list(_DISPATCHERS)]
+
+
+def specialisations() -> dict[str, int]:
+    """``module.function`` -> specialisations it holds now (compiled or loaded from
+    the cache), for every adaserve numba function whose module is imported. Equal
+    before and after a run: the run needed no new specialisation."""
+    return {f.name: f.specialisations for f in compiled_functions()}
 
 
 def _say(msg: str) -> None:
@@ -94,6 +142,7 @@ class _CompileNotice(event.Listener):
         self.t0 = 0.0
         self.top: str | None = None
         self.announced = False
+        self.count = 0  # top-level compiles ended (``compiles``)
 
     def on_start(self, ev) -> None:
         name = _name(ev.data.get("dispatcher"))
@@ -113,6 +162,7 @@ class _CompileNotice(event.Listener):
             return
         self.depth -= 1
         if self.depth == 0:
+            self.count += 1
             _say(f"compiled {self.top} (numba) in {time.perf_counter() - self.t0:.1f} s")
 
 

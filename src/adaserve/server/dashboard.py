@@ -145,7 +145,16 @@ def report_view(
         policy=eng["policy"],
         as_of_s=as_of_s,
         classes=classes,
-        engine={k: eng[k] for k in ("running", "waiting", "kv_usage", "iterations")},
+        engine={
+            **{k: eng[k] for k in ("running", "waiting", "kv_usage", "iterations")},
+            # where the class targets come from, the passes over 3x their prediction
+            # and the drift from the profile (a merged front-door report has none)
+            "unloaded_tpot_ms": eng.get("unloaded_tpot_ms"),
+            "profile": eng.get("profile"),
+            "threads": eng.get("threads"),
+            "stalls": eng.get("stalls") or {},
+            "drift": eng.get("drift") or {},
+        },
         accepted_per_pos=accepted_per_pos,
         spec_drafts=spec_drafts,
         shed=shed,

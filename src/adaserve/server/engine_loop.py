@@ -293,6 +293,9 @@ class EngineLoop:
             else:
                 self.engine = self._source
             e = self.engine
+            from adaserve.engine.warmup import warm_up
+
+            warm_up(e)  # every kernel and pass family run once before /health says ready
             self.info = EngineInfo(
                 model_dir=str(e.model_dir),
                 draft_dir=str(e.draft_dir) if e.draft_dir else None,

@@ -102,9 +102,19 @@
       cell(tr, "verification.share", vs, pct(vs));
       t.appendChild(tr);
     });
+    var e = v.engine || {}, pr = e.profile || {}, th = e.threads || {}, dr = e.drift || {};
+    var from = e.unloaded_tpot_ms === null || e.unloaded_tpot_ms === undefined ? "" :
+      " Targets: multiples of the unloaded TPOT " + num(e.unloaded_tpot_ms, 2) + " ms, from " +
+      (pr.targets_from || "the profile") + (pr.profile ? " (profile " + pr.profile +
+      (pr.measured ? ", measured " + pr.measured : "") + ")" : "") + "." +
+      (th.threads ? " Forward passes: " + th.threads + " thread(s), " + th.source + "." : "") +
+      (dr.median_ratio !== null && dr.median_ratio !== undefined ? " Passes run at " +
+      num(dr.median_ratio, 2) + "x the profile" + (dr.drifted ? " (drifted: run `adaserve profile`)" : "") + "." : "");
+    var stalls = Object.keys(e.stalls || {}).map(function (k) { return k + " " + e.stalls[k]; });
     $("classes-note").textContent =
       "Percentiles and attainment: finished requests since start (\u2713 meets / \u2717 misses the class target). " +
-      "Per-iteration columns: means over the last " + v.recent_iterations + " iterations.";
+      "Per-iteration columns: means over the last " + v.recent_iterations + " iterations." + from +
+      (stalls.length ? " Passes over 3x their prediction: " + stalls.join(", ") + "." : "");
   }
 
   function renderCounts(id, counts, label) {
