@@ -55,6 +55,7 @@ def test_describe_names_the_choice():
     p = threads.choose(env={}, cores=(0, 1, 2, 3, 5))
     line = p.describe()
     assert "4 intra-op threads" in line and "auto" in line and "cores 1-3,5" in line
+    assert "pins its engine thread" in line
     assert p.as_dict()["cores"] == [1, 2, 3, 5]
 
 

@@ -446,9 +446,18 @@ def adopt(engine, new: dict, path: Path, reprofile: bool = False) -> tuple[dict,
         slow = slower_than_spread(old, new)
         if slow:
             return old, f"kept the stored profile: {slow[0]} (--reprofile adopts it)"
-    attach_targets(engine, new, reprofile)
+    rec = attach_targets(engine, new, reprofile)
     saved = _save(new, path)
-    return new, (f"cached in {path} (later starts load it)" if saved else "not cached")
+    why = f"cached in {path} (later starts load it)" if saved else "not cached"
+    from adaserve.sched.hardware import measured_unloaded_tpot_ms
+
+    own = measured_unloaded_tpot_ms(HardwareModel.from_dict({**new, "targets": None}))
+    if own < 0.8 * float(rec["unloaded_tpot_ms"]):
+        why += (
+            f"; the class targets come from a profile {float(rec['unloaded_tpot_ms']) / own:.2f}x "
+            "slower (measured under load?): --reprofile on a quiet machine records new ones"
+        )
+    return new, why
 
 
 def load_or_profile(

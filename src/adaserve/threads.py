@@ -61,7 +61,11 @@ class ThreadPlan:
 
     def describe(self) -> str:
         """One line for the start-up log."""
-        pin = f", pinned to cores {_ranges(self.cores)}" if self.cores else ", not pinned"
+        pin = (
+            f"; a server pins its engine thread to cores {_ranges(self.cores)}"
+            if self.cores
+            else ""
+        )
         return (
             f"{self.threads} intra-op thread{'s' if self.threads != 1 else ''} "
             f"({self.source}: {self.usable} usable cores, {self.reserve} reserved for the "
