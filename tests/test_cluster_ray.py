@@ -289,7 +289,19 @@ def test_dashboard_merges_both_replicas(svc):
     inter = next(c for c in data["classes"] if c["name"] == "interactive")
     assert inter["rolling"]["requests"] >= len(res)
     eng = rep["engine"]
-    assert data["engine"] == {k: eng[k] for k in ("running", "waiting", "kv_usage", "iterations")}
+    keys = ("running", "waiting", "kv_usage", "iterations", "unloaded_tpot_ms", "threads")
+    assert {k: data["engine"][k] for k in keys} == {k: eng[k] for k in keys}
+    stalls: dict = {}
+    reps = svc.snapshots().values()
+    # one deployment, one thread plan and profile: the service's is every replica's
+    assert all(s["report"]["engine"]["profile"] == eng["profile"] for s in reps)
+    assert all(s["report"]["engine"]["threads"] == eng["threads"] for s in reps)
+    for s in reps:
+        for cause, n in (s["report"]["engine"].get("stalls") or {}).items():
+            stalls[cause] = stalls.get(cause, 0) + n
+    assert data["engine"]["stalls"] == eng["stalls"] == stalls
+    assert data["engine"]["profile"] == eng["profile"]
+    assert eng["threads"]["threads"] >= 1
     assert data["fallback_iterations"] == eng["fallback_iterations"]
     # acceptance by position: every replica's counts summed (all accepted draft tokens)
     assert (

@@ -51,6 +51,29 @@ def test_apply_penalties_follows_the_definition():
     assert torch.equal(apply_penalties(logits, mask, counts, one, zero, zero), logits)
 
 
+@pytest.mark.parametrize("rep", [5e-324, 1e-40, 1e-30, 1e300])
+def test_extreme_repetition_penalty_keeps_a_distribution(rep):
+    """A valid but extreme penalty (5e-324 rounds to 0 in float32) made seen logits
+    infinite and the softmax NaN: the engine then fed an out-of-vocabulary token to
+    the model (a fuzzed request answered 500). Every row stays finite and samplable."""
+    from adaserve.logits import target_probs
+
+    g = torch.Generator().manual_seed(1)
+    M, V = 3, 9
+    logits = 3 * torch.randn(M, V, generator=g)
+    mask = torch.zeros(M, V, dtype=torch.bool)
+    mask[0, :4] = True
+    mask[1] = True  # every token seen: with a huge penalty every logit would be -inf
+    counts = torch.zeros(M, V)
+    r = torch.full((M,), rep, dtype=torch.float64).float()
+    x = apply_penalties(logits, mask, counts, r, torch.zeros(M), torch.zeros(M))
+    assert torch.isfinite(x).all()
+    for temp in (1e-5, 1.0):
+        p = target_probs(x, SamplingParams(temperature=temp))
+        assert torch.isfinite(p).all() and torch.allclose(p.sum(-1), torch.ones(M))
+        assert ((torch.multinomial(p, 1) >= 0) & (torch.multinomial(p, 1) < V)).all()
+
+
 @pytest.mark.parametrize(
     "kw, param",
     [

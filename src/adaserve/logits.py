@@ -10,6 +10,8 @@ import torch
 
 from adaserve.sampling import SamplingParams
 
+PENALTY_LOGIT_CAP = 1e30
+
 
 def apply_penalties(
     logits: torch.Tensor,
@@ -38,7 +40,12 @@ def apply_penalties(
     rep = torch.where(prompt_mask | seen_out, repetition[:, None], 1.0)
     x = torch.where(x > 0, x / rep, x * rep)
     x = x - frequency[:, None] * output_counts
-    return x - presence[:, None] * seen_out.float()
+    x = x - presence[:, None] * seen_out.float()
+    # a tiny or huge penalty (5e-324 is 0 in float32) makes a logit infinite; softmax
+    # of +inf (or of a row all -inf) is NaN, which no sampler can draw from. Capped
+    # here, the row stays a distribution: the token the penalty favours most wins.
+    # ``PENALTY_LOGIT_CAP`` / the smallest temperature (1e-5) still fits float32.
+    return x.clamp_(-PENALTY_LOGIT_CAP, PENALTY_LOGIT_CAP)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -517,16 +517,25 @@ def load_or_profile(
 
 
 def reload_profile(engine) -> HardwareModel:
-    """The admin action: the engine's profile read again from its file (explicit or
-    cached: what ``adaserve profile`` last adopted), with the pair's targets record.
-    ValueError when there is none or it does not fit this engine."""
-    hw = load_or_profile(engine, auto=False, reprofile=False)
-    if hw is None:
-        raise ValueError(
-            f"no hardware profile at {cached_profile_path(engine)}: measure one with "
-            "`adaserve profile`"
-        )
-    return hw
+    """The admin action: the engine's profile read again from its file (explicit, or
+    the cache: what ``adaserve profile`` last adopted), with the pair's targets record.
+    ValueError, saying why, when there is none, it is unreadable, or it was measured
+    with another thread count; the engine then keeps the profile it has."""
+    where = Path(engine.cfg.profile) if engine.cfg.profile else cached_profile_path(engine)
+    if not where.is_file():
+        raise ValueError(f"no hardware profile at {where}: measure one with `adaserve profile`")
+    raw = _load_file(where)
+    check_threads(raw, str(where))
+    if engine.cfg.profile:
+        if (raw.get("targets") or {}).get("unloaded_tpot_ms") is None:
+            raw["targets"] = {
+                "unloaded_tpot_ms": HardwareModel.from_dict(raw).unloaded_tpot_ms(),
+                "from": f"the profile {where}",
+            }
+    else:
+        attach_targets(engine, raw, False)
+    _say(f"reloaded the hardware profile {where} (measured {raw.get('created')})")
+    return HardwareModel.from_dict(raw, source=str(where))
 
 
 def log_drift(engine) -> None:

@@ -88,6 +88,27 @@ def _sum_counts(dicts) -> dict:
     return out
 
 
+def _merge_drift(drifts: list[dict]) -> dict:
+    """The service's drift from its live replicas' (``DriftMonitor.as_dict``): the
+    replica furthest from its profile (median ratio furthest from 1) stands for the
+    service, ``drifted`` if any replica drifted, ``events`` summed. Empty if none
+    reports one."""
+    known = [d for d in drifts if d]
+    if not known:
+        return {}
+
+    def off(d: dict) -> float:
+        m = d.get("median_ratio")
+        return -1.0 if m is None else abs(m - 1.0)
+
+    worst = max(known, key=off)
+    return {
+        **worst,
+        "drifted": any(d.get("drifted") for d in known),
+        "events": sum(d.get("events", 0) for d in known),
+    }
+
+
 def merge_report(snaps: dict, tenant: str | None, model_name: str) -> dict:
     """The report of the whole service from ``Ledger.snapshots()``."""
     live = {rid: s for rid, s in snaps.items() if s["live"]}
@@ -118,6 +139,11 @@ def merge_report(snaps: dict, tenant: str | None, model_name: str) -> dict:
         "fallback_iterations": _sum_counts(
             e.get("fallback_iterations", {}) for e in replicas.values()
         ),
+        "stalls": _sum_counts(e.get("stalls", {}) for e in replicas.values()),
+        "drift": _merge_drift([e.get("drift") or {} for e in alive]),
+        # one deployment: every replica runs the same thread plan and profile
+        "threads": rep0.get("engine", {}).get("threads"),
+        "profile": rep0.get("engine", {}).get("profile"),
         "live_replicas": len(alive),
         "replicas": replicas,
     }
