@@ -287,3 +287,23 @@ def test_one_policy_has_no_comparisons_and_repeat_lines_name_missing_intervals()
     res["results"]["adaserve"]["overall"]["rounds"]["goodput_tok_s"] = mean_ci([3.0, None])
     text = bcli._repeat_lines(res["results"])
     assert "goodput 3.0 (one run: no interval) tok/s" in text
+
+
+def test_pass_speed_is_measured_over_predicted():
+    """Each run records how its passes compared with the profile (the figure that
+    tells a slow round from a bad plan); passes without a prediction are left out."""
+    from adaserve.core.trace import ModelCosts, RunRecorder, StepTrace
+    from adaserve.sched.base import Plan
+
+    rec = RunRecorder(ModelCosts())
+    assert rec.pass_speed() is None
+    t = 0.0
+    # ten passes predicted 10 ms that took 10, 11, ..., 19 ms; one without a prediction
+    for i in range(10):
+        rec.record(StepTrace(plan=Plan(), t_start=t, t_end=t + (10 + i) / 1000, predicted_ms=10))
+        t += 1
+    rec.record(StepTrace(plan=Plan(), t_start=t, t_end=t + 5.0))
+    got = rec.pass_speed()
+    assert got["n"] == 10
+    assert got["p50"] == pytest.approx(1.5) and got["p90"] == pytest.approx(1.9)
+    assert got["p25"] <= got["p50"] <= got["p75"] <= got["p90"]

@@ -353,6 +353,7 @@ def _extra(tl, records, spec, strict: str, energy, window: float) -> dict:
         "wall_s",
         "stalls",
         "stalls_total",
+        "pass_speed",
     )
     extra = {k: info[k] for k in keys if k in info}
     extra["energy"] = {
@@ -645,6 +646,7 @@ def _pooled(runs: list[tuple[dict, list, int]]) -> dict:
             "attainment": s["overall"]["attainment"],
             "tpot_attainment": s["overall"]["tpot_attainment"],
             "goodput_tok_s": s["overall"]["goodput_tok_s"],
+            "pass_speed_p50": (s["overall"].get("pass_speed") or {}).get("p50"),
             "per_class_attainment": {c: m["attainment"] for c, m in s["per_class"].items()},
             "per_class_tpot_attainment": {
                 c: m["tpot_attainment"] for c, m in s["per_class"].items()
@@ -711,6 +713,10 @@ def _repeat_lines(results: dict, comparisons: dict | None = None) -> str:
                 for r in reps
             )
             lines.append(f"  {pol}: attainment per run {att} % (TPOT only {tpot} %)")
+            speed = [r.get("pass_speed_p50") for r in reps]
+            if any(v is not None for v in speed):
+                per = " / ".join("-" if v is None else f"{v:.2f}" for v in speed)
+                lines.append(f"  {pol}: passes / profile per run (median) {per}")
     if not lines:
         return ""
     out = "runs (in-order; pooled figures above):\n" + "\n".join(lines) + "\n"

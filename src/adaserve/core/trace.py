@@ -142,6 +142,7 @@ class RunRecorder:
         self.peak_kv = 0.0
         self.by_class: dict[str, list[float]] = {}  # class -> [flops, bytes]
         self._steps: list[tuple[float, float, float, float, float]] = []
+        self._speed: list[float] = []  # measured / profiled time of each predicted pass
 
     def record(self, tr: StepTrace) -> None:
         """Account for one iteration."""
@@ -165,6 +166,8 @@ class RunRecorder:
         pt = p.t_iter_ms if p.t_iter_ms is not None else float("nan")
         self._steps.append((df, db, tr.duration_s, pj, pt))
         self.peak_kv = max(self.peak_kv, tr.kv_usage)
+        if tr.predicted_ms > 0:
+            self._speed.append(tr.duration_s * 1000.0 / tr.predicted_ms)
         if tr.t_end >= self._next:
             self._next = tr.t_end + self.sample_every_s
             self.timeline.samples.append(sample(tr, tr.t_end - self.t0))
@@ -193,6 +196,21 @@ class RunRecorder:
         keys = ("flops", "bytes", "duration_s", "pred_j", "pred_ms")
         return {k: a[:, i] for i, k in enumerate(keys)}
 
+    def pass_speed(self) -> dict | None:
+        """How the run's passes compared with the profile: the quartiles and p90 of
+        measured / predicted time over every pass with a prediction (None without
+        one). A run whose median is 1.3 ran on a machine 1.3x slower than when it
+        was profiled (or priced passes its profile misses): what tells a slow round
+        from a bad plan."""
+        if not self._speed:
+            return None
+        q = sorted(self._speed)
+
+        def at(f: float) -> float:
+            return round(q[min(len(q) - 1, int(f * len(q)))], 4)
+
+        return {"n": len(q), "p25": at(0.25), "p50": at(0.5), "p75": at(0.75), "p90": at(0.9)}
+
     def info(self, policy: str, counters, pool_bytes: float, slos: dict) -> dict:
         """The run-level facts both runners report: iterations, fallbacks, sheds,
         degradations and preemptions (``counters``), peak KV, energy, SLO targets."""
@@ -217,6 +235,7 @@ class RunRecorder:
                 k: {"flops": v[0], "bytes_moved": v[1]} for k, v in sorted(self.by_class.items())
             },
             "power_steps": self.power_steps(),
+            "pass_speed": self.pass_speed(),
             "slo_targets": {
                 k: {"tpot_ms": v.tpot_ms, "ttft_ms": v.ttft_ms} for k, v in sorted(slos.items())
             },
