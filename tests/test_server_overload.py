@@ -6,10 +6,12 @@ Retry-After; none may go without an answer (a token or the 429) past its class's
 deadline; queues, KV pool and gauges must return to empty; admitted strict requests
 must attain their SLO.
 
-Each engine step sleeps 50 ms (``step_delay_s``): the engine, not the HTTP layer or
-the shared machine's speed, is then what saturates, as with a real model, and the
-class targets (in ms) hold on any machine. Admission knows nothing of the delay: it
-works from the passes it measures.
+Each engine step lasts a modelled time, 50 ms + 0.5 ms per token of its pass
+(``step_pace_ms``; the real pass of the tiny pair is a few ms, the rest is slept): the
+engine, not the HTTP layer or the shared machine's speed, is then what saturates, as
+with a real model, and the passes take the same time on a busy machine as on an idle
+one, so the machine's load cannot decide the test. Admission knows nothing of the
+pacing: it works from the passes it measures.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from adaserve.server.config import tomllib
 CONFIG = """
 [server]
 model_name = "tiny"
-step_delay_s = 0.05
+step_pace_ms = [50, 0.5]
 
 [classes.interactive]
 tpot_ms = 90

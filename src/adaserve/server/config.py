@@ -74,6 +74,10 @@ class ServerConfig:
     default_max_tokens:  chat default when max_tokens is omitted (None = rest of context)
     max_choices:         prompts x n per HTTP request
     step_delay_s:        sleep after every engine step (testing and demos only)
+    step_pace_ms:        ``(A, B)``: every engine step lasts at least A + B x (tokens of
+                         its verification pass) ms, the rest slept after it (testing and
+                         demos only). Passes then take a modelled time, the same on any
+                         machine while the real pass is shorter (``EngineLoop``)
     default_class:       class of requests that name none (None = the engine's default)
     timeout_keep_alive_s: an idle keep-alive connection is closed after this long
     header_timeout_s:    a request's line and headers must arrive within this long of the
@@ -98,6 +102,7 @@ class ServerConfig:
     default_max_tokens: int | None = None
     max_choices: int = 64
     step_delay_s: float = 0.0
+    step_pace_ms: tuple[float, float] | None = None
     default_class: str | None = None
     timeout_keep_alive_s: float = 5.0
     header_timeout_s: float = 10.0
@@ -123,6 +128,19 @@ class ServerConfig:
             raise ConfigError("server.default_max_tokens must be >= 1")
         if self.step_delay_s < 0:
             raise ConfigError("server.step_delay_s must be >= 0")
+        if self.step_pace_ms is not None:
+            pace = self.step_pace_ms
+            ok = isinstance(pace, (list, tuple)) and len(pace) == 2
+            ok = ok and all(
+                not isinstance(v, bool) and isinstance(v, (int, float)) and 0 <= v < math.inf
+                for v in pace
+            )
+            if not ok:
+                raise ConfigError(
+                    "server.step_pace_ms must be [A, B]: two numbers >= 0 (ms per step, "
+                    "ms per token of its pass)"
+                )
+            object.__setattr__(self, "step_pace_ms", (float(pace[0]), float(pace[1])))
         for k in ("timeout_keep_alive_s", "header_timeout_s", "body_timeout_s"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:

@@ -173,11 +173,13 @@ class EngineLoop:
         *,
         max_waiting: int | None = None,
         step_delay_s: float = 0.0,
+        step_pace_ms: tuple[float, float] | None = None,
         on_finish=None,
     ):
         self._source = source
         self.max_waiting = max_waiting
         self.step_delay_s = step_delay_s
+        self.step_pace_ms = step_pace_ms  # ``ServerConfig.step_pace_ms``
         self.on_finish = on_finish  # callback(handle, final), called on the engine thread
         # callback(tokens): after every engine step, the prompt + generated tokens it
         # processed (engine thread)
@@ -364,6 +366,7 @@ class EngineLoop:
             if e.has_work():
                 before = getattr(e, "last_trace", None)
                 tokens_before = _step_tokens(e)
+                started = time.perf_counter()
                 try:
                     e.step()
                 except Exception:
@@ -374,6 +377,8 @@ class EngineLoop:
                 self._traced(before)
                 if self.step_delay_s:
                     time.sleep(self.step_delay_s)
+                if self.step_pace_ms is not None:
+                    time.sleep(self._pace_left(before, started))
             self._publish()
 
     def _command(self, c) -> None:
@@ -502,6 +507,17 @@ class EngineLoop:
             self.on_step(tr)
         except Exception:
             log.exception("step callback failed")
+
+    def _pace_left(self, before, started: float) -> float:
+        """Seconds to sleep so that the step begun at ``started`` (perf_counter) lasts
+        its modelled time ``A + B x tokens`` (``step_pace_ms``); 0 when the real step
+        took longer, or when no pass ran."""
+        tr = getattr(self.engine, "last_trace", None)
+        if tr is None or tr is before:
+            return 0.0
+        a, b = self.step_pace_ms
+        want = (a + b * tr.tokens) / 1000.0
+        return max(0.0, want - (time.perf_counter() - started))
 
     def _stepped(self, tokens: int) -> None:
         if self.on_step_tokens is not None:
