@@ -238,3 +238,26 @@ def test_a_ttft_target_nothing_could_meet_is_served_not_refused_or_expired():
     sched.begin_step()
     assert sched.expired == [] and hopeless in sched.waiting
     assert sched.counters.shed == {}
+
+
+def test_no_refusal_while_nothing_runs_or_waits():
+    """Issue 31: after a strict burst, batch requests were refused for 12 s ("predicted
+    time to first token 47,899 ms") while nothing ran or waited. The measured load of
+    the burst (slow passes, interactive arrivals that would overtake) stays in the
+    admission's memory, but an idle engine serves the request alone, at once."""
+    clock = ManualClock(0.0)
+    sched = _sched(clock)
+    for _ in range(20):  # a burst of slow full-chunk passes (250 ms each)
+        _pass(sched, 0.0, 0.25, prefill={99: 256})
+    for i in range(12):  # and interactive arrivals at 12 per second
+        clock.set(0.08 * i)
+        sched.admission.admitted(_Req(100 + i, _slo("interactive"), clock.now(), 256), clock.now())
+    clock.set(1.0)
+    big = _Req(1, _slo("chat"), 1.0, prompt=4000)
+    # busy, the prediction would refuse it: the queue ahead and the arrivals overtaking
+    assert sched.admission.predicted_ttft_ms(big, 1.0) > 4000 * (1 - TTFT_MARGIN)
+    sched.add(big)  # idle: admitted
+    assert sched.counters.shed == {}
+    # with that one waiting, the same request is judged by the load again
+    with pytest.raises(AdmissionRejected):
+        sched.add(_Req(2, _slo("chat"), 1.0, prompt=4000))

@@ -30,6 +30,9 @@ Every class gets its own decision (not only the strictest):
   other class's measured admission rate, those arriving while their deadline would
   still fall before its own.
 
+An idle engine (nothing running or waiting) admits every request: it is served alone
+and at once, so no prediction of load applies.
+
 A refusal is ``AdmissionRejected`` with a Retry-After near the time the promise could
 be kept again. A queued request that was never started and is past its TTFT deadline is
 ended with reason ``ttft_deadline`` (the server answers 429) as soon as it can no longer
@@ -332,6 +335,12 @@ class AdmissionControl:
             raise AdmissionRejected("server queue is full", "queue_full", QUEUE_FULL_RETRY_S)
         slo = seq.slo
         rank = s.rank_of(slo.cls)
+        if not s.running and not s.waiting:
+            # nothing runs or waits: the request is served alone, at once, as well as
+            # this machine can serve it; what predictions say of load (recent arrivals,
+            # a pace measured in a burst now gone) does not apply to an idle engine
+            self.admitted(seq, now)
+            return
         if slo.tpot_ms is not None:
             late = self.off_pace(seq, rank, now)
             if late is not None:
