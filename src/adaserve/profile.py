@@ -411,7 +411,8 @@ def attach_targets(engine, prof: dict, reprofile: bool = False) -> dict:
             "threads": prof.get("threads"),
             "machine": prof.get("machine"),
             "from": f"the profile measured {prof.get('created')} with "
-            f"{prof.get('threads')} threads on {prof.get('machine')}",
+            f"{prof.get('threads')} thread{'' if prof.get('threads') == 1 else 's'} "
+            f"on {prof.get('machine')}",
             "record": str(path),
         }
         if not (prof.get("sanity") or {}).get("impossible"):
