@@ -475,11 +475,7 @@ def load_or_profile(
         raw = _load_file(Path(where))
         check_threads(raw, where)
         _say(f"using the hardware profile {where}")
-        if (raw.get("targets") or {}).get("unloaded_tpot_ms") is None:
-            raw["targets"] = {
-                "unloaded_tpot_ms": HardwareModel.from_dict(raw).unloaded_tpot_ms(),
-                "from": f"the profile {where}",
-            }
+        _own_targets(raw, where)
         return HardwareModel.from_dict(raw, source=str(where))
     path = cached_profile_path(engine)
     raw = None
@@ -517,6 +513,16 @@ def load_or_profile(
     return HardwareModel.from_dict(prof, source=str(path))
 
 
+def _own_targets(raw: dict, where) -> None:
+    """An explicitly named profile without a targets record takes its own unloaded
+    TPOT as the class targets' base (in place)."""
+    if (raw.get("targets") or {}).get("unloaded_tpot_ms") is None:
+        raw["targets"] = {
+            "unloaded_tpot_ms": HardwareModel.from_dict(raw).unloaded_tpot_ms(),
+            "from": f"the profile {where}",
+        }
+
+
 def reload_profile(engine) -> HardwareModel:
     """The admin action: the engine's profile read again from its file (explicit, or
     the cache: what ``adaserve profile`` last adopted), with the pair's targets record.
@@ -528,11 +534,7 @@ def reload_profile(engine) -> HardwareModel:
     raw = _load_file(where)
     check_threads(raw, str(where))
     if engine.cfg.profile:
-        if (raw.get("targets") or {}).get("unloaded_tpot_ms") is None:
-            raw["targets"] = {
-                "unloaded_tpot_ms": HardwareModel.from_dict(raw).unloaded_tpot_ms(),
-                "from": f"the profile {where}",
-            }
+        _own_targets(raw, where)
     else:
         attach_targets(engine, raw, False)
     _say(f"reloaded the hardware profile {where} (measured {raw.get('created')})")

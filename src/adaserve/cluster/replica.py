@@ -54,12 +54,7 @@ class EngineReplica:
 
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
-        self.eloop = EngineLoop(
-            ecfg,
-            max_waiting=cfg.max_waiting,
-            step_delay_s=cfg.step_delay_s,
-            step_pace_ms=cfg.step_pace_ms,
-        )
+        self.eloop = EngineLoop.for_server(ecfg, cfg)
         self.app = create_app(self.eloop, cfg)
         self.state = self.app.state.adaserve
         # the app's own start-up, as uvicorn runs it for a single server (the engine

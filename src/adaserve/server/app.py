@@ -206,12 +206,7 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
     if isinstance(source, EngineLoop):
         eloop = source
     else:
-        eloop = EngineLoop(
-            source,
-            max_waiting=cfg.max_waiting,
-            step_delay_s=cfg.step_delay_s,
-            step_pace_ms=cfg.step_pace_ms,
-        )
+        eloop = EngineLoop.for_server(source, cfg)
     name = cfg.model_name or model_name_of(eloop._source)
     state = ServerState(eloop, cfg, name, _classes_of(eloop))
     eloop.on_finish = state.on_finish

@@ -535,12 +535,7 @@ def run(args) -> int:
     from adaserve.server.app import create_app
     from adaserve.server.engine_loop import EngineLoop
 
-    eloop = EngineLoop(
-        ecfg,
-        max_waiting=cfg.max_waiting,
-        step_delay_s=cfg.step_delay_s,
-        step_pace_ms=cfg.step_pace_ms,
-    )
+    eloop = EngineLoop.for_server(ecfg, cfg)
     try:
         eloop.start()
     except Exception as e:  # one line, not a traceback

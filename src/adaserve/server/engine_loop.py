@@ -167,6 +167,17 @@ class EngineLoop:
     """Owns the engine thread. ``source`` is an ``Engine`` or an ``EngineConfig``
     (the engine is then built on the engine thread)."""
 
+    @classmethod
+    def for_server(cls, source, cfg) -> EngineLoop:
+        """The loop a server runs for ``source``, with ``cfg``'s (``ServerConfig``)
+        queue bound and step timing."""
+        return cls(
+            source,
+            max_waiting=cfg.max_waiting,
+            step_delay_s=cfg.step_delay_s,
+            step_pace_ms=cfg.step_pace_ms,
+        )
+
     def __init__(
         self,
         source,
@@ -378,7 +389,7 @@ class EngineLoop:
                 if self.step_delay_s:
                     time.sleep(self.step_delay_s)
                 if self.step_pace_ms is not None:
-                    time.sleep(self._pace_left(before, started))
+                    time.sleep(self._pace_left(before, time.perf_counter() - started))
             self._publish()
 
     def _command(self, c) -> None:
@@ -508,16 +519,15 @@ class EngineLoop:
         except Exception:
             log.exception("step callback failed")
 
-    def _pace_left(self, before, started: float) -> float:
-        """Seconds to sleep so that the step begun at ``started`` (perf_counter) lasts
-        its modelled time ``A + B x tokens`` (``step_pace_ms``); 0 when the real step
-        took longer, or when no pass ran."""
+    def _pace_left(self, before, elapsed_s: float) -> float:
+        """Seconds to sleep so that a step that took ``elapsed_s`` lasts its modelled
+        time ``A + B x tokens`` (``step_pace_ms``); 0 when the real step took longer,
+        or when no pass ran (the trace is still ``before``)."""
         tr = getattr(self.engine, "last_trace", None)
         if tr is None or tr is before:
             return 0.0
         a, b = self.step_pace_ms
-        want = (a + b * tr.tokens) / 1000.0
-        return max(0.0, want - (time.perf_counter() - started))
+        return max(0.0, (a + b * tr.tokens) / 1000.0 - elapsed_s)
 
     def _stepped(self, tokens: int) -> None:
         if self.on_step_tokens is not None:
