@@ -17,7 +17,7 @@ from conftest import TINY_DRAFT, VOCAB, save_tiny
 
 from adaserve.config import EngineConfig
 from adaserve.server import ServerConfig, create_app
-from adaserve.server.cli import make_server
+from adaserve.server.http_runtime import make_server
 
 EOS = "<|endoftext|>"
 KV_BYTES = 8 << 20

@@ -38,20 +38,20 @@ def _ledger(*tenants, clock=None):
 
 def test_requests_per_minute_hold_across_replicas():
     led = _ledger(Tenant("t", requests_per_minute=3))
-    got = [led.admit(r, "t", 1, [4], False)[0] for r in ("a", "b", "a", "b")]
+    got = [led.enter(r, "t")[0] for r in ("a", "b", "a", "b")]
     assert got == ["ok", "ok", "ok", "error"]
-    err = led.admit("a", "t", 1, [4], False)
+    err = led.enter("a", "t")
     assert err[1][0] == 429 and err[1][-1] == "requests_per_minute" and err[2] > 0
 
 
 def test_concurrency_slot_held_across_replicas_until_its_release_arrives():
     led = _ledger(Tenant("t", max_concurrent=1))
-    assert led.admit("a", "t", 1, [4], False)[0] == "ok"
-    assert led.admit("b", "t", 1, [4], False)[0] == "error"
+    assert led.enter("a", "t")[0] == "ok"
+    assert led.enter("b", "t")[0] == "error"
     # a release only ends a slot of the replica that sends it
-    assert led.admit("b", "t", 1, [4], False, [("release", "t")])[0] == "error"
+    assert led.enter("b", "t", [("release", "t")])[0] == "error"
     led.push("a", {}, [], [("release", "t")])  # a's batch, with its next report
-    assert led.admit("b", "t", 1, [4], False)[0] == "ok"
+    assert led.enter("b", "t")[0] == "ok"
 
 
 def test_tokens_reserved_then_unused_part_settled():
@@ -66,13 +66,13 @@ def test_dead_replica_gives_back_its_slots_and_gauges():
     clock = Clock()
     led = _ledger(Tenant("t", max_concurrent=1), clock=clock)
     led.push("a", {"engine": {}}, [], [])
-    assert led.admit("a", "t", 1, [4], False)[0] == "ok"
+    assert led.enter("a", "t")[0] == "ok"
     clock.t = 3.0
     led.push("b", {"engine": {}}, [], [])
-    assert led.admit("b", "t", 1, [4], False)[0] == "error"
+    assert led.enter("b", "t")[0] == "error"
     clock.t = 6.0  # a has been silent for 6 s > stale_s: taken for dead
     assert led.live_replicas() == ["b"]
-    assert led.admit("b", "t", 1, [4], False)[0] == "ok"
+    assert led.enter("b", "t")[0] == "ok"
     snaps = led.snapshots()
     assert not snaps["a"]["live"] and snaps["b"]["live"]
 
@@ -124,26 +124,33 @@ class _Handle:
 
     def __init__(self, ledger):
         self.admit = _Method(ledger.admit)
+        self.enter = _Method(ledger.enter)
 
 
-def test_shared_book_batches_settlements_and_prechecks_rpm_locally():
+def test_shared_book_batches_settlements_and_refuses_rpm_locally():
     led = _ledger(Tenant("t", requests_per_minute=2, max_concurrent=5))
     book = SharedQuotaBook(_Handle(led), "a")
     t = led.tenants["t"]
 
+    calls = []
+    book.ledger.enter.fn = lambda *a: calls.append(a) or led.enter(*a)
+
     async def run():
+        await book.begin(t)
         assert await book.reserve(t, 1, [3]) == [3]
         book.release(t)
         book.settle("t", 3, 1)
         assert len(book._pending) == 2  # queued, not sent one by one
-        assert await book.reserve(t, 1, [3]) == [3]
+        await book.begin(t)
         assert book._pending == []  # carried by that call
+        assert await book.reserve(t, 1, [3]) == [3]
         assert led.quotas.inflight["t"] == 1
         with pytest.raises(ApiError) as e:
-            await book.reserve(t, 1, [3])
-        assert e.value.status == 429
+            await book.begin(t)
+        assert e.value.status == 429 and len(calls) == 3
         with pytest.raises(ApiError):  # refused here, without asking the ledger
-            book.precheck(t)
+            await book.begin(t)
+        assert len(calls) == 3
 
     asyncio.run(run())
 

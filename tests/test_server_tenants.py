@@ -296,14 +296,16 @@ def test_keys_are_never_logged(srv, caplog):
 
 def test_example_config_parses(monkeypatch):
     monkeypatch.setenv("ADASERVE_IDE_KEYS", "k1, k2")
+    monkeypatch.setenv("ADASERVE_REPORTS_KEYS", "k3")
+    monkeypatch.setenv("ADASERVE_OPS_KEYS", "k4")
     cfg = load_config(ROOT / "examples" / "server.toml")
     assert not cfg.open_mode
     assert [c.name for c in cfg.classes] == ["interactive", "chat", "batch"]
     check_against_classes(cfg, cfg.classes)
     reg = TenantRegistry(cfg.tenants)
     assert reg.authenticate("Bearer k2").name == "ide"
-    assert reg.authenticate("Bearer example-key").name == "reports"
-    assert reg.authenticate("bearer change-me-ops-key").admin
+    assert reg.authenticate("Bearer k3").name == "reports"
+    assert reg.authenticate("bearer k4").admin
 
 
 @pytest.mark.parametrize(
@@ -357,12 +359,12 @@ def test_token_bucket_refills_and_reports_wait():
 def test_quota_book_max_concurrent():
     t = Tenant("t", max_concurrent=1)
     q = QuotaBook((t,))
-    q.admit(t, 5)
+    q.enter(t)
     with pytest.raises(ApiError) as ei:
-        q.admit(t, 5)
+        q.enter(t)
     assert ei.value.status == 429 and ei.value.reason == "max_concurrent"
     q.release(t)
-    q.admit(t, 5)
+    q.enter(t)
 
 
 SLOS = {c.name: c.resolve(10.0) for c in DEFAULT_CLASSES}

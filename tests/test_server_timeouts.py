@@ -165,8 +165,18 @@ def test_idle_keep_alive_connection_is_closed(srv):
     assert waited < TIMEOUT + SLACK
 
 
-def test_connections_over_the_cap_get_503(srv):
-    held = [_connect(srv) for _ in range(CAP)]
+def _busy(srv) -> socket.socket:
+    """A connection with a request in flight: a POST's headers, its body not sent."""
+    s = _connect(srv)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\n\r\n{"
+    )
+    return s
+
+
+def test_connections_over_the_cap_get_503_when_all_are_busy(srv):
+    held = [_busy(srv) for _ in range(CAP)]
     try:
         assert wait_for(lambda: len(srv.server.server_state.connections) == CAP, timeout=2)
         with _connect(srv) as s:
@@ -186,6 +196,28 @@ def test_connections_over_the_cap_get_503(srv):
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         data, _ = _read_until_closed(s)
     assert _parse(data)[0] == 200
+
+
+def test_silent_connections_make_room_at_the_cap(srv):
+    """Connections that sent nothing hold no place: at the cap the oldest silent one is
+    closed for a new one, which is served; busy ones are never closed for it."""
+    busy = _busy(srv)
+    silent = [_connect(srv) for _ in range(CAP - 1)]
+    try:
+        assert wait_for(lambda: len(srv.server.server_state.connections) == CAP, timeout=2)
+        with _connect(srv) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            data, _ = _read_until_closed(s)
+        assert _parse(data)[0] == 200
+        silent[0].settimeout(5)
+        assert silent[0].recv(100) == b""  # the oldest silent one was closed
+        busy.sendall(b"}" * 99)  # the busy one was kept: its request is answered
+        data, _ = _read_until_closed(busy)
+        assert _parse(data)[0] in (400, 401, 404)
+    finally:
+        busy.close()
+        for s in silent:
+            s.close()
 
 
 @pytest.mark.parametrize(

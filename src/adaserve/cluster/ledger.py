@@ -3,8 +3,9 @@ one named Ray actor): tenant quotas, every replica's latest report, and the drai
 
 Quotas are the single server's ``QuotaBook``, held once for the whole service, so a
 tenant's requests per minute, tokens per minute and concurrency hold across replicas.
-A replica asks once per request (``admit``, the output reservation included, as the
-single server does) and hands back what it did not use in batches (``settle``): the
+A replica asks twice per request, as the single server does: at its headers
+(``enter``: requests per minute and a concurrency slot) and once its prompt is
+tokenised (``admit``: the prompt and the output reservation), and hands back what it did not use in batches (``settle``): the
 actor is called per request, never per token.
 
 Reports: every replica pushes, a few times a second, its Prometheus text, its new
@@ -18,6 +19,13 @@ ledger reserved for the replica and has not seen settled, less the tokens its re
 in flight had produced by its last push (``inflight_tokens`` in the report). The tenant
 is charged for what was produced up to a push period before the replica died, never
 for output it did not get.
+
+Interrupted streams: the front door reports (``interrupted``) a stream a replica broke
+off, with the output tokens it had already relayed to the client. Once that replica is
+taken for dead they are usage (``interrupted`` in its snapshot: tenant, class, one
+request, its prompt and those completion tokens at the class's price), which the
+report adds to the tenant's; if the replica goes on pushing instead, it is alive and
+accounts the request itself (an aborted request is usage too), and the claim is dropped.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from collections import deque
 from adaserve.server.config import Tenant
 from adaserve.server.errors import ApiError
 from adaserve.server.quotas import QuotaBook
+from adaserve.server.usage import UsageBook
 
 LEDGER_NAME = "adaserve-ledger"
 
@@ -72,8 +81,32 @@ class Ledger:
         self.produced: dict[str, dict[str, int]] = {}
         self.forgiven: dict[tuple[str, str], int] = {}
         self.drain_grace_s: float | None = None
+        # interrupted streams per replica: claims [(at, acct, tokens)] while it may be
+        # alive, usage once it is dead
+        self.claims: dict[str, list] = {}
+        self.interrupted_usage: dict[str, UsageBook] = {}
+        self.alive_after_s = 1.0  # a push this long after a claim: the replica lives
 
     # ------------------------------------------------------------------ quotas
+    def enter(self, replica_id: str, tenant: str, settlements: list | None = None) -> tuple:
+        """("ok",) with the tenant's request and concurrency slot taken, or ("error",
+        error_tuple, seconds until a requests-per-minute refusal can end)."""
+        self.settle(replica_id, settlements or [])
+        self._forget_dead()
+        t = self.tenants.get(tenant)
+        if t is None:  # the anonymous tenant of open mode, or one without quotas
+            return ("ok",)
+        try:
+            self.quotas.enter(t)
+        except ApiError as e:
+            wait = 0.0
+            if e.reason == "requests_per_minute":
+                wait = self.quotas.requests_wait(tenant)
+            return ("error", error_tuple(e), wait)
+        k = (replica_id, tenant)
+        self.held[k] = self.held.get(k, 0) + 1
+        return ("ok",)
+
     def admit(
         self,
         replica_id: str,
@@ -83,8 +116,8 @@ class Ledger:
         fit: bool,
         settlements: list | None = None,
     ) -> tuple:
-        """("ok", reserved max_tokens per choice) or ("error", error_tuple, seconds until
-        a requests-per-minute refusal can end)."""
+        """("ok", reserved max_tokens per choice) or ("error", error_tuple, 0) for a
+        request that has ``enter``-ed."""
         self.settle(replica_id, settlements or [])
         self._forget_dead()
         t = self.tenants.get(tenant)
@@ -93,12 +126,8 @@ class Ledger:
         try:
             reserved = self.quotas.admit(t, prompt_tokens, outputs, fit=fit)
         except ApiError as e:
-            wait = 0.0
-            if e.reason == "requests_per_minute":
-                wait = self.quotas.requests_wait(tenant)
-            return ("error", error_tuple(e), wait)
+            return ("error", error_tuple(e), 0.0)
         k = (replica_id, tenant)
-        self.held[k] = self.held.get(k, 0) + 1
         self.reserved[k] = self.reserved.get(k, 0) + sum(reserved)
         return ("ok", reserved)
 
@@ -126,6 +155,18 @@ class Ledger:
     def _forget_dead(self) -> None:
         now = self.clock()
         dead = {r for r, at in self.pushed_at.items() if now - at > self.stale_s}
+        for rid in [r for r in self.claims if r in dead or r not in self.pushed_at]:
+            book = self.interrupted_usage.setdefault(rid, UsageBook())
+            for _, a, tokens in self.claims.pop(rid):
+                if a.get("tenant") is None:
+                    continue
+                book.record(
+                    a["tenant"],
+                    a.get("cls") or "unknown",
+                    int(a.get("prompt_tokens") or 0),
+                    tokens,
+                    float(a.get("price_per_1k") or 0.0),
+                )
         for (rid, tenant), n in list(self.held.items()):
             if rid in dead and n:
                 for _ in range(n):
@@ -137,6 +178,14 @@ class Ledger:
                 self.quotas.settle(tenant, n, min(used, n))
                 self.forgiven[(rid, tenant)] = self.forgiven.get((rid, tenant), 0) + n
                 self.reserved[(rid, tenant)] = 0
+
+    def interrupted(self, replica_id: str, acct: dict, completion_tokens: int) -> None:
+        """The front door's report of a stream ``replica_id`` broke off after relaying
+        ``completion_tokens`` output tokens (``acct``: tenant, cls, price_per_1k,
+        prompt_tokens); see the module doc."""
+        claim = (self.clock(), dict(acct), max(0, int(completion_tokens)))
+        self.claims.setdefault(replica_id, []).append(claim)
+        self._forget_dead()
 
     # ------------------------------------------------------------------ reports
     def push(
@@ -151,6 +200,13 @@ class Ledger:
         push; returns what the replica must do (``{"drain_grace_s": ...}`` once a drain
         has begun)."""
         self.settle(replica_id, settlements)
+        now = self.clock()
+        if replica_id in self.claims:  # alive well after the claim: it counts its own
+            kept = [c for c in self.claims[replica_id] if now - c[0] <= self.alive_after_s]
+            if kept:
+                self.claims[replica_id] = kept
+            else:
+                del self.claims[replica_id]
         self._forget_dead()
         self.reports[replica_id] = report
         self.produced[replica_id] = dict(report.get("inflight_tokens") or {})
@@ -179,6 +235,8 @@ class Ledger:
             }
             if samples:
                 out[rid]["samples"] = list(self.samples.get(rid, ()))
+            if rid in self.interrupted_usage:
+                out[rid]["interrupted"] = self.interrupted_usage[rid].by_tenant()
         return out
 
     def live_replicas(self) -> list[str]:

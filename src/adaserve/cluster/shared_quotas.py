@@ -1,8 +1,9 @@
 """A replica's view of the service's quotas: the ``QuotaBook`` interface the request
 path uses, answered by the shared ``Ledger`` actor.
 
-``reserve`` (once per request: the request, its prompt and its output reservation)
-asks the ledger and carries along every settlement queued since the last call;
+``begin`` (at a request's headers: its request and concurrency slot) and ``reserve``
+(once its prompt is tokenised: the prompt and the output reservation) ask the ledger
+and carry along every settlement queued since the last call;
 ``release``, ``settle`` and ``refund`` (when requests end, some on the engine thread)
 only queue, and the replica's sync thread flushes the queue a few times a second
 (``take_pending``). So a tenant's quotas hold across replicas, and tokens are never
@@ -30,15 +31,21 @@ class SharedQuotaBook:
         # tenant -> (monotonic time its requests-per-minute refusal lasts until, error)
         self._blocked: dict[str, tuple[float, tuple]] = {}
 
-    def precheck(self, tenant: Tenant) -> None:
-        """The request-count quotas before any work on the prompt: refused here while
+    async def begin(self, tenant: Tenant) -> None:
+        """The request-count quotas before any work on the request: refused here while
         the service's last requests-per-minute refusal of the tenant lasts (its bucket
-        only refills with time), else left to ``reserve``."""
+        only refills with time), else asked of the ledger."""
         b = self._blocked.get(tenant.name)
         if b is not None:
             if time.monotonic() < b[0]:
                 raise error_of(b[1])
             self._blocked.pop(tenant.name, None)
+        res = await self.ledger.enter.remote(self.replica_id, tenant.name, self.take_pending())
+        if res[0] == "error":
+            err = error_of(res[1])
+            if err.reason == "requests_per_minute" and res[2] > 0:
+                self._blocked[tenant.name] = (time.monotonic() + res[2], res[1])
+            raise err
 
     async def reserve(
         self,
@@ -52,14 +59,14 @@ class SharedQuotaBook:
             self.replica_id, tenant.name, prompt_tokens, list(outputs), fit, self.take_pending()
         )
         if res[0] == "error":
-            err = error_of(res[1])
-            if err.reason == "requests_per_minute" and res[2] > 0:
-                self._blocked[tenant.name] = (time.monotonic() + res[2], res[1])
-            raise err
+            raise error_of(res[1])
         return list(res[1])
 
     def admit(self, *args, **kwargs):
         raise RuntimeError("a replica's quotas are shared: use `await reserve(...)`")
+
+    def enter(self, *args, **kwargs):
+        raise RuntimeError("a replica's quotas are shared: use `await begin(...)`")
 
     def _queue(self, item: tuple) -> None:
         with self._lock:

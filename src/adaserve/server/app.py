@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adaserve import __version__
 from adaserve.config import EngineConfig
+from adaserve.server.auth import client_of
 from adaserve.server.chat import create_chat
 from adaserve.server.completions import create_completion
 from adaserve.server.config import ServerConfig, Tenant, engine_config_for_server
@@ -43,7 +44,8 @@ from adaserve.server.dashboard import SELF_AUTH_PATHS, create_dashboard
 from adaserve.server.engine_errors import shutdown_error
 from adaserve.server.engine_loop import EngineLoop, model_name_of
 from adaserve.server.errors import ApiError, http_error, internal_error, validation_error
-from adaserve.server.generation import precheck_quotas
+from adaserve.server.generation import enter_quotas
+from adaserve.server.http_runtime import mark_trusted
 from adaserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -71,15 +73,17 @@ AUTH_PATHS = frozenset({"/tokenize", "/detokenize"})
 # ---------------------------------------------------------------------- middleware
 
 
-# the endpoints whose requests the tenant's request quotas count
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# the endpoints whose requests the tenant's request quotas (requests per minute,
+# concurrency) count: whatever becomes of them once their body is read
+QUOTA_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 
 
 class _Guard:
     """Pure ASGI middleware: drain (503), auth (401) for /v1/*, the tenant's request
-    quotas for generations (429), body size limit (413), body read timeout (408: the
-    whole body within ``body_timeout_s`` of the headers). These cost nothing in the
-    size of the request, so they come before it is read."""
+    quotas (429: a request per minute and a concurrency slot, held until the response
+    has ended) for generations and (de)tokenising, body size limit (413), body read
+    timeout (408: the whole body within ``body_timeout_s`` of the headers). These cost
+    nothing in the size of the request, so they come before it is read."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
@@ -91,6 +95,7 @@ class _Guard:
             return
         st = self.state
         method = scope["method"]
+        entered = None  # the tenant whose request and concurrency slot this holds
         try:
             path = scope["path"]
             if path.startswith("/v1/") or path in AUTH_PATHS:
@@ -99,16 +104,27 @@ class _Guard:
                 # the dashboard's routes take a Bearer key or its session cookie
                 if path not in SELF_AUTH_PATHS:
                     headers = Headers(scope=scope)
-                    tenant = st.tenants.authenticate(headers.get("authorization"))
+                    tenant = st.tenants.authenticate(headers.get("authorization"), client_of(scope))
                     scope.setdefault("state", {})["tenant"] = tenant
-                    if method == "POST" and scope["path"] in GENERATION_PATHS:
-                        precheck_quotas(st, tenant)  # before the body is read or parsed
+                    if not st.tenants.open_mode:
+                        mark_trusted(scope)  # a valid key: its connection is kept longest
+                    if method == "POST" and path in QUOTA_PATHS:
+                        await enter_quotas(st, tenant)  # before the body is read or parsed
+                        entered = tenant
             if method in ("POST", "PUT", "PATCH"):
                 receive = await self._buffer(scope, receive)
         except ApiError as e:
-            await error_response(e)(scope, receive, send)
+            try:
+                await error_response(e)(scope, receive, send)
+            finally:
+                if entered is not None:
+                    st.quotas.release(entered)
             return
-        await self.app(scope, receive, send)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if entered is not None:
+                st.quotas.release(entered)  # the response has ended (streams included)
 
     async def _buffer(self, scope, receive):
         """Read the whole body (up to the limit) and replay it to the app."""
@@ -365,7 +381,7 @@ def _render_metrics(state: ServerState, request: Request) -> bytes:
     authorization = request.headers.get("authorization")
     if not authorization:
         return state.metrics.render(tenants=False)
-    tenant = reg.authenticate(authorization)
+    tenant = reg.authenticate(authorization, client_of(request.scope))
     return state.metrics.render(only_tenant=None if tenant.admin else tenant.name)
 
 

@@ -3,8 +3,6 @@ prompt, and the shape of a chat response (assistant message, streamed deltas).""
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import Request
 
 from adaserve.errors import ModelLoadError
@@ -23,7 +21,6 @@ from adaserve.server.protocol import (
 )
 from adaserve.server.state import ServerState
 from adaserve.server.validation import (
-    ENCODE_IN_THREAD_CHARS,
     check_body,
     check_ids,
     check_text_size,
@@ -153,11 +150,7 @@ def render_chat(state: ServerState, body: ChatCompletionRequest) -> str:
 async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     """The rendered chat as token ids (the template writes the special tokens itself:
     none are added unless ``add_special_tokens``, as vLLM)."""
-    size = sum(len(m.text()) for m in body.messages)
-    if size > ENCODE_IN_THREAD_CHARS:
-        text = await asyncio.to_thread(render_chat, state, body)
-    else:
-        text = render_chat(state, body)
+    text = await state.off_loop(render_chat, state, body)
     ids = await encode(state, text, "messages", add_special_tokens=body.add_special_tokens)
     return check_ids(state, ids, "messages")
 

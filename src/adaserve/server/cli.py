@@ -11,16 +11,10 @@ SIGINT forces the exit.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import dataclasses
-import http
 import logging
 import os
-import signal
 import sys
-import threading
-import time
 from pathlib import Path
 
 from adaserve import cli_args, threads
@@ -170,6 +164,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --replicas: an existing Ray cluster (default: start a local one)",
     )
     p.add_argument(
+        "--ray-bind-host",
+        metavar="HOST",
+        help="with --replicas and no --ray-address: where the local Ray cluster listens "
+        "(default 127.0.0.1, loopback only; 0.0.0.0: Ray's defaults, every interface)",
+    )
+    p.add_argument(
         "--router",
         default="slo",
         choices=["slo", "p2c", "rr"],
@@ -300,211 +300,6 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     return ecfg, cfg
 
 
-def _server_class():
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn with a graceful drain: new requests get 503 as soon as a signal
-        arrives; in-flight ones finish within the grace period or are cancelled."""
-
-        def __init__(self, config, state):
-            super().__init__(config)
-            self.state = state
-
-        def handle_exit(self, sig, frame) -> None:
-            self.state.draining = True  # plain flag: safe inside a signal handler
-            super().handle_exit(sig, frame)
-
-        async def shutdown(self, sockets=None) -> None:
-            st = self.state
-            st.begin_drain()
-            # the listener stays open while requests are in flight, so that new ones
-            # (new connections too) get the 503 of the drain, not a refused connection
-            deadline = time.monotonic() + st.cfg.shutdown_grace_s + 1.0
-            idle = 0
-            while idle < 2 and not self.force_exit and time.monotonic() < deadline:
-                idle = idle + 1 if st.loop.in_flight == 0 else 0
-                await asyncio.sleep(0.05)
-            await super().shutdown(sockets)
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            # like uvicorn's, but does not re-raise the signal after a clean shutdown
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            sigs = (signal.SIGINT, signal.SIGTERM)
-            old = {s: signal.signal(s, self.handle_exit) for s in sigs}
-            try:
-                yield
-            finally:
-                for s, h in old.items():
-                    signal.signal(s, h)
-
-    return Server
-
-
-def _raw_response(protocol, err) -> None:
-    """Write ``err`` (an ``ApiError``) as a JSON response straight to the transport,
-    bypassing the parser's state (so only when no response is under way), and close."""
-    from adaserve.server.render import dumps
-
-    body = dumps(err.body()).encode("ascii")
-    phrase = http.HTTPStatus(err.status).phrase.encode("ascii")
-    head = [b"HTTP/1.1 %d %s\r\n" % (err.status, phrase)]
-    head += [n + b": " + v + b"\r\n" for n, v in protocol.server_state.default_headers]
-    head += [
-        b"content-type: application/json\r\n",
-        b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
-        b"connection: close\r\n\r\n",
-    ]
-    protocol.transport.write(b"".join(head) + body)
-    protocol.transport.close()
-
-
-def _over_capacity_app(limit: int):
-    """The ASGI app a connection beyond ``max_connections`` is answered by: 503 JSON,
-    then the connection is closed."""
-    from adaserve.server.errors import ApiError, retry_after
-    from adaserve.server.render import error_response
-
-    err = ApiError(
-        503,
-        f"too many open connections (more than {limit}); retry later",
-        type="server_error",
-        code="server_overloaded",
-        reason="max_connections",
-        headers={**retry_after(1), "Connection": "close"},
-    )
-
-    async def app(scope, receive, send) -> None:
-        if scope["type"] == "http":
-            await error_response(err)(scope, receive, send)
-
-    return app
-
-
-def _http_protocol(cfg: ServerConfig | None = None):
-    """uvicorn's HTTP protocol (h11, or httptools when installed) with:
-
-    - JSON 400s for the requests it cannot parse itself (bad header bytes, a malformed
-      request line or header), rather than plain text;
-    - a header timeout: a request's line and headers must arrive within
-      ``header_timeout_s`` of the connection opening, or of the first byte of the next
-      request on a kept-alive connection (408 JSON if some of it came, else just closed);
-    - a body backstop: a request whose body is still incomplete ``body_timeout_s`` (+1 s)
-      after its headers has its connection closed (the app's body reader answers 408
-      first where it reads the body, see ``app._Guard``);
-    - a connection cap: connections beyond ``max_connections`` are answered 503 JSON.
-
-    uvicorn itself closes idle keep-alive connections (``timeout_keep_alive_s``).
-    """
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
-
-    from adaserve.server.errors import ApiError
-
-    cfg = cfg or ServerConfig()
-    header_timeout = cfg.header_timeout_s
-    body_timeout = cfg.body_timeout_s + 1.0
-    cap = cfg.max_connections
-    over_capacity = _over_capacity_app(cap) if cap is not None else None
-
-    class Protocol(AutoHTTPProtocol):
-        _header_timer = None
-        _body_timer = None
-        _header_bytes = 0
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            if cap is not None and len(self.connections) > cap:
-                log.warning("connection refused (503): more than %d open connections", cap)
-                self.app = over_capacity
-            self._arm_header_timer()
-
-        def data_received(self, data: bytes) -> None:
-            cycle = self.cycle
-            if self._header_timer is None and self._between_requests():
-                self._arm_header_timer()  # the first byte of the next request
-            self._header_bytes += len(data)
-            super().data_received(data)
-            if self.cycle is not cycle:  # a new request's headers are complete
-                self._cancel(header=True)
-                self._arm_body_timer()
-
-        def connection_lost(self, exc) -> None:
-            self._cancel(header=True, body=True)
-            super().connection_lost(exc)
-
-        def _between_requests(self) -> bool:
-            return self.cycle is None or self.cycle.response_complete
-
-        def _cancel(self, header: bool = False, body: bool = False) -> None:
-            if header and self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-            if body and self._body_timer is not None:
-                self._body_timer.cancel()
-                self._body_timer = None
-
-        def _arm_header_timer(self) -> None:
-            self._cancel(header=True)
-            self._header_bytes = 0
-            self._header_timer = self.loop.call_later(
-                header_timeout, self._on_header_timeout, self.cycle
-            )
-
-        def _arm_body_timer(self) -> None:
-            self._cancel(body=True)
-            self._body_timer = self.loop.call_later(body_timeout, self._on_body_timeout, self.cycle)
-
-        def _on_header_timeout(self, cycle) -> None:
-            self._header_timer = None
-            if self.transport.is_closing() or self.cycle is not cycle:
-                return
-            if self._header_bytes and self._between_requests():
-                err = ApiError(
-                    408,
-                    f"request headers not received within {header_timeout:g} s",
-                    code="request_timeout",
-                )
-                _raw_response(self, err)
-            else:
-                self.transport.close()
-
-        def _on_body_timeout(self, cycle) -> None:
-            self._body_timer = None
-            if self.cycle is cycle and cycle.more_body and not self.transport.is_closing():
-                self.transport.close()
-
-        def send_400_response(self, msg: str) -> None:
-            cycle = getattr(self, "cycle", None)
-            if cycle is not None and cycle.response_started and not cycle.response_complete:
-                self.transport.close()  # a response is under way: nothing can be added
-                return
-            err = ApiError(400, msg or "Invalid HTTP request received.", code="invalid_http")
-            _raw_response(self, err)
-
-    return Protocol
-
-
-def make_server(app, cfg: ServerConfig, log_level: str = "info", sockets=None):
-    """A uvicorn server (with graceful drain, and JSON errors for requests uvicorn
-    cannot parse) for an app made by ``create_app``."""
-    import uvicorn
-
-    config = uvicorn.Config(
-        app,
-        host=cfg.host,
-        port=cfg.port,
-        log_level=log_level,
-        timeout_graceful_shutdown=cfg.shutdown_grace_s + 5.0,
-        timeout_keep_alive=cfg.timeout_keep_alive_s,
-        lifespan="on",
-        http=_http_protocol(cfg),
-    )
-    return _server_class()(config, app.state.adaserve)
-
-
 def run(args) -> int:
     """Serve until SIGINT/SIGTERM; 0 on a clean shutdown, 1 if start-up fails, 2 on a
     configuration error."""
@@ -534,6 +329,7 @@ def run(args) -> int:
     # the app (FastAPI, the engine, torch) is imported once the configuration is valid
     from adaserve.server.app import create_app
     from adaserve.server.engine_loop import EngineLoop
+    from adaserve.server.http_runtime import make_server
 
     eloop = EngineLoop.for_server(ecfg, cfg)
     try:

@@ -78,7 +78,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     echo = None
     if body.echo:
         tok = state.loop.info.tokenizer
-        echo = [tok.decode(ids) if tok is not None else "" for ids in prompts]
+        echo = [await state.off_loop(tok.decode, ids) if tok else "" for ids in prompts]
     return await generate(
         state,
         request,

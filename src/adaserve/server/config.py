@@ -84,10 +84,25 @@ class ServerConfig:
                          connection opening (or of its first byte on a kept-alive one)
     body_timeout_s:      a request's body must arrive within this long of its headers
                          (408, and the connection is closed)
-    max_connections:     open connections beyond this get 503 (None = no cap)
+    max_connections:     open connections beyond this: an idle one (no request in
+                         flight) is closed to make room, else the new one gets 503
+                         (None = no cap)
+    max_idle_connections_per_client: connections one client address may hold with no
+                         request in flight (opening, sending headers, idle between
+                         requests); beyond it its oldest idle one is closed (None = no
+                         cap). Silent sockets cannot take the server's connections
+    http:                the HTTP/1.1 parser: ``h11`` (default; pure Python, always
+                         installed), ``httptools`` or ``auto`` (httptools if installed)
+    max_request_line_bytes: a longer request line (method, URL, version) gets 414
+    max_header_bytes:    request headers larger than this get 431 (whatever the parser)
     log_stats:           log a stats line (throughput, queue, KV use, per-class
                          attainment and acceptance) every ``log_stats_interval_s``
     log_stats_interval_s: seconds between two stats lines (vLLM's default: 10)
+    auth_max_failures:   wrong API keys from one client address within
+                         ``auth_failure_window_s`` before it is locked: during a lock
+                         (1 s, doubling with each lock in a row, at most 5 min) its
+                         wrong keys get 429 ``too_many_failed_auth`` (``server.auth``)
+    auth_failure_window_s: the window those failures are counted in
     """
 
     model_name: str | None = None
@@ -108,8 +123,14 @@ class ServerConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     max_connections: int | None = 1000
+    max_idle_connections_per_client: int | None = 64
+    http: str = "h11"
+    max_request_line_bytes: int = 8192
+    max_header_bytes: int = 16384
     log_stats: bool = True
     log_stats_interval_s: float = 10.0
+    auth_max_failures: int = 5
+    auth_failure_window_s: float = 60.0
     service_tiers: Mapping[str, str] = field(default_factory=dict)
     tenants: tuple[Tenant, ...] = ()
     classes: tuple[SLOClass, ...] | None = None  # None = the engine's classes
@@ -150,12 +171,18 @@ class ServerConfig:
             raise ConfigError("server.log_stats_interval_s must be a positive number of seconds")
         if not isinstance(self.log_stats, bool):
             raise ConfigError("server.log_stats must be true or false")
-        if self.max_connections is not None and (
-            isinstance(self.max_connections, bool)
-            or not isinstance(self.max_connections, int)
-            or self.max_connections < 1
-        ):
-            raise ConfigError("server.max_connections must be a positive integer")
+        for k in ("max_connections", "max_idle_connections_per_client"):
+            v = getattr(self, k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"server.{k} must be a positive integer")
+        for k in ("max_request_line_bytes", "max_header_bytes"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or not 256 <= v <= 1 << 20:
+                raise ConfigError(f"server.{k} must be an integer from 256 to 1048576")
+        if self.http not in ("h11", "httptools", "auto"):
+            raise ConfigError(
+                f"server.http must be 'h11', 'httptools' or 'auto', not {self.http!r}"
+            )
         for tier in self.service_tiers:
             if tier not in SERVICE_TIERS:
                 raise ConfigError(f"service_tiers: unknown tier {tier!r}")
@@ -165,6 +192,31 @@ class ServerConfig:
         digests = [d for t in self.tenants for d in t.key_digests]
         if len(set(digests)) != len(digests):
             raise ConfigError("an API key is configured twice")
+        v = self.auth_max_failures
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1000:
+            raise ConfigError("server.auth_max_failures must be an integer from 1 to 1000")
+        v = self.auth_failure_window_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86400:
+            raise ConfigError(
+                "server.auth_failure_window_s must be a number of seconds in (0, 86400]"
+            )
+        folded: dict[str, str] = {}
+        for t in self.tenants:
+            check_name("tenant", t.name)
+            if t.name.lower() in folded:
+                raise ConfigError(
+                    f"tenants.{t.name}: the name differs only in case from "
+                    f"tenants.{folded[t.name.lower()]}"
+                )
+            folded[t.name.lower()] = t.name
+            for d in t.key_digests:
+                if d in EXAMPLE_KEY_DIGESTS:
+                    raise ConfigError(
+                        f"tenants.{t.name}: a key of the shipped examples is configured; "
+                        "set a secret key of your own"
+                    )
+        for c in self.classes or ():
+            check_name("class", c.name)
 
     @property
     def open_mode(self) -> bool:
@@ -199,6 +251,51 @@ def key_digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 
 
+# keys that have appeared in the shipped examples and docs: known to everyone, so never
+# accepted (as a plain key, from an environment variable or as a digest), nor is any
+# key starting with "change-me"
+EXAMPLE_KEYS = ("change-me-ops-key", "example-key", "plain-text-key")
+EXAMPLE_KEY_DIGESTS = frozenset(key_digest(k) for k in EXAMPLE_KEYS)
+_PLACEHOLDER_PREFIX = "change-me"
+
+# tenant and class names: ASCII letters, digits, "_", "-" and "." (no look-alikes from
+# other scripts, no spaces or control characters); they name metrics labels and rows
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+MAX_NAME_LEN = 64
+
+
+def check_name(kind: str, name: str) -> None:
+    """A ``ConfigError`` naming a tenant or class name (``kind``) that is not 1-64 ASCII
+    letters, digits, ``_``, ``-`` or ``.`` starting with a letter or digit."""
+    where = "tenants" if kind == "tenant" else "classes"
+    ok = (
+        isinstance(name, str)
+        and 0 < len(name) <= MAX_NAME_LEN
+        and set(name) <= _NAME_CHARS
+        and name[0].isalnum()
+    )
+    if not ok:
+        raise ConfigError(
+            f"{where}.{name!a}: a {kind} name must be 1-{MAX_NAME_LEN} ASCII letters, "
+            "digits, '_', '-' or '.' (starting with a letter or digit)"
+        )
+
+
+def check_key(where: str, key: str) -> None:
+    """A ``ConfigError`` (naming ``where``, never the key) for a key no request could
+    present (anything but printable ASCII without spaces) or one from the examples."""
+    if not (key.isascii() and key.isprintable()) or " " in key:
+        raise ConfigError(
+            f"{where}: a key must be printable ASCII without spaces (as sent in an "
+            "Authorization header)"
+        )
+    if key.startswith(_PLACEHOLDER_PREFIX) or key_digest(key) in EXAMPLE_KEY_DIGESTS:
+        raise ConfigError(
+            f"{where}: a key of the shipped examples (or a 'change-me' placeholder) is "
+            "configured; set a secret key of your own"
+        )
+
+
 def _check_keys(where: str, table: Mapping, allowed: set[str]) -> None:
     if not isinstance(table, Mapping):
         raise ConfigError(f"{where} must be a table")
@@ -214,9 +311,13 @@ def _str_list(where: str, v: Any) -> list[str]:
 
 
 def _parse_tenant(name: str, t: Mapping) -> Tenant:
+    check_name("tenant", name)
     where = f"tenants.{name}"
     _check_keys(where, t, _TENANT_KEYS)
-    digests = [key_digest(k) for k in _str_list(f"{where}.keys", t.get("keys", []))]
+    keys = _str_list(f"{where}.keys", t.get("keys", []))
+    for k in keys:
+        check_key(f"{where}.keys", k)
+    digests = [key_digest(k) for k in keys]
     for h in _str_list(f"{where}.key_sha256", t.get("key_sha256", [])):
         try:
             b = bytes.fromhex(h)
@@ -232,7 +333,11 @@ def _parse_tenant(name: str, t: Mapping) -> Tenant:
         val = os.environ.get(env)
         if not val:
             raise ConfigError(f"{where}.keys_env: environment variable {env} is not set")
-        digests.extend(key_digest(k.strip()) for k in val.split(",") if k.strip())
+        for k in val.split(","):
+            k = k.strip(" \t")
+            if k:
+                check_key(f"{where}.keys_env ({env})", k)
+                digests.append(key_digest(k))
     classes = t.get("classes")
     if classes is not None:
         classes = tuple(_str_list(f"{where}.classes", classes))
@@ -278,6 +383,7 @@ def parse_config(data: Mapping) -> ServerConfig:
         _check_keys("classes", data["classes"], set(data["classes"]))
         classes = []
         for name, c in data["classes"].items():
+            check_name("class", name)
             _check_keys(f"classes.{name}", c, _CLASS_KEYS)
             try:
                 classes.append(SLOClass(name=name, **c))

@@ -55,7 +55,7 @@ from starlette.requests import cookie_parser
 from starlette.responses import HTMLResponse, Response
 
 from adaserve import dashboard_page
-from adaserve.server.auth import TenantRegistry
+from adaserve.server.auth import TenantRegistry, client_of
 from adaserve.server.config import Tenant
 from adaserve.server.errors import ApiError
 from adaserve.server.protocol import ErrorResponse
@@ -291,12 +291,13 @@ class Dashboard:
         self._pages: dict[tuple, str] = {}
 
     # ------------------------------------------------------------------ credentials
-    def credential(self, headers: Headers) -> tuple[Tenant, bool]:
-        """(the caller's tenant, whether by session cookie); raises ``ApiError`` 401."""
+    def credential(self, headers: Headers, client: str | None = None) -> tuple[Tenant, bool]:
+        """(the caller's tenant, whether by session cookie); raises ``ApiError`` 401 (429
+        while ``client``'s address is locked for wrong keys: ``auth.AuthThrottle``)."""
         reg = self.tenants
         authorization = headers.get("authorization")
         if reg.open_mode or authorization:
-            return reg.authenticate(authorization), False
+            return reg.authenticate(authorization, client), False
         token = _cookie(headers)
         if token is None:
             reg.authenticate(None)  # 401 missing_api_key
@@ -306,9 +307,9 @@ class Dashboard:
             raise _session_gone()
         return tenant, True
 
-    def admin(self, headers: Headers) -> tuple[Tenant, bool]:
+    def admin(self, headers: Headers, client: str | None = None) -> tuple[Tenant, bool]:
         """``credential``, and 403 unless the tenant is an admin (or in open mode)."""
-        tenant, by_session = self.credential(headers)
+        tenant, by_session = self.credential(headers, client)
         if not self.tenants.open_mode and not tenant.admin:
             raise admin_required()
         return tenant, by_session
@@ -320,13 +321,15 @@ class Dashboard:
             self._pages[key] = dashboard_page.render(boot, title=self.title)
         return self._pages[key]
 
-    def page(self, headers: Headers, secure: bool = False) -> Response:
-        """``GET /dashboard``: 200 the dashboard, or 401 / 403 the sign-in page."""
+    def page(self, headers: Headers, secure: bool = False, client: str | None = None) -> Response:
+        """``GET /dashboard``: 200 the dashboard, or 401 / 403 / 429 the sign-in page."""
         try:
-            _, by_session = self.admin(headers)
+            _, by_session = self.admin(headers, client)
         except ApiError as e:
             boot = {"mode": "signin", "session_url": SESSION_URL, "message": e.message}
-            resp = HTMLResponse(self._page(boot), status_code=e.status, headers=_PAGE_HEADERS)
+            resp = HTMLResponse(
+                self._page(boot), status_code=e.status, headers={**_PAGE_HEADERS, **e.headers}
+            )
             if e.status == 401:
                 resp.headers["WWW-Authenticate"] = "Bearer"
                 if _cookie(headers) is not None:  # a stale session: forget it here too
@@ -341,18 +344,20 @@ class Dashboard:
         }
         return HTMLResponse(self._page(boot), headers=_PAGE_HEADERS)
 
-    async def data_response(self, headers: Headers) -> Response:
+    async def data_response(self, headers: Headers, client: str | None = None) -> Response:
         """``GET /v1/dashboard/data``."""
-        self.admin(headers)
+        self.admin(headers, client)
         return JSON(await self.data(), headers=_NO_STORE)
 
-    def sign_in(self, headers: Headers, secure: bool = False) -> Response:
+    def sign_in(
+        self, headers: Headers, secure: bool = False, client: str | None = None
+    ) -> Response:
         """``POST /v1/dashboard/session``: the admin key (Bearer) for a session cookie."""
         reg = self.tenants
         resp = Response(status_code=204, headers=_NO_STORE)
         if reg.open_mode:  # nothing to sign in to
             return resp
-        tenant = reg.authenticate(headers.get("authorization"))
+        tenant = reg.authenticate(headers.get("authorization"), client)
         if not tenant.admin:
             raise admin_required()
         resp.set_cookie(
@@ -393,6 +398,7 @@ class Dashboard:
         """Answer a request for one of ``PATHS`` (the front door's dispatch)."""
         headers = Headers(scope=scope)
         secure = scope.get("scheme") == "https"
+        client = client_of(scope)
         what = self.ROUTES.get((scope["path"], scope["method"]))
         try:
             if what is None:
@@ -405,11 +411,11 @@ class Dashboard:
                     headers={"Allow": ", ".join(allowed)},
                 )
             if what == "page":
-                resp = self.page(headers, secure)
+                resp = self.page(headers, secure, client)
             elif what == "data":
-                resp = await self.data_response(headers)
+                resp = await self.data_response(headers, client)
             elif what == "sign_in":
-                resp = self.sign_in(headers, secure)
+                resp = self.sign_in(headers, secure, client)
             else:
                 resp = self.sign_out(headers, secure)
         except ApiError as e:
@@ -436,17 +442,17 @@ def create_dashboard(state: ServerState) -> APIRouter:
     @router.get(PAGE_URL, response_class=HTMLResponse, include_in_schema=False)
     async def dashboard(request: Request) -> Response:
         """The page (no data in it; see the module docstring for auth)."""
-        return dash.page(request.headers, secure(request))
+        return dash.page(request.headers, secure(request), client_of(request.scope))
 
     @router.get(DATA_URL, responses=_ERRORS)
     async def dashboard_data_route(request: Request) -> Response:
         """The dashboard's data; with API keys configured, an admin key or session."""
-        return await dash.data_response(request.headers)
+        return await dash.data_response(request.headers, client_of(request.scope))
 
     @router.post(SESSION_URL, status_code=204, responses=_ERRORS)
     async def dashboard_sign_in(request: Request) -> Response:
         """Sign in to the dashboard: an admin key (Bearer) for a session cookie."""
-        return dash.sign_in(request.headers, secure(request))
+        return dash.sign_in(request.headers, secure(request), client_of(request.scope))
 
     @router.delete(SESSION_URL, status_code=204)
     async def dashboard_sign_out(request: Request) -> Response:

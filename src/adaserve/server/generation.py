@@ -40,10 +40,11 @@ def _resolve(state: ServerState, body, headers, tenant: Tenant) -> SLOChoice:
     )
 
 
-def precheck_quotas(state: ServerState, tenant: Tenant) -> None:
-    """The tenant's request-count quotas (429), before the body is read or parsed."""
+async def enter_quotas(state: ServerState, tenant: Tenant) -> None:
+    """Take the tenant's request and concurrency slot (429), before the body is read or
+    parsed; ``state.quotas.release`` gives the slot back when the response has ended."""
     try:
-        state.quotas.precheck(tenant)
+        await state.quotas.begin(tenant)
     except ApiError as e:
         state.rate_limited(tenant.name, e.reason or "quota")
         raise

@@ -67,13 +67,13 @@ class Job:
         self._closed = False
 
     def close(self, reason: str = DISCONNECTED) -> None:
-        """Abort unfinished requests and release the tenant's slot (idempotent)."""
+        """Abort unfinished requests (idempotent; the tenant's concurrency slot is the
+        HTTP request's, given back by ``app._Guard`` when the response ends)."""
         if self._closed:
             return
         self._closed = True
         for h in self.handles:
             self.state.loop.abort(h, reason)
-        self.state.quotas.release(self.tenant)
 
 
 async def wait_disconnect(request: Request) -> None:

@@ -52,6 +52,11 @@ class QuotaBook:
     """Per-tenant request/token buckets and in-flight counts (thread-safe: ``settle``
     and ``refund`` come from the engine thread).
 
+    A request takes its request-per-minute token and its concurrency slot (``enter``)
+    when its headers arrive, before its body is read, parsed or tokenised, and holds the
+    slot until its response ends (``release``): a request that fails later (a 400 for
+    a prompt too long, a bad field) has cost its quota all the same.
+
     The tokens-per-minute bucket bounds output as well as prompts: admission reserves
     the prompt plus every choice's ``max_tokens`` up front (a request that does not fit
     is refused, so no request can produce more than the tenant had left), and each
@@ -68,12 +73,20 @@ class QuotaBook:
             if t.tokens_per_minute:
                 self._tpm[t.name] = TokenBucket(t.tokens_per_minute, clock)
 
-    def precheck(self, tenant: Tenant) -> None:
-        """Raise the 429 ``admit`` would for the request-count quotas (concurrency,
-        requests per minute) without taking anything: run before a prompt is
-        tokenised, so a tenant over its limits costs the server nothing."""
+    def enter(self, tenant: Tenant) -> None:
+        """Take one request from the tenant's request-count quotas (its requests per
+        minute and a concurrency slot, given back by ``release``), or raise 429."""
         with self._lock:
             self._check_counts(tenant)
+            rpm = self._rpm.get(tenant.name)
+            if rpm is not None:
+                rpm.take(1)
+            self.inflight[tenant.name] = self.inflight.get(tenant.name, 0) + 1
+
+    async def begin(self, tenant: Tenant) -> None:
+        """``enter`` as the request path awaits it (a book shared across replicas
+        answers from elsewhere: ``adaserve.cluster.shared_quotas``)."""
+        self.enter(tenant)
 
     def _check_counts(self, tenant: Tenant) -> None:
         busy = self.inflight.get(tenant.name, 0)
@@ -95,14 +108,13 @@ class QuotaBook:
         *,
         fit: bool = False,
     ) -> list[int]:
-        """Take one request, the prompt tokens and the output reservation (``outputs``:
-        each choice's ``max_tokens``) from the tenant's quotas, or raise 429. Returns the
-        reserved ``max_tokens`` per choice: ``outputs`` itself, or with ``fit`` (the
-        client set no ``max_tokens``) each shrunk to an equal share of what is left."""
+        """Take the prompt tokens and the output reservation (``outputs``: each choice's
+        ``max_tokens``) of a request that has ``enter``-ed from the tenant's
+        tokens-per-minute quota, or raise 429. Returns the reserved ``max_tokens`` per
+        choice: ``outputs`` itself, or with ``fit`` (the client set no ``max_tokens``)
+        each shrunk to an equal share of what is left."""
         outputs = list(outputs)
         with self._lock:
-            self._check_counts(tenant)
-            rpm = self._rpm.get(tenant.name)
             tpm = self._tpm.get(tenant.name)
             if tpm is not None:
                 if fit and outputs:
@@ -111,11 +123,7 @@ class QuotaBook:
                 need = prompt_tokens + sum(outputs)
                 if (w := tpm.wait_for(need)) > 0:
                     raise _tokens_error(tenant, prompt_tokens, outputs, w)
-            if rpm is not None:
-                rpm.take(1)
-            if tpm is not None:
-                tpm.take(prompt_tokens + sum(outputs))
-            self.inflight[tenant.name] = self.inflight.get(tenant.name, 0) + 1
+                tpm.take(need)
         return outputs
 
     async def reserve(
@@ -131,6 +139,7 @@ class QuotaBook:
         return self.admit(tenant, prompt_tokens, outputs, fit=fit)
 
     def release(self, tenant: Tenant) -> None:
+        """Give back the concurrency slot ``enter`` took (the response has ended)."""
         with self._lock:
             self.inflight[tenant.name] = max(0, self.inflight.get(tenant.name, 0) - 1)
 

@@ -4,8 +4,11 @@ report; start-up, drain and the accounting of every finished request."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -64,6 +67,10 @@ def derived_body_limit(max_model_len: int, tokenizer) -> int:
 
 log = logging.getLogger("adaserve.server")
 
+# the threads that tokenise, detokenise and run chat templates, never the event loop's:
+# half the cores (the engine's threads have the rest), at least one
+TOKENIZER_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+
 
 @dataclass(frozen=True)
 class RequestCtx:
@@ -88,7 +95,7 @@ class ServerState:
         # only the served id: the checkpoint's path is not a name a client may use (nor
         # learn from the answer)
         self.served_names = {model_name}
-        self.tenants = TenantRegistry(cfg.tenants)
+        self.tenants = TenantRegistry.for_config(cfg)
         self.quotas = QuotaBook(cfg.tenants)
         self.usage = UsageBook()
         loop.on_reject = self.on_reject  # an add refused before the engine: refund
@@ -118,6 +125,16 @@ class ServerState:
         self.created = int(time.time())
         self.chat_template: ChatTemplate | None = None  # set at start-up
         self._warned_fields: set[str] = set()
+        self._tokenizer_pool = ThreadPoolExecutor(
+            TOKENIZER_THREADS, thread_name_prefix="adaserve-tokenize"
+        )
+
+    async def off_loop(self, fn, *args):
+        """``fn(*args)`` on the tokenizer threads: tokenising, detokenising and chat
+        templates never run on the event loop (a flood of them queues there, bounded
+        by each tenant's concurrency, while the loop keeps answering)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, functools.partial(fn, *args))
 
     def warn_ignored_fields(self, names: list[str]) -> None:
         """Log unknown request fields (ignored, as vLLM), once per field name."""
@@ -190,6 +207,7 @@ class ServerState:
             self.draining = True
             if ticker is not None:
                 ticker.cancel()
+            self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(self.loop.stop)
 
     def load_chat_template(self) -> ChatTemplate | None:

@@ -9,8 +9,6 @@ by the chat template exactly as ``/v1/chat/completions`` renders it) and answers
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
@@ -24,7 +22,7 @@ from adaserve.server.protocol import (
     TokenizeResponse,
 )
 from adaserve.server.state import ServerState
-from adaserve.server.validation import ENCODE_IN_THREAD_CHARS, check_body_model, encode, in_vocab
+from adaserve.server.validation import check_body_model, encode, in_vocab
 
 
 def parse_tokenize(data) -> TokenizeCompletionRequest | TokenizeChatRequest:
@@ -45,10 +43,7 @@ async def tokenize(state: ServerState, body) -> TokenizeResponse:
     if state.loop.info.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer", "prompt")
     if isinstance(body, TokenizeChatRequest):
-        big = sum(len(m.text()) for m in body.messages) > ENCODE_IN_THREAD_CHARS
-        text = (
-            await asyncio.to_thread(render_chat, state, body) if big else render_chat(state, body)
-        )
+        text = await state.off_loop(render_chat, state, body)
         param = "messages"
     else:
         text, param = body.prompt, "prompt"
@@ -67,8 +62,5 @@ async def detokenize(state: ServerState, body: DetokenizeRequest) -> DetokenizeR
     if tok is None:
         raise ApiError(400, "this model has no tokenizer", "tokens")
     ids = in_vocab(state, list(body.tokens), "tokens")
-    if len(ids) > ENCODE_IN_THREAD_CHARS:
-        text = await asyncio.to_thread(tok.decode, ids)
-    else:
-        text = tok.decode(ids)
+    text = await state.off_loop(tok.decode, ids)
     return DetokenizeResponse(prompt=text)

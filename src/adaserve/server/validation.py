@@ -4,15 +4,11 @@ sampling parameters."""
 
 from __future__ import annotations
 
-import asyncio
-
 from adaserve.errors import InvalidRequestError
 from adaserve.sampling import SamplingParams
 from adaserve.server.errors import ApiError, context_error, unsupported
 from adaserve.server.state import ServerState
 
-# longer texts are tokenised (or templated) in a worker thread, off the event loop
-ENCODE_IN_THREAD_CHARS = 32_768
 MAX_STOP_SEQUENCES = 16
 
 
@@ -73,9 +69,7 @@ async def encode(
     except UnicodeEncodeError:
         raise ApiError(400, f"{param} is not valid UTF-8 text", param=param) from None
     check_text_size(state, size, param)
-    if len(text) > ENCODE_IN_THREAD_CHARS:
-        return await asyncio.to_thread(tok.encode_released, text, add_special_tokens)
-    return tok.encode(text, add_special_tokens)
+    return await state.off_loop(tok.encode_released, text, add_special_tokens)
 
 
 def check_text_size(state: ServerState, size: int, param: str) -> None:
