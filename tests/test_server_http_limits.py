@@ -201,6 +201,28 @@ def test_silent_sockets_leave_room_for_requests_with_a_key(srv):
         http.close()
 
 
+def test_an_upload_answered_early_is_drained_not_reset(srv):
+    """A body refused at its headers (413) is answered, then the rest the client still
+    sends is read and dropped for a while (a close with unread data would reset the
+    connection, and the client could lose the answer), then the connection closes."""
+    with _connect(srv) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer sk-user-secret\r\nContent-Length: 2000000000\r\n\r\n"
+        )
+        data = s.recv(65536)
+        assert _parse(data)[0] == 413
+        time.sleep(0.2)
+        for _ in range(32):  # the server has answered and still reads
+            s.sendall(b"x" * 65536)
+            time.sleep(0.005)
+        s.settimeout(10)
+        t0 = time.monotonic()
+        while s.recv(65536):  # then it closes (EOF after the answer, no reset)
+            pass
+        assert time.monotonic() - t0 < 8
+
+
 @pytest.mark.parametrize(
     "line",
     [

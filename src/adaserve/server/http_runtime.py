@@ -150,6 +150,59 @@ def parser_base(name: str):
     return H11Protocol
 
 
+# a connection closed while its client may still be sending keeps reading (and dropping)
+# what comes for this long, or this many bytes, before it closes
+LINGER_S = 2.0
+LINGER_BYTES = 16 << 20
+
+
+class _LingeringTransport:
+    """The transport as the protocol sees it, with a lingering close: ``close`` while
+    the client may still be sending (a body not read yet, a head not finished) sends the
+    response and a FIN, then reads and drops what still comes for up to ``LINGER_S`` or
+    ``LINGER_BYTES`` before closing. A socket closed with unread data sends a reset,
+    which can cost the client the answer it was sent (a 413 for a big upload)."""
+
+    def __init__(self, transport, protocol):
+        self._t = transport
+        self._protocol = protocol
+        self.lingering = False
+        self._drained = 0
+        self._timer = None
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._t.is_closing()
+
+    def close(self) -> None:
+        if self.lingering or self._t.is_closing():
+            return
+        if not self._protocol.may_be_sending() or not self._t.can_write_eof():
+            self._t.close()
+            return
+        self.lingering = True
+        self._t.write_eof()
+        self._t.resume_reading()
+        self._timer = self._protocol.loop.call_later(LINGER_S, self._t.close)
+
+    def close_now(self) -> None:
+        self.cancel()
+        self._t.close()
+
+    def drop(self, n: int) -> None:
+        """``n`` bytes came while lingering: dropped (closed past ``LINGER_BYTES``)."""
+        self._drained += n
+        if self._drained > LINGER_BYTES:
+            self.close_now()
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
 class _Connections:
     """The open connections of one server by client address, and which to close when
     a cap needs room: a connection with no request in flight (opening, sending its
@@ -226,7 +279,7 @@ def http_protocol(cfg: ServerConfig | None = None):
         _head_tail = b""
 
         def connection_made(self, transport) -> None:
-            super().connection_made(transport)
+            super().connection_made(_LingeringTransport(transport, self))
             self.peer = self.client[0] if self.client else ""
             self.opened_at = self.loop.time()
             self.mark = ConnectionMark()
@@ -245,7 +298,7 @@ def http_protocol(cfg: ServerConfig | None = None):
             if per_client is not None and len(book.idle(self.peer)) > per_client:
                 victim = book.victim(c for c in book.by_client[self.peer] if c is not self)
                 if victim is not None:
-                    victim.transport.close()
+                    victim.transport.close_now()
             if cap is None or len(self.connections) <= cap:
                 return
             # the client holding most connections gives one up first
@@ -255,7 +308,7 @@ def http_protocol(cfg: ServerConfig | None = None):
                     log.warning(
                         "more than %d open connections: closed an idle one from %s", cap, peer
                     )
-                    victim.transport.close()
+                    victim.transport.close_now()
                     self.connections.discard(victim)
                     return
             log.warning("connection refused (503): more than %d open connections", cap)
@@ -265,7 +318,21 @@ def http_protocol(cfg: ServerConfig | None = None):
             """No request in flight: opening, sending its headers, or between requests."""
             return not self.transport.is_closing() and self._between_requests()
 
+        def may_be_sending(self) -> bool:
+            """The client may still be sending: a body not all read, or part of a head."""
+            cycle = self.cycle
+            return (cycle is not None and cycle.more_body) or self._head_bytes > 0
+
+        def eof_received(self):
+            if self.transport.lingering:
+                self.transport.close_now()
+                return None
+            return super().eof_received()
+
         def data_received(self, data: bytes) -> None:
+            if self.transport.lingering:
+                self.transport.drop(len(data))
+                return
             cycle = self.cycle
             if self._header_timer is None and self._between_requests():
                 self._arm_header_timer()  # the first byte of the next request
@@ -322,6 +389,7 @@ def http_protocol(cfg: ServerConfig | None = None):
 
         def connection_lost(self, exc) -> None:
             self._cancel(header=True, body=True)
+            self.transport.cancel()
             book.discard(self)
             super().connection_lost(exc)
 
