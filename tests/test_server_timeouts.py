@@ -175,10 +175,11 @@ def _busy(srv) -> socket.socket:
     return s
 
 
-def test_connections_over_the_cap_get_503_when_all_are_busy(srv):
-    held = [_busy(srv) for _ in range(CAP)]
+def test_connections_past_the_ceiling_get_503_when_all_are_busy(srv):
+    """Past 2 x the cap, with every connection busy, a new one is answered 503."""
+    held = [_busy(srv) for _ in range(2 * CAP)]
     try:
-        assert wait_for(lambda: len(srv.server.server_state.connections) == CAP, timeout=2)
+        assert wait_for(lambda: len(srv.server.server_state.connections) == 2 * CAP, timeout=2)
         with _connect(srv) as s:
             s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             data, _ = _read_until_closed(s)
@@ -198,25 +199,24 @@ def test_connections_over_the_cap_get_503_when_all_are_busy(srv):
     assert _parse(data)[0] == 200
 
 
-def test_silent_connections_make_room_at_the_cap(srv):
-    """Connections that sent nothing hold no place: at the cap the oldest silent one is
-    closed for a new one, which is served; busy ones are never closed for it."""
-    busy = _busy(srv)
-    silent = [_connect(srv) for _ in range(CAP - 1)]
+def test_a_connection_beyond_the_cap_is_served_on_probation(srv):
+    """Beyond the cap a new connection is served if it sends its request; silent ones
+    beyond it are closed after the probation, and nobody else's connection is."""
+    held = [_connect(srv) for _ in range(CAP)]
+    t0 = time.monotonic()
     try:
         assert wait_for(lambda: len(srv.server.server_state.connections) == CAP, timeout=2)
         with _connect(srv) as s:
             s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             data, _ = _read_until_closed(s)
         assert _parse(data)[0] == 200
-        silent[0].settimeout(5)
-        assert silent[0].recv(100) == b""  # the oldest silent one was closed
-        # the busy one was kept: its request is answered (408: its body is late)
-        data, _ = _read_until_closed(busy)
-        assert _parse(data)[0] == 408
+        if time.monotonic() - t0 < TIMEOUT * 0.8:  # (a slow machine cannot tell)
+            for s in held:  # none was closed for it
+                s.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    s.recv(1)
     finally:
-        busy.close()
-        for s in silent:
+        for s in held:
             s.close()
 
 

@@ -150,6 +150,14 @@ def parser_base(name: str):
     return H11Protocol
 
 
+# a connection opened beyond a cap (its address's idle connections, the server's) must
+# send its request line and headers within this (a real client sends them at once;
+# silent sockets are closed this soon, without closing anyone else's, so an attacker
+# that reopens what is closed cannot start a chain of closes); past CEILING x
+# max_connections an idle connection on probation is closed for a new one, else 503
+PROBATION_S = 2.0
+CEILING = 2
+
 # a connection closed while its client may still be sending keeps reading (and dropping)
 # what comes for this long, or this many bytes, before it closes
 LINGER_S = 2.0
@@ -205,8 +213,8 @@ class _LingeringTransport:
 
 class _Connections:
     """The open connections of one server by client address, and which to close when
-    a cap needs room: a connection with no request in flight (opening, sending its
-    headers, or idle between requests), untrusted before trusted, oldest first."""
+    the ceiling needs room: a connection with no request in flight (opening, sending
+    its headers, or idle between requests), untrusted before trusted, oldest first."""
 
     def __init__(self) -> None:
         self.by_client: dict[str, set] = {}
@@ -246,11 +254,13 @@ def http_protocol(cfg: ServerConfig | None = None):
     - a body backstop: a request whose body is still incomplete ``body_timeout_s`` (+1 s)
       after its headers has its connection closed (the app's body reader answers 408
       first where it reads the body, see ``app._Guard``);
-    - connection caps that silent sockets cannot hold: one client address may keep at
-      most ``max_idle_connections_per_client`` connections with no request in flight,
-      and a server at ``max_connections`` makes room by closing such a connection (of
-      the client holding most, untrusted first: see ``ConnectionMark``); only when every
-      connection has a request in flight is a new one answered 503 JSON.
+    - connection caps that silent sockets cannot hold: a connection opened beyond
+      ``max_idle_connections_per_client`` idle connections of its address, or beyond
+      ``max_connections``, is on probation: it must send its request within
+      ``PROBATION_S`` (then it is served as any other). Past ``CEILING`` x
+      ``max_connections`` an idle connection on probation (untrusted first: see
+      ``ConnectionMark``) is closed for a new one; only when none is idle is a new one
+      answered 503 JSON.
 
     uvicorn itself closes idle keep-alive connections (``timeout_keep_alive_s``).
     """
@@ -265,12 +275,14 @@ def http_protocol(cfg: ServerConfig | None = None):
     line_limit = cfg.max_request_line_bytes
     header_limit = cfg.max_header_bytes
     over_capacity = _over_capacity_app(cap) if cap is not None else None
+    probation_s = min(header_timeout, PROBATION_S)
     book = _Connections()
 
     class Protocol(base):
         _header_timer = None
         _body_timer = None
         _header_bytes = 0
+        probation = False
         # the request head being counted: its bytes so far, whether its line ended,
         # the line's length, and the last bytes of the previous chunk (for a CRLFCRLF
         # split across two chunks)
@@ -291,27 +303,28 @@ def http_protocol(cfg: ServerConfig | None = None):
 
             self.app = marked
             book.add(self)
-            self._make_room()
-            self._arm_header_timer()
+            self._admit()
+            self._arm_header_timer(probation_s if self.probation else header_timeout)
 
-        def _make_room(self) -> None:
-            if per_client is not None and len(book.idle(self.peer)) > per_client:
-                victim = book.victim(c for c in book.by_client[self.peer] if c is not self)
-                if victim is not None:
-                    victim.transport.close_now()
-            if cap is None or len(self.connections) <= cap:
+        def _admit(self) -> None:
+            """Probation for a connection beyond a cap; past the hard ceiling, room is
+            made by closing an idle one on probation (untrusted first), else 503."""
+            over_client = per_client is not None and len(book.idle(self.peer)) > per_client
+            self.probation = over_client or (cap is not None and len(self.connections) > cap)
+            if cap is None or len(self.connections) <= CEILING * cap:
                 return
-            # the client holding most connections gives one up first
-            for peer in sorted(book.by_client, key=lambda p: -len(book.by_client[p])):
-                victim = book.victim(c for c in book.by_client[peer] if c is not self)
-                if victim is not None:
-                    log.warning(
-                        "more than %d open connections: closed an idle one from %s", cap, peer
-                    )
-                    victim.transport.close_now()
-                    self.connections.discard(victim)
-                    return
-            log.warning("connection refused (503): more than %d open connections", cap)
+            victim = book.victim(
+                c
+                for conns in book.by_client.values()
+                for c in conns
+                if c is not self and c.probation
+            )
+            if victim is not None:
+                log.warning("more than %d open connections: closed an idle one", CEILING * cap)
+                victim.transport.close_now()
+                self.connections.discard(victim)
+                return
+            log.warning("connection refused (503): more than %d open connections", CEILING * cap)
             self.app = over_capacity
 
         def idle(self) -> bool:
@@ -344,6 +357,7 @@ def http_protocol(cfg: ServerConfig | None = None):
                     return
             super().data_received(data)
             if self.cycle is not cycle:  # a new request's headers are complete
+                self.probation = False
                 self._cancel(header=True)
                 self._arm_body_timer()
 
@@ -404,11 +418,11 @@ def http_protocol(cfg: ServerConfig | None = None):
                 self._body_timer.cancel()
                 self._body_timer = None
 
-        def _arm_header_timer(self) -> None:
+        def _arm_header_timer(self, timeout: float | None = None) -> None:
             self._cancel(header=True)
             self._header_bytes = 0
             self._header_timer = self.loop.call_later(
-                header_timeout, self._on_header_timeout, self.cycle
+                timeout or header_timeout, self._on_header_timeout, self.cycle
             )
 
         def _arm_body_timer(self) -> None:
