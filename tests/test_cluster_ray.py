@@ -37,9 +37,9 @@ from adaserve.cluster.serve_app import Cluster  # noqa: E402
 from adaserve.config import EngineConfig  # noqa: E402
 from adaserve.server import parse_config  # noqa: E402
 from adaserve.server.app import engine_config_for_server  # noqa: E402
-from adaserve.server.cli import make_server  # noqa: E402
 from adaserve.server.config import tomllib  # noqa: E402
 from adaserve.server.dashboard import COOKIE  # noqa: E402
+from adaserve.server.http_runtime import make_server  # noqa: E402
 
 CONFIG = """
 [server]
@@ -444,6 +444,14 @@ def test_killed_replica_every_request_answered_and_service_recovers(svc):
         return s and s["live"] and e["running"] == 0 and e["waiting"] == 0 and e["kv_usage"] == 0
 
     assert wait_for(idle, 30, every=0.1), svc.snapshots()[survivor]["report"]["engine"]
+
+    def counted():  # what the victim had streamed, once it is taken for dead
+        rep = httpx.get(svc.url + "/v1/slo/report", headers={"Authorization": "Bearer sk-ops"})
+        n = rep.json()["engine"]["interrupted"]
+        return n["requests"] >= 1 and n
+
+    n = wait_for(counted, 30, every=0.2)
+    assert n and n["requests"] <= len(errors) and n["completion_tokens"] >= n["requests"], n
     # Ray Serve replaces the dead replica
     assert wait_for(lambda: len(set(svc.live()) - {victim}) == 2, 180, every=0.5)
 

@@ -29,8 +29,10 @@ def request_data(scope: dict, body: bytes) -> dict:
     }
 
 
-async def call_app(app, req: dict, extra_headers: dict[str, str] | None = None):
-    """Run ``req`` through ``app``; yield its response messages (see module doc)."""
+async def call_app(app, req: dict, extra_headers: dict[str, str] | None = None, context=None):
+    """Run ``req`` through ``app``; yield its response messages (see module doc).
+    ``context``: the ``contextvars.Context`` the app runs in (default: a copy of the
+    caller's)."""
     scope = {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -64,7 +66,7 @@ async def call_app(app, req: dict, extra_headers: dict[str, str] | None = None):
             raise OSError("client disconnected")
         out.put_nowait(msg)
 
-    task = asyncio.ensure_future(app(scope, receive, send))
+    task = asyncio.get_running_loop().create_task(app(scope, receive, send), context=context)
     task.add_done_callback(lambda _t: out.put_nowait(None))
     try:
         done = False

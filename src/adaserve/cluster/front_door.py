@@ -1,6 +1,6 @@
 """The front door of a service of N engine replicas: one OpenAI-compatible address.
 
-A plain ASGI app, run by the single server's uvicorn set-up (``server.cli.make_server``:
+A plain ASGI app, run by the single server's uvicorn set-up (``server.http_runtime.make_server``:
 the same header and body timeouts, connection cap and JSON errors for what uvicorn
 cannot parse). Per request:
 
@@ -23,6 +23,12 @@ being replaced) is sent elsewhere (``retries`` times); one in flight on a replic
 fails ends with a 503 ``replica_failed`` OpenAI-shaped error, or, once its SSE stream
 has begun, with an SSE ``error`` event and ``data: [DONE]``. None is run twice. A client that leaves cancels the
 replica's stream, which aborts the engine request.
+
+What a failed replica had already streamed is counted: each body item carries the
+request's output tokens so far (``replica.relay``), and when a stream that had begun
+fails, the front door tells the ledger (``Ledger.interrupted``) how many of them it
+had relayed to the client; once the replica is taken for dead they are in the
+tenant's usage and the report (a replica that lives on counts its own).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from starlette.datastructures import Headers
 
 from adaserve.cluster.asgi import request_data
 from adaserve.cluster.merge import merge_dashboard, merge_metrics, merge_report
-from adaserve.server.auth import TenantRegistry
+from adaserve.server.auth import AUTH_PATHS, TenantRegistry, client_of
 from adaserve.server.config import ServerConfig
 from adaserve.server.dashboard import Dashboard
 from adaserve.server.engine_errors import shutdown_error
@@ -115,7 +121,7 @@ class FrontState:
         self.cfg = cfg
         self.model_name = model_name
         self.ledger = ledger
-        self.tenants = TenantRegistry(cfg.tenants)
+        self.tenants = TenantRegistry.for_config(cfg)
         # the replicas hold the limit derived from the model; this one bounds memory
         self.body_limit = cfg.max_body_bytes or MAX_BODY_BYTES
         self.loop = _InFlight()
@@ -171,6 +177,12 @@ class FrontDoor:
             if path in Dashboard.PATHS:
                 await self.dashboard.asgi(scope, receive, send)
                 return
+            if path.startswith("/v1/") or path in AUTH_PATHS:
+                # the key is checked here too (the replica checks it again): wrong ones
+                # are throttled in one place for the whole service and never forwarded
+                self.front.tenants.authenticate(
+                    Headers(scope=scope).get("authorization"), client_of(scope)
+                )
             body = b""
             if method in ("POST", "PUT", "PATCH"):
                 body = await self._read_body(scope, receive)
@@ -206,6 +218,8 @@ class FrontDoor:
         accepted = started = False
         sse = False
         last: BaseException | None = None
+        acct: dict | None = None  # the request's accounting, from the replica
+        relayed = 0  # its output tokens in what was sent to the client
         try:
             for attempt in range(self.retries + 1):
                 gen = self.handle.options(stream=True, method_name="http").remote(route, req)
@@ -226,7 +240,9 @@ class FrontDoor:
                             accepted = True
                             continue
                         for m in msg[1] if msg[0] == "many" else (msg,):
-                            if m[0] == "start":
+                            if m[0] == "acct":
+                                acct = m[1]
+                            elif m[0] == "start":
                                 started = True
                                 sse = _is_sse(m[2])
                                 await send(
@@ -236,6 +252,8 @@ class FrontDoor:
                                 await send(
                                     {"type": "http.response.body", "body": m[1], "more_body": m[2]}
                                 )
+                                if len(m) > 3:
+                                    relayed = m[3]
                                 if not m[2]:
                                     return
                 except OSError:  # the client's connection is gone
@@ -248,6 +266,8 @@ class FrontDoor:
                     log.warning("replica failed before answering (try %d): %r", attempt + 1, e)
                     await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
             err = replica_failed(type(last).__name__ if last else "unknown")
+            if started and acct is not None:
+                self._count_interrupted(acct, relayed)
             if not started:
                 await error_response(err)(scope, receive, send)
             elif sse:
@@ -258,6 +278,19 @@ class FrontDoor:
         finally:
             gone.cancel()
 
+    def _count_interrupted(self, acct: dict, tokens: int) -> None:
+        """A stream its replica broke off: what reached the client goes to the ledger."""
+        log.warning(
+            "replica %s failed mid-stream: %d output token(s) of tenant %s already sent",
+            acct.get("replica"),
+            tokens,
+            acct.get("tenant"),
+        )
+        try:
+            self.ledger.interrupted.remote(acct.get("replica"), acct, int(tokens))
+        except Exception:  # the ledger is gone (shutdown): nothing to count into
+            log.exception("could not count an interrupted stream")
+
     # ------------------------------------------------------------------ service-wide
     def _caller(self, scope):
         """(tenant filter, tenants shown) for this caller, as the single server's."""
@@ -267,7 +300,7 @@ class FrontDoor:
         authorization = Headers(scope=scope).get("authorization")
         if not authorization:
             return None, False
-        tenant = reg.authenticate(authorization)
+        tenant = reg.authenticate(authorization, client_of(scope))
         return (None if tenant.admin else tenant.name), True
 
     async def _snapshots(self) -> dict:
@@ -289,7 +322,7 @@ class FrontDoor:
 
     async def _report(self, scope, send) -> None:
         reg = self.front.tenants
-        tenant = reg.authenticate(Headers(scope=scope).get("authorization"))
+        tenant = reg.authenticate(Headers(scope=scope).get("authorization"), client_of(scope))
         only = None if (reg.open_mode or tenant.admin) else tenant.name
         snaps = await self._snapshots()
         rep = await asyncio.to_thread(merge_report, snaps, only, self.front.model_name)

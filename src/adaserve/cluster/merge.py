@@ -8,8 +8,10 @@ per replica, with a ``replica`` label, the live replicas only: what a gateway ro
 to replicas reads.
 
 Report: the single server's ``ReportStore.build`` over every replica's records and
-counts, usage summed per tenant and class; ``engine`` carries the sums (fallback
-iterations by reason too) and one entry per replica under ``replicas``.
+counts, usage summed per tenant and class (with what dead replicas' interrupted
+streams had relayed, ``Ledger.interrupted``); ``engine`` carries the sums (fallback
+iterations by reason too, ``interrupted``: those streams and their output tokens) and
+one entry per replica under ``replicas``.
 
 Dashboard: see ``merge_dashboard``.
 """
@@ -117,12 +119,19 @@ def merge_report(snaps: dict, tenant: str | None, model_name: str) -> dict:
     store = ReportStore(rep0.get("class_names", []))
     usage: dict = {}
     replicas = {}
+    interrupted = {"requests": 0, "completion_tokens": 0}
     for rid, s in sorted(snaps.items()):
         for rec in s["records"]:
             store.record(rec)
         rep = s["report"]
         store.add_counts(rep.get("shed", {}), rep.get("rate_limited", {}))
         _add_usage(usage, rep.get("usage", {}))
+        lost = s.get("interrupted") or {}
+        _add_usage(usage, lost)
+        for name, u in lost.items():
+            if tenant is None or name == tenant:
+                for k in interrupted:
+                    interrupted[k] += u["total"].get(k, 0)
         replicas[rid] = {**rep.get("engine", {}), "live": s["live"]}
     if tenant is not None:
         usage = {k: v for k, v in usage.items() if k == tenant}
@@ -140,6 +149,7 @@ def merge_report(snaps: dict, tenant: str | None, model_name: str) -> dict:
             e.get("fallback_iterations", {}) for e in replicas.values()
         ),
         "stalls": _sum_counts(e.get("stalls", {}) for e in replicas.values()),
+        "interrupted": interrupted,
         "drift": _merge_drift([e.get("drift") or {} for e in alive]),
         # one deployment: every replica runs the same thread plan and profile
         "threads": rep0.get("engine", {}).get("threads"),

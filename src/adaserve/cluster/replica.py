@@ -5,7 +5,10 @@ Each replica builds the engine thread (``EngineLoop``) and the same FastAPI app 
 streaming and errors are that code, not a copy. The front door hands it each HTTP
 request as plain data (``http``) and gets back ``("accepted",)``, then the ASGI
 messages the app sends, as a stream (``("start", status, headers)`` then
-``("body", bytes, more)``); a cancelled
+``("body", bytes, more, tokens)``, ``tokens`` the request's output tokens handed to
+the app so far, and once its engine requests exist ``("acct", {...})``: the tenant,
+class, price and prompt tokens, so that the front door can count what it had relayed
+if this replica dies mid-stream; ``relay``); a cancelled
 stream (the client left) is an ``http.disconnect`` to the app, which aborts the
 engine request.
 
@@ -20,6 +23,7 @@ SLO-aware router.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
 import os
@@ -32,6 +36,66 @@ from adaserve.server.config import ServerConfig
 log = logging.getLogger("adaserve.cluster")
 
 REPLICA_HEADER = "x-adaserve-replica"
+
+# the engine handles of the request an app task serves (``relay`` sets it, ``count_handles``'
+# ``submit`` appends to it)
+_HANDLES: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "adaserve_request_handles", default=None
+)
+
+
+def count_handles(eloop) -> None:
+    """Have ``eloop.submit`` list each handle in the ``_HANDLES`` of the request whose
+    app task submits it (the app calls ``state.loop.submit``: this instance's)."""
+    submit = eloop.submit
+
+    async def submit_listed(h):
+        handles = _HANDLES.get()
+        if handles is not None:
+            handles.append(h)
+        return await submit(h)
+
+    eloop.submit = submit_listed
+
+
+def _acct(handles: list, replica_id: str) -> dict:
+    ctx = handles[0].ctx
+    return {
+        "replica": replica_id,
+        "tenant": getattr(ctx, "tenant", None),
+        "cls": getattr(ctx, "cls", None),
+        "price_per_1k": getattr(ctx, "price_per_1k", 0.0),
+        "prompt_tokens": sum(
+            len(h.prompt_ids) for h in handles if getattr(h.ctx, "count_prompt", True)
+        ),
+    }
+
+
+def _output_tokens(handles: list) -> int:
+    """Output tokens handed to the app so far (a score-only request's are not output)."""
+    return sum(h.sent for h in handles if not h.drop_output)
+
+
+async def relay(app, req: dict, replica_id: str):
+    """``call_app``'s messages with the accounting the front door reads: ``("acct",
+    {...})`` as soon as the request's engine handles exist, and each body item
+    ``("body", bytes, more, tokens)`` (``tokens``: the output tokens handed to the app
+    by the time it was sent)."""
+    from adaserve.cluster.asgi import call_app
+
+    handles: list = []
+    ctx = contextvars.copy_context()
+    ctx.run(_HANDLES.set, handles)
+    told = False
+    async for msg in call_app(app, req, {REPLICA_HEADER: replica_id}, context=ctx):
+        items = list(msg[1]) if msg[0] == "many" else [msg]
+        out = []
+        if handles and not told and handles[0].ctx is not None:
+            told = True
+            out.append(("acct", _acct(handles, replica_id)))
+        n = _output_tokens(handles)
+        out.extend((*m, n) if m[0] == "body" else m for m in items)
+        yield out[0] if len(out) == 1 else ("many", out)
 
 
 class EngineReplica:
@@ -55,6 +119,7 @@ class EngineReplica:
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         self.eloop = EngineLoop.for_server(ecfg, cfg)
+        count_handles(self.eloop)
         self.app = create_app(self.eloop, cfg)
         self.state = self.app.state.adaserve
         # the app's own start-up, as uvicorn runs it for a single server (the engine
@@ -78,10 +143,8 @@ class EngineReplica:
     # ------------------------------------------------------------------ requests
     async def http(self, route: dict, req: dict):
         """Run one HTTP request through the app; yields its response as messages."""
-        from adaserve.cluster.asgi import call_app
-
         yield ("accepted",)  # from here on a failure is one in flight, not retried
-        async for msg in call_app(self.app, req, extra_headers={REPLICA_HEADER: self.replica_id}):
+        async for msg in relay(self.app, req, self.replica_id):
             yield msg
 
     async def info(self) -> dict:

@@ -11,6 +11,9 @@ chosen by ``--router``:
 - ``p2c``: Ray Serve's own default router (power of two choices on queue length);
 - ``rr``: ``AdaServeRequestRouter`` with ``routing``'s round robin.
 
+A local cluster listens on loopback only (``bind_host``, ``--ray-bind-host``; see
+``init_local_ray``), and its processes do not outlive the front door (``reaper``).
+
 Ray Serve's HTTP proxy stays off: the front door (``front_door.FrontDoor``) is served
 by the single server's uvicorn set-up on ``--host``/``--port`` and reaches the replicas
 through a ``DeploymentHandle``. Ray Serve replaces a replica that dies (its health
@@ -27,12 +30,18 @@ import sys
 from pathlib import Path
 
 from adaserve.config import EngineConfig
+from adaserve.paths import cache_dir
 from adaserve.server.config import ServerConfig
 
 log = logging.getLogger("adaserve.cluster")
 
 ROUTERS = ("slo", "p2c", "rr")
 NAMESPACE = "adaserve"
+LOOPBACK = "127.0.0.1"
+_LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+_ANY_HOST = ("0.0.0.0", "::", "*")
+# Ray 2.60 (``ray_constants.ENABLE_RAY_CLUSTER``): off, a node's address is loopback
+_CLUSTERS_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def ray_available() -> bool:
@@ -41,6 +50,80 @@ def ray_available() -> bool:
     return importlib.util.find_spec("ray") is not None and (
         importlib.util.find_spec("ray.serve") is not None
     )
+
+
+def local_ray_kwargs(bind_host: str | None) -> dict:
+    """``ray.init`` options for a local cluster bound to ``bind_host``: loopback
+    (the default), Ray's own defaults (``0.0.0.0``/``::``: every interface), or an
+    address to advertise (Ray's servers then listen on every interface too)."""
+    host = (bind_host or LOOPBACK).strip()
+    if host in _ANY_HOST:
+        return {}
+    if host in _LOOPBACK_NAMES:
+        host = LOOPBACK
+    return {"_node_ip_address": host, "dashboard_host": LOOPBACK}
+
+
+@contextlib.contextmanager
+def _loopback_node(on: bool):
+    """While on: Ray takes a loopback node address as given. Ray 2.60's ``ray.init``
+    turns ``_node_ip_address="127.0.0.1"`` into the machine's routable address unless
+    multi-node clusters are off (``ray_constants.ENABLE_RAY_CLUSTER``, from
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``, as on macOS and Windows); with the node at
+    127.0.0.1 every gRPC server (GCS, raylet, object manager, each worker) binds
+    loopback (Ray's C++ servers listen on all interfaces unless the node address is
+    exactly 127.0.0.1), and so do the agents, their metrics export and the dashboard."""
+    if not on:
+        yield
+        return
+    from ray._private import ray_constants
+
+    saved, env = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(_CLUSTERS_ENV)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    os.environ[_CLUSTERS_ENV] = "0"  # the processes ray.init starts read it too
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+        if env is None:
+            os.environ.pop(_CLUSTERS_ENV, None)
+        else:
+            os.environ[_CLUSTERS_ENV] = env
+
+
+def init_local_ray(bind_host: str | None = LOOPBACK, **kw):
+    """Start a local Ray cluster as ``adaserve serve --replicas`` does: bound to
+    ``bind_host`` (``local_ray_kwargs``), its processes marked as this process's and
+    watched (``reaper``: they are killed when this process exits, however it exits;
+    the watchdog's state in ``<cache>/ray``), after killing what a dead front door
+    left. Returns the watchdog (``Popen`` or None),
+    for ``reaper.stop_watchdog`` once ``ray.shutdown`` has run."""
+    import ray
+
+    from adaserve.cluster import reaper
+
+    try:
+        state_dir = str(cache_dir() / "ray")
+        os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    except OSError:  # no cache folder: the marks alone
+        state_dir = None
+    left = reaper.reap_orphans(state_dir)
+    for owner, pids in left.items():
+        log.warning(
+            "killed %d Ray process(es) left by a dead front door (pid %s)",
+            len(pids),
+            owner.partition(":")[0],
+        )
+    token = reaper.owner_token()
+    watchdog = reaper.start_watchdog(token, state_dir)
+    opts = local_ray_kwargs(bind_host)
+    try:
+        with reaper.marking(token), _loopback_node(opts.get("_node_ip_address") == LOOPBACK):
+            ray.init(**opts, **kw)
+    except BaseException:
+        reaper.stop_watchdog(watchdog)
+        raise
+    return watchdog
 
 
 class Cluster:
@@ -54,6 +137,7 @@ class Cluster:
         *,
         router: str = "slo",
         ray_address: str | None = None,
+        bind_host: str | None = LOOPBACK,
         app_name: str = "adaserve",
         seed: int = 0,
         stats_period_s: float = 0.25,
@@ -67,6 +151,7 @@ class Cluster:
         self.replicas = replicas
         self.router = router
         self.ray_address = ray_address
+        self.bind_host = bind_host
         self.app_name = app_name
         self.seed = seed
         self.stats_period_s = stats_period_s
@@ -74,6 +159,7 @@ class Cluster:
         self.ledger = None
         self.handle = None
         self._owns_ray = False
+        self._watchdog = None
 
     @property
     def ledger_name(self) -> str:
@@ -96,7 +182,12 @@ class Cluster:
                 # Ray nices its workers (15) by default; the replicas are the servers here,
                 # and on a busy machine a niced engine starves (before ray.init starts it)
                 os.environ.setdefault("RAY_worker_niceness", "0")
-                ray.init(num_cpus=max(2, os.cpu_count() or 2), runtime_env={"env_vars": env}, **kw)
+                self._watchdog = init_local_ray(
+                    self.bind_host,
+                    num_cpus=max(2, os.cpu_count() or 2),
+                    runtime_env={"env_vars": env},
+                    **kw,
+                )
             self._owns_ray = True
         ledger_cls = ray.remote(num_cpus=0)(Ledger)
         self.ledger = ledger_cls.options(
@@ -152,7 +243,11 @@ class Cluster:
         import ray
         from ray import serve
 
+        from adaserve.cluster import reaper
+
         if not ray.is_initialized():
+            reaper.stop_watchdog(self._watchdog)
+            self._watchdog = None
             return
         try:
             serve.delete(self.app_name)
@@ -164,15 +259,25 @@ class Cluster:
                 ray.kill(self.ledger)
         if self._owns_ray:
             ray.shutdown()
+        # what ray.shutdown left (an agent still exiting): killed now
+        reaper.stop_watchdog(self._watchdog)
+        self._watchdog = None
 
 
 def run(args, ecfg: EngineConfig, cfg: ServerConfig) -> int:
     """Serve ``args.replicas`` replicas until SIGINT/SIGTERM (``server.cli.run``)."""
     from adaserve.cluster.front_door import FrontDoor
-    from adaserve.server.cli import make_server
     from adaserve.server.engine_loop import model_name_of
+    from adaserve.server.http_runtime import make_server
 
-    cluster = Cluster(ecfg, cfg, args.replicas, router=args.router, ray_address=args.ray_address)
+    cluster = Cluster(
+        ecfg,
+        cfg,
+        args.replicas,
+        router=args.router,
+        ray_address=args.ray_address,
+        bind_host=getattr(args, "ray_bind_host", None) or LOOPBACK,
+    )
     try:
         handle = cluster.start()
     except Exception as e:  # one line, not a traceback
@@ -184,7 +289,11 @@ def run(args, ecfg: EngineConfig, cfg: ServerConfig) -> int:
     name = cfg.model_name or model_name_of(ecfg)
     front = FrontDoor(handle, cluster.ledger, cfg, name)
     server = make_server(front, cfg, args.log_level)
-    where = f"Ray at {args.ray_address}" if args.ray_address else "a local Ray cluster"
+    where = (
+        f"Ray at {args.ray_address}"
+        if args.ray_address
+        else f"a local Ray cluster on {cluster.bind_host}"
+    )
     print(
         f"adaserve: serving {name} on http://{cfg.host}:{cfg.port} with {args.replicas} "
         f"replica(s) on {where} (router {args.router})",
