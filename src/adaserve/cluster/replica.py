@@ -58,6 +58,31 @@ def count_handles(eloop) -> None:
     eloop.submit = submit_listed
 
 
+def bind_serve_grpc_to_loopback() -> bool:
+    """On a loopback node (the local cluster of ``serve_app.init_local_ray``), have
+    this replica's inter-deployment gRPC server listen on 127.0.0.1: Ray Serve 2.60
+    binds it to ``[::]:0`` (every interface) whatever the node's address, with no
+    option to change it (``ray.serve._private.replica``, ``_on_initialized``, which runs
+    after this replica's constructor). True if done."""
+    import ray
+    from ray.serve._private import replica as serve_replica
+
+    add = getattr(serve_replica, "add_port_to_grpc_server", None)
+    if add is None or getattr(add, "adaserve_loopback", False):
+        return add is not None
+    if ray.util.get_node_ip_address() != "127.0.0.1":
+        return False
+
+    def add_on_loopback(server, address: str):
+        if address.startswith("[::]:"):
+            address = "127.0.0.1:" + address[len("[::]:") :]
+        return add(server, address)
+
+    add_on_loopback.adaserve_loopback = True
+    serve_replica.add_port_to_grpc_server = add_on_loopback
+    return True
+
+
 def _acct(handles: list, replica_id: str) -> dict:
     ctx = handles[0].ctx
     return {
@@ -116,6 +141,7 @@ class EngineReplica:
         from adaserve.server.app import create_app
         from adaserve.server.engine_loop import EngineLoop
 
+        bind_serve_grpc_to_loopback()
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         self.eloop = EngineLoop.for_server(ecfg, cfg)
