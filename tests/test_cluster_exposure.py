@@ -2,9 +2,9 @@
 and what a killed replica had already streamed.
 
 - A real local cluster started as the server starts it (``serve_app.init_local_ray``,
-  then Ray Serve and an actor, as the replicas are), in a child process: every
-  listening socket of every process under it is on loopback; ``kill -9`` of the child
-  (the front door) leaves none of its Ray processes running.
+  then Ray Serve, an actor and a Serve replica set up as ``EngineReplica``), in a
+  child process: every listening socket of every process under it is on loopback;
+  ``kill -9`` of the child (the front door) leaves none of its Ray processes running.
 - The reaper's mark: leftovers of a dead owner are killed at the next start, a live
   owner's are not.
 - A stream its replica breaks off: the output tokens relayed to the client are counted
@@ -62,6 +62,17 @@ class Replica:
 
 r = Replica.remote()
 ray.get(r.pid.remote(), timeout=60)
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class Tiny:  # a Serve replica, set up as EngineReplica is
+    def __init__(self):
+        from adaserve.cluster.replica import bind_serve_grpc_to_loopback
+        bind_serve_grpc_to_loopback()
+
+    def __call__(self):
+        return os.getpid()
+
+serve.run(Tiny.bind(), name="tiny", route_prefix=None).remote().result(timeout_s=60)
 print("READY", flush=True)
 time.sleep(600)
 """
@@ -126,6 +137,7 @@ def test_local_cluster_listens_on_loopback_only(front_door):
     names = {p.pid: p.name() for p in _alive(front_door.procs)}
     # the GCS, the raylet and the agents at least (Ray's own processes)
     assert {"gcs_server", "raylet"} <= set(names.values()), names
+    assert any(n.startswith("ray::ServeReplica") for n in names.values()), names
     sockets = {p.pid: _listening(p) for p in _alive(front_door.procs)}
     assert sum(map(len, sockets.values())) >= 8, sockets  # GCS, raylet, agents, workers
     exposed = {
