@@ -65,16 +65,18 @@ def _usage(srv, tenant: str) -> dict:
 def test_tokens_quota_bounds_the_output_of_one_request(srv):
     """A tenant allowed 100 tokens/min got 1,600 tokens from one n=16 request: the
     output was charged only when it finished. Now every choice's max_tokens is reserved
-    at admission, so a request that cannot fit is refused and nothing is produced."""
+    at admission, so a request that cannot fit is refused and nothing is produced. One
+    over the whole quota can never fit (issue 32): a 400 without Retry-After, not a 429
+    to retry."""
     c = srv.client("sk-small-secret")
-    with pytest.raises(openai.RateLimitError) as ei:
+    with pytest.raises(openai.BadRequestError) as ei:
         c.completions.create(
             model="tiny", prompt="hi", n=16, max_tokens=100, extra_body={"ignore_eos": True}
         )
     body = ei.value.body
-    assert body["reason"] == "tokens_per_minute" and body["code"] == "rate_limit_exceeded"
-    assert body["type"] == "rate_limit_error" and "max_tokens" in body["message"]
-    assert int(ei.value.response.headers["retry-after"]) >= 1
+    assert body["reason"] == "tokens_per_minute" and body["code"] == "exceeds_quota"
+    assert body["type"] == "invalid_request_error" and "max_tokens" in body["message"]
+    assert "retry-after" not in ei.value.response.headers
     assert _usage(srv, "small")["completion_tokens"] == 0
 
 
@@ -161,8 +163,9 @@ def test_quota_book_reserves_and_settles():
     assert q.admit(t, 5, [100], fit=True) == [20]  # no max_tokens: what is left
     q.refund("t", 20)  # never reached the engine
     assert q.tokens_available("t") == 20
-    with pytest.raises(ApiError):
-        q.admit(t, 1, [30] * 3)  # 91 > 60 can never fit
+    with pytest.raises(ApiError) as ei:
+        q.admit(t, 1, [30] * 3)  # 91 > 60 can never fit: 400, nothing to wait for
+    assert (ei.value.status, ei.value.code, ei.value.headers) == (400, "exceeds_quota", {})
     now[0] += 60
     assert q.tokens_available("t") == 60
 

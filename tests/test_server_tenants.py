@@ -202,10 +202,17 @@ def test_requests_per_minute_quota_is_429_with_retry_after(srv):
 def test_tokens_per_minute_quota_counts_prompt_and_output(srv):
     r = _ask(srv, "sk-tokens-secret", max_tokens=30, extra_body={"ignore_eos": True})
     assert 30 < r.usage.total_tokens <= 40  # the output counts too: < 10 tokens are left
+    # within the quota, over what is left: 429 with Retry-After
     with pytest.raises(openai.RateLimitError) as ei:
-        _ask(srv, "sk-tokens-secret", prompt="hello world, " * 6)
+        _ask(srv, "sk-tokens-secret", prompt="hello world, " * 3)
     assert ei.value.body["reason"] == "tokens_per_minute"
     assert int(ei.value.response.headers["retry-after"]) >= 1
+    # over the whole quota (the prompt alone): it can never fit, 400 without Retry-After
+    with pytest.raises(openai.BadRequestError) as ei:
+        _ask(srv, "sk-tokens-secret", prompt="hello world, " * 6)
+    assert ei.value.body["code"] == "exceeds_quota"
+    assert ei.value.body["reason"] == "tokens_per_minute"
+    assert "retry-after" not in ei.value.response.headers
 
 
 def test_usage_and_charges_per_tenant_and_class(srv):

@@ -140,6 +140,19 @@ class Scheduler:
         if -(-(prompt_len + 1) // self.cfg.block_size) > self.allocator.num_blocks:
             raise PromptTooLongError("prompt does not fit in the KV cache", "prompt")
 
+    def check_room(self, prompt_len: int, max_tokens: int) -> None:
+        """Raise for a request whose prompt and whole output can never be in the KV pool
+        at once (it would preempt itself and start over for ever): its last decode
+        needs ``prompt + max_tokens - 1`` slots (the output stops at the context)."""
+        slots = min(prompt_len + max_tokens, self.max_model_len) - 1
+        capacity = self.allocator.num_blocks * self.cfg.block_size
+        if slots > capacity:
+            raise InvalidRequestError(
+                f"the prompt ({prompt_len} tokens) and max_tokens ({max_tokens}) need "
+                f"{slots} KV cache slots; the KV cache holds {capacity} tokens",
+                "max_tokens",
+            )
+
     def check_admission(self, seq: SeqState) -> None:
         """Shed a new request (``AdmissionRejected``, counted) when its class's promise
         cannot be kept: queue full, decode capacity, or TTFT (``core.admission``)."""

@@ -240,6 +240,7 @@ class Engine:
             )
         ids = self.runner.encode(prompt)
         self.scheduler.check_prompt(len(ids))
+        self.scheduler.check_room(len(ids), params.max_tokens)
         slo = slo or self.scheduler.default_slo()
         arrival = self.clock.now() if arrival is None else arrival
         gen = self.runner.generator(params.seed)

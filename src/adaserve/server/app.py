@@ -3,8 +3,9 @@
 ``create_app(engine_or_config, server_config)`` builds one app around one engine
 thread (``EngineLoop``). Request flow for a generation:
 
-  guard middleware: 503 while draining, 401 without a valid key, 413 for big bodies,
-  408 for a body that does not arrive within ``body_timeout_s``
+  guard middleware: 503 while draining, 401 without a valid key (429 for an address
+  locked after wrong keys), 413 for big bodies, 408 for a body that does not arrive
+  within ``body_timeout_s``, 400 for a JSON body not in UTF-8
   -> pydantic body (400 on malformed JSON, invalid UTF-8, wrong types)
   -> unknown fields (400 when strict), model (404), unsupported options (400)
   -> SLO resolution (400 / 403), sampling params (400), prompt tokens and context (400)
@@ -62,6 +63,7 @@ from adaserve.server.protocol import (
 from adaserve.server.render import JSON, error_response
 from adaserve.server.state import ServerState
 from adaserve.server.tokenize import detokenize, parse_tokenize, tokenize
+from adaserve.server.validation import is_json_content, json_encoding_error
 
 log = logging.getLogger("adaserve.server")
 
@@ -127,7 +129,8 @@ class _Guard:
                 st.quotas.release(entered)  # the response has ended (streams included)
 
     async def _buffer(self, scope, receive):
-        """Read the whole body (up to the limit) and replay it to the app."""
+        """Read the whole body (up to the limit) and replay it to the app; a JSON body
+        that is not UTF-8 (UTF-16/32) is 400 ``invalid_encoding``."""
         limit = self.state.body_limit
         why = "" if self.state.cfg.max_body_bytes else " (derived from the model's context)"
         too_big = ApiError(
@@ -168,6 +171,10 @@ class _Guard:
             if not msg.get("more_body", False):
                 break
         data = b"".join(chunks)
+        if data and is_json_content(Headers(scope=scope).get("content-type")):
+            bad = json_encoding_error(data)  # UTF-16/32: Python's json would take it
+            if bad is not None:
+                raise bad
         replayed = False
 
         async def replay():

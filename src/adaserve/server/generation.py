@@ -81,7 +81,8 @@ async def generate(
             fit=max_tokens is None,
         )
     except ApiError as e:
-        state.rate_limited(tenant.name, e.reason or "quota")
+        if e.status == 429:  # not a 400 exceeds_quota: that one can never fit
+            state.rate_limited(tenant.name, e.reason or "quota")
         raise
     params = [
         sampling_params(

@@ -60,7 +60,8 @@ class QuotaBook:
     The tokens-per-minute bucket bounds output as well as prompts: admission reserves
     the prompt plus every choice's ``max_tokens`` up front (a request that does not fit
     is refused, so no request can produce more than the tenant had left), and each
-    choice returns its unused part when it ends (``settle``)."""
+    choice returns its unused part when it ends (``settle``). A request larger than the
+    whole tokens-per-minute quota can never fit: 400 ``exceeds_quota``, not a 429."""
 
     def __init__(self, tenants: tuple[Tenant, ...], clock=time.monotonic):
         self._lock = threading.Lock()
@@ -110,9 +111,10 @@ class QuotaBook:
     ) -> list[int]:
         """Take the prompt tokens and the output reservation (``outputs``: each choice's
         ``max_tokens``) of a request that has ``enter``-ed from the tenant's
-        tokens-per-minute quota, or raise 429. Returns the reserved ``max_tokens`` per
-        choice: ``outputs`` itself, or with ``fit`` (the client set no ``max_tokens``)
-        each shrunk to an equal share of what is left."""
+        tokens-per-minute quota, or raise 429 (400 when it exceeds the whole quota).
+        Returns the reserved ``max_tokens`` per choice: ``outputs`` itself, or with
+        ``fit`` (the client set no ``max_tokens``) each shrunk to an equal share of what
+        is left."""
         outputs = list(outputs)
         with self._lock:
             tpm = self._tpm.get(tenant.name)
@@ -174,17 +176,25 @@ class QuotaBook:
 
 
 def _tokens_error(tenant: Tenant, prompt_tokens: int, outputs: list[int], wait_s: float):
+    """429 (with ``Retry-After``) for a request that fits the quota once it has
+    refilled; 400 ``exceeds_quota`` (no ``Retry-After``: waiting cannot help) for one
+    larger than the whole per-minute quota."""
     quota = f"{tenant.tokens_per_minute:g} tokens per minute"
     if not math.isinf(wait_s):
         return _quota_error("tokens_per_minute", quota, wait_s)
     if outputs:
         what = (
             f"the request ({prompt_tokens} prompt tokens + {sum(outputs)} for "
-            f"{len(outputs)} choice(s) x max_tokens) exceeds the quota of {quota}"
+            f"{len(outputs)} choice(s) x max_tokens) exceeds the whole quota of {quota}"
         )
     else:
-        what = f"the prompt ({prompt_tokens} tokens) exceeds the quota of {quota}"
-    return _quota_error("tokens_per_minute", what, 60)
+        what = f"the prompt ({prompt_tokens} tokens) exceeds the whole quota of {quota}"
+    return ApiError(
+        400,
+        f"{what}: it can never be admitted; send a smaller request",
+        code="exceeds_quota",
+        reason="tokens_per_minute",
+    )
 
 
 def _quota_error(reason: str, what: str, wait_s: float) -> ApiError:

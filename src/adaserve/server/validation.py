@@ -54,6 +54,51 @@ def check_choices(state: ServerState, prompts: int, n: int) -> None:
         )
 
 
+# ---------------------------------------------------------------------- body encoding
+
+# byte order marks of the encodings JSON's old detection (RFC 4627 section 3) accepts
+# besides UTF-8, longest first; UTF-8's own BOM is not among them (see below)
+_BOMS = (
+    (b"\x00\x00\xfe\xff", "UTF-32BE"),
+    (b"\xff\xfe\x00\x00", "UTF-32LE"),
+    (b"\xfe\xff", "UTF-16BE"),
+    (b"\xff\xfe", "UTF-16LE"),
+)
+
+
+def json_encoding_error(data: bytes) -> ApiError | None:
+    """400 ``invalid_encoding`` for a JSON body that is not UTF-8 (RFC 8259 section
+    8.1: JSON exchanged between systems MUST be UTF-8), as told by a UTF-16/32 byte
+    order mark or a NUL byte among the first 4 bytes (JSON's old detection: a JSON text
+    starts with two ASCII characters, which UTF-16/32 spell with NULs; a UTF-8 one has
+    no raw NUL anywhere). Python's ``json`` would decode such a body and serve it. A
+    UTF-8 byte order mark is ignored, as RFC 8259 allows and vLLM does. None: UTF-8 as
+    far as this tells (invalid UTF-8 further on is the JSON parser's 400)."""
+    head = data[:4]
+    kind = next((name for bom, name in _BOMS if head.startswith(bom)), None)
+    if kind is None and b"\x00" in head:
+        kind = "UTF-16 or UTF-32"
+    if kind is None:
+        return None
+    return ApiError(
+        400,
+        f"the request body looks like {kind}: JSON bodies must be UTF-8 (RFC 8259)",
+        code="invalid_encoding",
+    )
+
+
+def is_json_content(content_type: str | None) -> bool:
+    """A body to check as JSON: ``application/json`` or a ``+json`` type (any
+    parameters, a charset included, are ignored), or no Content-Type (which FastAPI
+    parses as JSON unless its content type is strict, as it is here by default)."""
+    if not content_type:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
 # ---------------------------------------------------------------------- prompts
 
 
@@ -112,8 +157,12 @@ def max_tokens_per_prompt(
     prompt_param: str,
 ) -> list[int]:
     """Each prompt's token budget; 400 when a prompt or prompt + max_tokens does not fit
-    the context (no max_tokens: the rest of the context, capped at ``default_max``)."""
+    the context, or when prompt + max_tokens can never be in the KV cache at once
+    (``kv_cache_exceeded``: the request would never run, whatever the load). No
+    max_tokens: the rest of the context, capped at ``default_max`` and at what the KV
+    cache can hold."""
     L = state.loop.info.max_model_len
+    pool = kv_capacity(state)
     out = []
     for ids in prompts:
         if len(ids) + 1 > L:
@@ -122,7 +171,14 @@ def max_tokens_per_prompt(
                 f"{len(ids)} tokens",
                 prompt_param,
             )
+        if pool and len(ids) + 1 > pool:
+            raise context_error(
+                f"the prompt has {len(ids)} tokens; this server's KV cache holds {pool}",
+                prompt_param,
+            )
         room = L - len(ids)
+        # the last decode step holds the prompt and every output token but the last
+        kv_room = pool - len(ids) + 1 if pool else room
         if max_tokens is not None:
             if max_tokens > room:
                 raise context_error(
@@ -131,10 +187,26 @@ def max_tokens_per_prompt(
                     f"{max_tokens} in the completion)",
                     "max_tokens",
                 )
+            if max_tokens > kv_room:
+                raise ApiError(
+                    400,
+                    f"the prompt ({len(ids)} tokens) and max_tokens ({max_tokens}) can "
+                    f"never be in this server's KV cache at once ({pool} tokens): at most "
+                    f"{kv_room} tokens can be generated for this prompt",
+                    "max_tokens",
+                    code="kv_cache_exceeded",
+                )
             out.append(max_tokens)
         else:
-            out.append(min(room, default_max) if default_max else room)
+            budget = min(room, kv_room)
+            out.append(min(budget, default_max) if default_max else budget)
     return out
+
+
+def kv_capacity(state: ServerState) -> int:
+    """Tokens the engine's KV pool holds (0: unknown)."""
+    info = state.loop.info
+    return max(0, int(info.kv_blocks) * int(info.block_size))
 
 
 # ---------------------------------------------------------------------- sampling
