@@ -309,6 +309,18 @@ def sign_in(d, key):
     d.find_element(By.CSS_SELECTOR, "#login button[type=submit]").click()
 
 
+def shown(d, element_id: str) -> bool:
+    """Whether the element ``element_id`` is on the page and displayed; False (not an
+    error) while a navigation or reload has the page between documents."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    try:
+        return d.find_element(By.ID, element_id).is_displayed()
+    except (NoSuchElementException, StaleElementReferenceException):
+        return False
+
+
 def class_rows(d) -> dict[str, dict[str, tuple[str, str | None]]]:
     """class -> field -> (text, data-value) of the rendered class table."""
     return d.execute_script(

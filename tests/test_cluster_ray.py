@@ -26,6 +26,7 @@ from server_fixtures import (  # noqa: E402
     check_dashboard_auth,
     class_rows,
     scrape,
+    shown,
     sign_in,
     wait_for,
 )
@@ -342,20 +343,23 @@ def test_dashboard_in_the_browser(svc, browser):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
+    # traffic on both replicas of its own (each replica's charts need iterations)
+    res = asyncio.run(_burst(svc, 8))
+    assert {rid for rid, _ in res} == set(svc.live()), res
     d = browser
     d.get(svc.url + "/dashboard")
-    assert wait_for(lambda: d.find_element(By.ID, "login").is_displayed(), 30)
+    assert wait_for(lambda: shown(d, "login"), 30)
     sign_in(d, "sk-user")
     assert wait_for(lambda: "admin" in d.find_element(By.ID, "login-msg").text, 30)
     sign_in(d, "sk-ops")
     rep = httpx.get(svc.url + "/v1/slo/report", headers={"Authorization": "Bearer sk-ops"}).json()
     want = {c: n["requests"] for c, n in rep["classes"].items()}
 
-    def shown():
+    def table_shown():
         rows = class_rows(d)
         return {c: int(r["requests"][1]) for c, r in rows.items()} == want and rows
 
-    assert wait_for(shown, 30), (class_rows(d), want)
+    assert wait_for(table_shown, 30), (class_rows(d), want)
     replicas = d.execute_script(
         "return [...document.querySelectorAll('#replicas tr[data-replica]')]"
         ".map(tr => tr.dataset.replica)"
@@ -379,7 +383,8 @@ def test_dashboard_in_the_browser(svc, browser):
     )
     assert d.execute_script("return sessionStorage.length") == 0
     d.find_element(By.ID, "signout").click()
-    assert wait_for(lambda: d.find_element(By.ID, "login").is_displayed(), 30)
+    # the page reloads: between documents there is no #login to find yet
+    assert wait_for(lambda: shown(d, "login"), 30)
     assert not class_rows(d) and d.get_cookies() == []
 
 

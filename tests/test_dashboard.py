@@ -20,6 +20,7 @@ from server_fixtures import (
     check_dashboard_auth,
     class_rows,
     server_test_env,
+    shown,
     sign_in,
     wait_for,
 )
@@ -190,7 +191,7 @@ def test_browser_shows_a_row_per_class_matching_the_report(srv, browser, tmp_pat
     t.start()
     d.get(srv.url + "/dashboard")
     # no key: the sign-in form and no data
-    assert wait_for(lambda: d.find_element(By.ID, "login").is_displayed(), 30)
+    assert wait_for(lambda: shown(d, "login"), 30)
     assert not d.find_element(By.ID, "main").is_displayed()
     # a tenant without the admin role is turned away and sees nothing
     sign_in(d, USER)
@@ -256,15 +257,16 @@ def test_browser_shows_a_row_per_class_matching_the_report(srv, browser, tmp_pat
     # a row per configured tenant (also one whose requests were all refused), each
     # showing what the usage report counts for it
     assert set(tenants) == {"ops", "acme"}
-    shown = d.execute_script(
+    counts = d.execute_script(
         "return Object.fromEntries([...document.querySelectorAll('#tenants tr[data-tenant]')]"
         ".map(tr => [tr.dataset.tenant, +tr.querySelector('[data-field=requests]').dataset.value]))"
     )
     for name in ("ops", "acme"):
         assert (
-            shown[name] == rep["tenants"].get(name, {"total": {"requests": 0}})["total"]["requests"]
+            counts[name]
+            == rep["tenants"].get(name, {"total": {"requests": 0}})["total"]["requests"]
         )
-    assert sum(shown.values()) == len(result["resps"]) + before
+    assert sum(counts.values()) == len(result["resps"]) + before
     shot = tmp_path / "dashboard.png"
     assert d.save_screenshot(str(shot))
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -277,7 +279,7 @@ def test_browser_shows_a_row_per_class_matching_the_report(srv, browser, tmp_pat
     # signing out clears what was shown, the cookie and the session
     d.find_element(By.ID, "signout").click()
     assert wait_for(lambda: not class_rows(d), 10)
-    assert wait_for(lambda: d.find_element(By.ID, "login").is_displayed(), 30)
+    assert wait_for(lambda: shown(d, "login"), 30)
     assert not d.find_element(By.ID, "main").is_displayed()
     assert d.get_cookies() == []
     stale = {"Cookie": f"{COOKIE}={cookie['value']}"}
