@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from adaserve.errors import InvalidRequestError
 
+# what admission may do with a request whose class's promise cannot be kept now
+ON_OVERLOAD = ("refuse", "degrade")
+
 
 def _check_ms(name: str, v: float | None) -> None:
     if v is None:
@@ -17,19 +20,30 @@ def _check_ms(name: str, v: float | None) -> None:
 
 @dataclass(frozen=True)
 class SLO:
-    """Latency targets of one request (milliseconds; None = no target)."""
+    """Latency targets of one request (milliseconds; None = no target).
+
+    ``on_overload``: what admission does when this class's promise cannot be kept now:
+    ``"refuse"`` (the request is shed, 429 with Retry-After) or ``"degrade"`` (it is
+    admitted in the first looser class along the ``degrade_to`` chain that can keep
+    its promise, served and billed there; refused only when none can).
+    """
 
     tpot_ms: float | None = None
     ttft_ms: float | None = None
     max_queue_ms: float | None = None
     deadline_ms: float | None = None
     cls: str = "default"
+    on_overload: str = "refuse"
 
     def __post_init__(self) -> None:
         for n in ("tpot_ms", "ttft_ms", "max_queue_ms", "deadline_ms"):
             _check_ms(n, getattr(self, n))
         if not isinstance(self.cls, str) or not self.cls:
             raise InvalidRequestError("SLO class must be a non-empty string", "slo_class")
+        if self.on_overload not in ON_OVERLOAD:
+            raise InvalidRequestError(
+                f"on_overload must be one of {', '.join(ON_OVERLOAD)}", "on_overload"
+            )
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,8 @@ if TYPE_CHECKING:
 
 # reason of a queued request ended at its TTFT deadline
 TTFT_DEADLINE = "ttft_deadline"
+# refusals a looser class can avoid (a full queue is full for every class)
+DEGRADABLE = ("capacity", "ttft")
 # a pass counts as a prefill pass for the measured pass time when it carries at least
 # this share of the chunk
 _PREFILL_PASS_SHARE = 0.5
@@ -329,24 +331,30 @@ class AdmissionControl:
     def check(self, seq: SeqState, now: float) -> None:
         """Refuse ``seq`` (``AdmissionRejected``, the shed counted) when its class's
         promise cannot be kept; see the module docstring."""
+        refused = self.verdict(seq, now)
+        if refused is not None:
+            self.sched.counters.count_shed(refused.reason)
+            raise refused
+        self.admitted(seq, now)
+
+    def verdict(self, seq: SeqState, now: float) -> AdmissionRejected | None:
+        """Why ``seq``, with its SLO as it stands, cannot be admitted at ``now`` (the
+        refusal, not raised nor counted), or None when it can; records nothing."""
         s = self.sched
         if len(s.waiting) >= s.cfg.max_waiting:
-            s.counters.count_shed("queue_full")
-            raise AdmissionRejected("server queue is full", "queue_full", QUEUE_FULL_RETRY_S)
+            return AdmissionRejected("server queue is full", "queue_full", QUEUE_FULL_RETRY_S)
         slo = seq.slo
         rank = s.rank_of(slo.cls)
         if not s.running and not s.waiting:
             # nothing runs or waits: the request is served alone, at once, as well as
             # this machine can serve it; what predictions say of load (recent arrivals,
             # a pace measured in a burst now gone) does not apply to an idle engine
-            self.admitted(seq, now)
-            return
+            return None
         if slo.tpot_ms is not None:
             late = self.off_pace(seq, rank, now)
             if late is not None:
                 cls, pred, target = late
-                s.counters.count_shed("capacity")
-                raise AdmissionRejected(
+                return AdmissionRejected(
                     f"with this request class {cls!r} would run at {pred:.1f} ms per token "
                     f"against its {target:.1f} ms target",
                     "capacity",
@@ -357,15 +365,14 @@ class AdmissionControl:
             waited = (now - seq.arrival) * 1000.0
             budget = slo.ttft_ms * (1.0 - TTFT_MARGIN)  # the prediction's error
             if t is not None and waited + t > budget and slo.ttft_ms >= waited + self.alone_ms(seq):
-                s.counters.count_shed("ttft")
                 over_s = (waited + t - budget) / 1000.0
-                raise AdmissionRejected(
+                return AdmissionRejected(
                     f"predicted time to first token {waited + t:.0f} ms exceeds the "
                     f"{slo.ttft_ms:.0f} ms target of class {slo.cls!r}",
                     "ttft",
                     max(1.0, over_s),
                 )
-        self.admitted(seq, now)
+        return None
 
     def expire(self, now: float) -> list[SeqState]:
         """End (reason ``ttft_deadline``) every queued request never started that can no

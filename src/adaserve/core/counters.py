@@ -24,6 +24,9 @@ class Counters:
     fallback_iterations: dict[str, int] = field(default_factory=dict)
     preemptions: int = 0
     degraded: int = 0
+    # admitted in a looser class instead of refused (``on_overload="degrade"``), by the
+    # reason the asked-for class was refused for
+    degraded_on_admission: dict[str, int] = field(default_factory=dict)
     shed: dict[str, int] = field(default_factory=dict)
     stalls: dict[str, int] = field(default_factory=dict)  # cause -> passes > 3x predicted
     model_time_s: float = 0.0
@@ -36,6 +39,10 @@ class Counters:
     def count_shed(self, reason: str) -> None:
         """One more request shed for ``reason``."""
         self.shed[reason] = self.shed.get(reason, 0) + 1
+
+    def count_degraded_on_admission(self, reason: str) -> None:
+        """One more request admitted in a looser class instead of shed for ``reason``."""
+        self.degraded_on_admission[reason] = self.degraded_on_admission.get(reason, 0) + 1
 
     def count_stall(self, cause: str) -> None:
         """One more pass far over its prediction, for ``cause`` (``core.stalls``)."""

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from adaserve.core.admission import AdmissionControl
+from adaserve.core.admission import DEGRADABLE, AdmissionControl
 from adaserve.core.blocks import BlockAllocator, BlockTable, OutOfBlocks
 from adaserve.core.clock import Clock
 from adaserve.core.config import SchedulerConfig
@@ -155,9 +155,50 @@ class Scheduler:
 
     def check_admission(self, seq: SeqState) -> None:
         """Shed a new request (``AdmissionRejected``, counted) when its class's promise
-        cannot be kept: queue full, decode capacity, or TTFT (``core.admission``)."""
-        if self.cfg.admission:
-            self.admission.check(seq, self.clock.now())
+        cannot be kept: queue full, decode capacity, or TTFT (``core.admission``). A
+        request with ``on_overload="degrade"`` refused for capacity or TTFT is instead
+        admitted in the first class along its ``degrade_to`` chain whose promise can
+        be kept (``degraded_from`` names the class it asked for); it is shed, for its
+        own class's reason, only when none can."""
+        if not self.cfg.admission:
+            return
+        now = self.clock.now()
+        refused = self.admission.verdict(seq, now)
+        if (
+            refused is not None
+            and seq.slo.on_overload == "degrade"
+            and refused.reason in DEGRADABLE
+            and self._admit_degraded(seq, now)
+        ):
+            self.counters.count_degraded_on_admission(refused.reason)
+            refused = None
+        if refused is not None:
+            self.counters.count_shed(refused.reason)
+            raise refused
+        self.admission.admitted(seq, now)
+
+    def _admit_degraded(self, seq: SeqState, now: float) -> bool:
+        """Move ``seq`` down its class's ``degrade_to`` chain to the first class that
+        admission accepts (True), or leave it as it was (False)."""
+        own, own_from = seq.slo, seq.degraded_from
+        for name in self.degrade_chain(seq.slo.cls):
+            seq.slo = looser_slo(seq.slo, self.class_slo(seq.slo.cls), self.class_slo(name))
+            seq.degraded_from = own_from or own.cls
+            if self.admission.verdict(seq, now) is None:
+                return True
+        seq.slo, seq.degraded_from = own, own_from
+        return False
+
+    def degrade_chain(self, cls: str) -> list[str]:
+        """The classes ``cls`` degrades to, in order (``degrade_to`` links to known
+        classes, each once)."""
+        out, seen = [], {cls}
+        c = self._classes.get(cls)
+        while c is not None and c.degrade_to in self._classes and c.degrade_to not in seen:
+            seen.add(c.degrade_to)
+            out.append(c.degrade_to)
+            c = self._classes[c.degrade_to]
+        return out
 
     def rank_of(self, cls: str | None) -> int:
         """The strictness rank of class ``cls`` (0, the strictest, when unknown)."""
@@ -432,4 +473,5 @@ def looser_slo(own: SLO, cls: SLO, looser: SLO) -> SLO:
         max_queue_ms=looser.max_queue_ms if looser.max_queue_ms is not None else own.max_queue_ms,
         deadline_ms=own.deadline_ms,
         cls=looser.cls,
+        on_overload=own.on_overload,
     )

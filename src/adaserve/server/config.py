@@ -22,7 +22,7 @@ from typing import Any
 
 from adaserve.config import EngineConfig
 from adaserve.errors import AdaServeError, InvalidRequestError
-from adaserve.slo import SLOClass
+from adaserve.slo import ON_OVERLOAD, SLOClass
 
 try:
     import tomllib
@@ -45,6 +45,9 @@ class Tenant:
     classes: tuple[str, ...] | None = None  # None = every class
     default_class: str | None = None
     on_forbidden_class: str = "reject"  # or "downgrade"
+    # its requests' default when admission cannot keep their class's promise now:
+    # "refuse" (429) or "degrade" (served in the looser class, billed there)
+    on_overload: str = "refuse"
     requests_per_minute: float | None = None
     tokens_per_minute: float | None = None
     max_concurrent: int | None = None
@@ -238,6 +241,7 @@ _TENANT_KEYS = {
     "classes",
     "default_class",
     "on_forbidden_class",
+    "on_overload",
     "requests_per_minute",
     "tokens_per_minute",
     "max_concurrent",
@@ -344,6 +348,9 @@ def _parse_tenant(name: str, t: Mapping) -> Tenant:
     forbid = t.get("on_forbidden_class", "reject")
     if forbid not in ("reject", "downgrade"):
         raise ConfigError(f"{where}.on_forbidden_class must be 'reject' or 'downgrade'")
+    on_overload = t.get("on_overload", "refuse")
+    if on_overload not in ON_OVERLOAD:
+        raise ConfigError(f"{where}.on_overload must be 'refuse' or 'degrade'")
     limits = {}
     for k in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
         v = t.get(k)
@@ -366,6 +373,7 @@ def _parse_tenant(name: str, t: Mapping) -> Tenant:
         classes=classes,
         default_class=default,
         on_forbidden_class=forbid,
+        on_overload=on_overload,
         **flags,
         **limits,
     )

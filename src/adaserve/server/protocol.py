@@ -44,6 +44,11 @@ class SLOSpec(_Nested):
     ttft_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS, description="time to first token")
     max_queue_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS)
     deadline_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS)
+    on_overload: Literal["refuse", "degrade"] | None = Field(
+        None,
+        description="when the class cannot admit the request now: refuse (429) or serve "
+        "it in the looser class its class degrades to (default: the tenant's setting)",
+    )
 
 
 class StreamOptions(_Nested):

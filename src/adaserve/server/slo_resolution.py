@@ -94,7 +94,8 @@ def resolve_slo(
     the tenant's default > the server's default. Targets: body ``slo`` > ``x-slo-*``
     headers > the class's own, every one capped at the class's strictness (``capped``)
     unless the tenant has ``free_targets`` (open mode does). A class the tenant may not use is refused (403)
-    or downgraded (targets then capped at the new class).
+    or downgraded (targets then capped at the new class). ``on_overload`` (body ``slo``
+    > the tenant's) says whether admission may degrade the request instead of refusing.
     """
     by_name = {c.name: c for c in classes}
     explicit: dict[str, float] = {}
@@ -102,7 +103,9 @@ def resolve_slo(
         v = _parse_header_ms(headers or {}, header)
         if v is not None:
             explicit[key] = v
-    for k, v in (slo or {}).items():
+    slo = dict(slo or {})
+    on_overload = slo.pop("on_overload", None) or tenant.on_overload
+    for k, v in slo.items():
         if v is not None:
             explicit[k] = float(v)
 
@@ -178,6 +181,7 @@ def resolve_slo(
             max_queue_ms=explicit.get("max_queue_ms", base.max_queue_ms),
             deadline_ms=explicit.get("deadline_ms", base.deadline_ms),
             cls=cls.name,
+            on_overload=on_overload,
         )
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param=f"slo.{e.param}" if e.param else "slo") from None
