@@ -4,7 +4,8 @@ A real server (tiny pair, adaserve) is driven for 20 s at three times the capaci
 closed-loop probe measures. Every request must end as a complete stream or a 429 with
 Retry-After; none may go without an answer (a token or the 429) past its class's TTFT
 deadline; queues, KV pool and gauges must return to empty; admitted strict requests
-must attain their SLO.
+must be served. That they attain their SLO (>= 90%) is asserted where the machine's
+load cannot decide it, on an injected clock (``tests/test_overload_paced.py``).
 
 Each engine step lasts a modelled time, 50 ms + 0.5 ms per token of its pass
 (``step_pace_ms``; the real pass of the tiny pair is a few ms, the rest is slept): the
@@ -90,7 +91,8 @@ def test_three_times_capacity_every_request_answered_strict_on_target(srv):
     assert o["unanswered_by_deadline"] == 0, detail
     strict = s["classes"]["interactive"]
     assert strict["admitted"] >= 3, detail
-    assert strict["admitted_attainment"] >= 0.9, detail
+    # (the admitted strict requests' attainment is asserted on an injected clock, where
+    # the machine's load cannot decide it: tests/test_overload_paced.py)
     # queues, KV and gauges back to empty
     assert wait_for(lambda: srv.state.loop.snapshot.running == 0, 30)
     snap = srv.state.loop.snapshot

@@ -313,4 +313,5 @@ def item_slo(item: WorkItem, base: SLO | None) -> SLO:
         max_queue_ms=base.max_queue_ms,
         deadline_ms=base.deadline_ms,
         cls=item.cls,
+        on_overload=base.on_overload,
     )

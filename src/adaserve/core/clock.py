@@ -64,3 +64,29 @@ class TickClock(ManualClock):
         t = self.t
         self.t += self.tick_s
         return t
+
+
+class PacedClock(ManualClock):
+    """A fake clock that each engine pass moves by its modelled time, ``a_ms + b_ms x
+    tokens`` (the pass's target tokens), and that a driver sets forward to the next
+    arrival when nothing runs.
+
+    The engine calls ``pass_ran`` after every verification pass, so its step times, the
+    online correction and admission's measurements all see the modelled time while the
+    passes themselves are real: a run on this clock makes the same decisions on a busy
+    machine as on an idle one (the deterministic overload test and its replay).
+    """
+
+    def __init__(self, a_ms: float, b_ms: float, t: float = 0.0):
+        super().__init__(t)
+        if not (a_ms > 0 and b_ms >= 0):
+            raise ValueError("a pass's modelled time needs a_ms > 0 and b_ms >= 0")
+        self.a_ms, self.b_ms = float(a_ms), float(b_ms)
+
+    def pass_ms(self, tokens: int) -> float:
+        """The modelled duration of a pass of ``tokens`` target tokens."""
+        return self.a_ms + self.b_ms * tokens
+
+    def pass_ran(self, tokens: int) -> None:
+        """A pass of ``tokens`` target tokens ran: move on by its modelled time."""
+        self.advance(self.pass_ms(tokens) / 1000.0)

@@ -132,6 +132,9 @@ class Engine:
             selected = self.policy.select(view, plan, {rid: d.tree for rid, d in drafts.items()})
         trees = self._verified_trees(batch, drafts, selected)
         vpass = self.runner.verify_forward(batch, trees, drafts)  # --- verify
+        paced = getattr(self.clock, "pass_ran", None)  # a ``PacedClock``: modelled time
+        if paced is not None:
+            paced(sum(n for _, n in batch.prefill) + sum(len(t.tokens) for t in trees.values()))
         result = accept(vpass)
         self.runner.move_target_slots(result.moves_src, result.moves_dst)
         now = self.clock.now()  # --- commit

@@ -17,6 +17,7 @@ from adaserve.bench.workload_spec import WorkItem
 from adaserve.core.config import SchedulerConfig
 from adaserve.core.scheduler import Batch
 from adaserve.core.trace import StepTrace
+from adaserve.errors import AdmissionRejected
 from adaserve.sched.base import BatchView, Plan, Policy
 from adaserve.sched.hardware import HardwareModel
 from adaserve.sim.acceptance import AcceptanceModel
@@ -66,10 +67,16 @@ def replay(
     requests: list[RecordedRequest],
     steps: list[StepTrace],
     has_draft: bool = True,
+    refusals: dict[int, str] | None = None,
 ) -> list[StepTrace]:
     """The simulator's traces of ``steps`` replayed under ``policy`` (fresh, the same
     kind as the recorded run's) with the recorded arrivals, times and outcomes. A
-    clairvoyant policy is refused: a recording holds no target paths to reveal."""
+    clairvoyant policy is refused: a recording holds no target paths to reveal.
+
+    With admission control on (``cfg.admission``), each arrival is judged when the
+    engine judged it: at its arrival, or at the end of the pass running then.
+    ``refusals`` (when given) receives ``rid -> reason`` for every request the
+    simulator's admission refused."""
     if policy.clairvoyant:
         raise ValueError(f"policy {policy.name!r} is clairvoyant: a replay has no target paths")
     base = {f.name: getattr(cfg, f.name) for f in fields(SchedulerConfig)}
@@ -80,6 +87,7 @@ def replay(
     )
     sim = Simulator(hw, AcceptanceModel(AcceptanceParams()), scfg, None, unloaded_tpot_ms)
     run = _ReplayRun(sim, policy, requests, steps)
+    run.refusals = refusals if refusals is not None else {}
     run.go()
     return run.traces
 
@@ -99,8 +107,12 @@ class _ReplayRun(_Run):
         self.traces: list[StepTrace] = []
 
     def _arrive(self, it: WorkItem) -> None:
+        self.clock.set(max(self.clock.now(), it.arrival_s))
         self.sched.check_prompt(it.prompt_len)
-        self.sched.add(SimRequest(it, self._slo[it.idx]))
+        try:
+            self.sched.add(SimRequest(it, self._slo[it.idx]))
+        except AdmissionRejected as e:
+            self.refusals[it.idx] = e.reason
 
     def go(self):
         items, i = self.items, 0
