@@ -165,6 +165,12 @@ def silent_1000(port: int, stop) -> None:
         key.fileobj.close()
 
 
+def _niced(name: str, port: int, stop, nice: int) -> None:
+    if nice:
+        os.nice(nice)
+    ATTACKS[name](port, stop)
+
+
 ATTACKS = {
     "endless_header": endless_header,
     "endless_url": endless_url,
@@ -207,6 +213,13 @@ def main() -> int:
     p.add_argument("--probes", type=int, default=5)
     p.add_argument("--attacks", default=",".join(ATTACKS))
     p.add_argument("--out", type=Path)
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="run the attackers at this lower priority (os.nice), standing for remote "
+        "clients that do not share the server's cores (0: same priority, the upper bound)",
+    )
     a = p.parse_args()
     names = [n for n in a.attacks.split(",") if n]
     for n in names:
@@ -215,7 +228,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="adaserve-attacks-"))
     proc, port = start_server(work)
     base = f"http://127.0.0.1:{port}"
-    res: dict = {"attacks": {}, "rounds": a.rounds, "probes": a.probes}
+    res: dict = {"attacks": {}, "rounds": a.rounds, "probes": a.probes, "nice": a.nice}
     try:
         for _ in range(3):
             probe(base)  # warm
@@ -225,7 +238,7 @@ def main() -> int:
             for n in names:
                 idle[n] += [probe(base) for _ in range(a.probes)]
                 stop = mp.Event()
-                atk = mp.Process(target=ATTACKS[n], args=(port, stop), daemon=True)
+                atk = mp.Process(target=_niced, args=(n, port, stop, a.nice), daemon=True)
                 atk.start()
                 time.sleep(1.5)  # under way
                 hit[n] += [probe(base) for _ in range(a.probes)]
