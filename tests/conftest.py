@@ -68,6 +68,26 @@ def tiny_pair(tmp_path_factory):
     return root / "target", root / "draft", hf
 
 
+def replay_engine(eng, policy: str, requests, steps, cfg=None, num_blocks=None, **kw):
+    """``sim.replay.replay`` of a recorded run of engine ``eng`` under a fresh
+    ``policy``, with the engine's config, profile and pool (``cfg`` / ``num_blocks``
+    to replay with others)."""
+    from adaserve.sched.registry import make_policy
+    from adaserve.sim.replay import replay
+
+    return replay(
+        cfg or eng.cfg,
+        make_policy(policy),
+        eng.hw,
+        eng.allocator.num_blocks if num_blocks is None else num_blocks,
+        eng.max_model_len,
+        eng.unloaded_tpot_ms(),
+        requests,
+        steps,
+        **kw,
+    )
+
+
 def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     out = []

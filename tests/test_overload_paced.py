@@ -16,7 +16,7 @@ import dataclasses
 import random
 
 import pytest
-from conftest import random_prompts
+from conftest import random_prompts, replay_engine
 
 from adaserve import SLO, SamplingParams
 from adaserve.bench.metrics import summarize
@@ -26,8 +26,7 @@ from adaserve.config import EngineConfig
 from adaserve.core.clock import PacedClock
 from adaserve.engine import build_engine
 from adaserve.errors import AdmissionRejected
-from adaserve.sched.registry import make_policy
-from adaserve.sim.replay import RecordedRequest, decisions, replay
+from adaserve.sim.replay import RecordedRequest, decisions
 from adaserve.slo import SLOClass
 
 CLASSES = (
@@ -91,16 +90,10 @@ def poisson_items(rate: float, duration: float, seed: int) -> list[WorkItem]:
         items.append(WorkItem(len(items), t, cls, None, ids, len(ids), MAX_TOKENS))
 
 
-@pytest.fixture(scope="module")
-def overload_run(tiny_pair, cheap_profile):
-    """The probe, then 20 s of arrivals at 3x its capacity, every pass recorded."""
-    target, _, _ = tiny_pair
-    eng = paced_engine(str(target), cheap_profile)
-    cap = probe_capacity(eng)
+def paced_run(eng, items: list[WorkItem]) -> tuple[list, list]:
+    """``items`` through ``eng`` on its clock: the request records and every pass."""
     steps = []
     eng.on_step = lambda e, tr: steps.append(tr)
-    t_run = eng.clock.now()
-    items = poisson_items(3.0 * cap, 20.0, seed=0)
     records, _ = run_in_process(
         lambda _p: eng,
         "adaserve",
@@ -110,11 +103,22 @@ def overload_run(tiny_pair, cheap_profile):
         slos=SLOS,
         do_warmup=False,
     )
-    return eng, cap, items, records, steps, t_run
+    return records, steps
+
+
+@pytest.fixture(scope="module")
+def overload_run(tiny_pair, cheap_profile):
+    """The probe, then 20 s of arrivals at 3x its capacity, every pass recorded."""
+    target, _, _ = tiny_pair
+    eng = paced_engine(str(target), cheap_profile)
+    cap = probe_capacity(eng)
+    items = poisson_items(3.0 * cap, 20.0, seed=0)
+    records, steps = paced_run(eng, items)
+    return eng, cap, items, records, steps
 
 
 def test_three_times_capacity_strict_on_target_on_a_paced_clock(overload_run):
-    eng, cap, items, records, _, _ = overload_run
+    eng, cap, items, records, _ = overload_run
     assert cap > 0
     assert len(records) == len(items) >= 40
     shed = [r for r in records if r.shed]
@@ -135,21 +139,11 @@ def test_three_times_capacity_strict_on_target_on_a_paced_clock(overload_run):
 def test_the_paced_run_is_the_same_run_twice(tiny_pair, cheap_profile, overload_run):
     """Determinism: the same arrivals on a fresh engine give the same refusals and the
     same pass sequence (the machine's speed has no say)."""
-    eng, cap, items, records, steps, _ = overload_run
+    eng, cap, items, records, steps = overload_run
     target, _, _ = tiny_pair
     again = paced_engine(str(target), cheap_profile)
     assert probe_capacity(again) == cap
-    steps2 = []
-    again.on_step = lambda e, tr: steps2.append(tr)
-    records2, _ = run_in_process(
-        lambda _p: again,
-        "adaserve",
-        items,
-        WorkloadSpec(duration_s=20.0),
-        progress=False,
-        slos=SLOS,
-        do_warmup=False,
-    )
+    records2, steps2 = paced_run(again, items)
     assert [(r.idx, r.shed, r.error) for r in records2] == [
         (r.idx, r.shed, r.error) for r in records
     ]
@@ -196,32 +190,13 @@ def test_simulator_makes_the_engines_admission_decisions(tiny_pair, cheap_profil
             clock.set(t0 + items[i].arrival_s)
     assert refused, "the run must refuse some requests to compare refusals"
     got_refused: dict[int, str] = {}
-    got = replay(
-        eng.cfg,
-        make_policy("adaserve"),
-        eng.hw,
-        eng.allocator.num_blocks,
-        eng.max_model_len,
-        eng.unloaded_tpot_ms(),
-        requests,
-        steps,
-        refusals=got_refused,
-    )
+    got = replay_engine(eng, "adaserve", requests, steps, refusals=got_refused)
     by_rid = {(-1 - idx): reason for idx, reason in refused.items()}
     assert got_refused == by_rid
     assert len(got) == len(steps)
     for k, (a, b) in enumerate(zip(steps, got)):
         assert decisions(b) == decisions(a), f"step {k} differs"
     other: dict[int, str] = {}
-    got2 = replay(
-        dataclasses.replace(eng.cfg, max_num_seqs=4),
-        make_policy("adaserve"),
-        eng.hw,
-        eng.allocator.num_blocks,
-        eng.max_model_len,
-        eng.unloaded_tpot_ms(),
-        requests,
-        steps,
-        refusals=other,
-    )
+    fewer_seats = dataclasses.replace(eng.cfg, max_num_seqs=4)
+    got2 = replay_engine(eng, "adaserve", requests, steps, cfg=fewer_seats, refusals=other)
     assert other != by_rid or any(decisions(a) != decisions(b) for a, b in zip(steps, got2))

@@ -5,14 +5,13 @@ prefill-chunk, preemption and plan decisions at every step."""
 from __future__ import annotations
 
 import pytest
-from conftest import random_prompts
+from conftest import random_prompts, replay_engine
 
 from adaserve import SLO, SamplingParams
 from adaserve.config import EngineConfig
 from adaserve.core.clock import TickClock
 from adaserve.engine import build_engine
-from adaserve.sched.registry import make_policy
-from adaserve.sim.replay import RecordedRequest, decisions, replay
+from adaserve.sim.replay import RecordedRequest, decisions
 
 CLASSES = (
     SLO(tpot_ms=8.0, ttft_ms=60.0, cls="interactive"),
@@ -67,16 +66,7 @@ def test_simulator_replays_the_engine_decision_for_decision(tiny_pair, cheap_pro
     assert max(len(s.decode) for s in steps) >= 3
     if policy != "ar-chunked":
         assert any(s.spec for s in steps) and any(sum(s.accepted.values()) for s in steps)
-    got = replay(
-        eng.cfg,
-        make_policy(policy),
-        eng.hw,
-        eng.allocator.num_blocks,
-        eng.max_model_len,
-        eng.unloaded_tpot_ms(),
-        requests,
-        steps,
-    )
+    got = replay_engine(eng, policy, requests, steps)
     assert len(got) == len(steps)
     for k, (a, b) in enumerate(zip(steps, got)):
         assert decisions(b) == decisions(a), f"step {k} differs"
@@ -87,14 +77,5 @@ def test_replay_detects_a_scheduler_that_differs(tiny_pair, cheap_profile):
     """The comparison can fail: replayed with a smaller KV pool, decisions diverge."""
     target, _, _ = tiny_pair
     eng, requests, steps = record_run(str(target), "ar-chunked", cheap_profile)
-    got = replay(
-        eng.cfg,
-        make_policy("ar-chunked"),
-        eng.hw,
-        eng.allocator.num_blocks - 4,
-        eng.max_model_len,
-        eng.unloaded_tpot_ms(),
-        requests,
-        steps,
-    )
+    got = replay_engine(eng, "ar-chunked", requests, steps, num_blocks=eng.allocator.num_blocks - 4)
     assert any(decisions(a) != decisions(b) for a, b in zip(steps, got))

@@ -328,18 +328,11 @@ class AdmissionControl:
         return None
 
     # ------------------------------------------------------------------ decisions
-    def check(self, seq: SeqState, now: float) -> None:
-        """Refuse ``seq`` (``AdmissionRejected``, the shed counted) when its class's
-        promise cannot be kept; see the module docstring."""
-        refused = self.verdict(seq, now)
-        if refused is not None:
-            self.sched.counters.count_shed(refused.reason)
-            raise refused
-        self.admitted(seq, now)
-
     def verdict(self, seq: SeqState, now: float) -> AdmissionRejected | None:
         """Why ``seq``, with its SLO as it stands, cannot be admitted at ``now`` (the
-        refusal, not raised nor counted), or None when it can; records nothing."""
+        refusal, not raised nor counted), or None when it can; records nothing (the
+        scheduler's ``check_admission`` counts, degrades and records the admission;
+        see the module docstring)."""
         s = self.sched
         if len(s.waiting) >= s.cfg.max_waiting:
             return AdmissionRejected("server queue is full", "queue_full", QUEUE_FULL_RETRY_S)

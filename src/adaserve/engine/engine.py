@@ -134,7 +134,7 @@ class Engine:
         vpass = self.runner.verify_forward(batch, trees, drafts)  # --- verify
         paced = getattr(self.clock, "pass_ran", None)  # a ``PacedClock``: modelled time
         if paced is not None:
-            paced(sum(n for _, n in batch.prefill) + sum(len(t.tokens) for t in trees.values()))
+            paced(_pass_tokens(batch, trees))
         result = accept(vpass)
         self.runner.move_target_slots(result.moves_src, result.moves_dst)
         now = self.clock.now()  # --- commit
@@ -214,7 +214,7 @@ class Engine:
         tr.tree_nodes = {rid: len(t.tokens) - 1 for rid, t in trees.items()}
         tr.accepted = accepted
         prefill = sum(n for _, n in batch.prefill)
-        tr.tokens = prefill + sum(len(t.tokens) for t in trees.values())
+        tr.tokens = _pass_tokens(batch, trees)
         drafted = sum(d.tree.num_candidates for d in drafts.values())
         tr.drafted, tr.draft_catchup = drafted, self._catchup if drafts else 0
         if self.policy.uses_draft and self.runner.draft is not None:
@@ -365,6 +365,12 @@ class Engine:
     def kv_usage(self) -> float:
         """Fraction of the KV pool in use (0-1)."""
         return self.allocator.usage
+
+
+def _pass_tokens(batch: Batch, trees: dict[int, CandidateTree]) -> int:
+    """Target tokens of the verification pass: prefill chunks and every verified tree
+    (root included)."""
+    return sum(n for _, n in batch.prefill) + sum(len(t.tokens) for t in trees.values())
 
 
 def build_engine(cfg: EngineConfig | None = None, clock: Clock | None = None, **overrides):

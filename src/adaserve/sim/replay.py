@@ -86,8 +86,7 @@ def replay(
         has_draft=has_draft,
     )
     sim = Simulator(hw, AcceptanceModel(AcceptanceParams()), scfg, None, unloaded_tpot_ms)
-    run = _ReplayRun(sim, policy, requests, steps)
-    run.refusals = refusals if refusals is not None else {}
+    run = _ReplayRun(sim, policy, requests, steps, refusals if refusals is not None else {})
     run.go()
     return run.traces
 
@@ -95,7 +94,7 @@ def replay(
 class _ReplayRun(_Run):
     """A simulation whose passes take their time and acceptance from a recording."""
 
-    def __init__(self, sim, policy, requests, steps):
+    def __init__(self, sim, policy, requests, steps, refusals: dict[int, str]):
         items = [
             WorkItem(r.rid, r.arrival, r.slo.cls, None, None, r.prompt_len, r.max_tokens)
             for r in requests
@@ -105,6 +104,7 @@ class _ReplayRun(_Run):
         self._steps = list(steps)
         self._k = 0
         self.traces: list[StepTrace] = []
+        self.refusals = refusals  # rid -> reason of the arrivals admission refused
 
     def _arrive(self, it: WorkItem) -> None:
         self.clock.set(max(self.clock.now(), it.arrival_s))
