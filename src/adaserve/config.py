@@ -41,6 +41,9 @@ class EngineConfig(SchedulerConfig):
     reprofile:           adopt a freshly measured profile even when it is slower than
                          the stored one's spread, and take its class targets
                          (``--reprofile``; see ``adaserve.profile``)
+    structured_outputs_backend: the grammar library of constrained requests:
+                         "llguidance", "xgrammar" or "auto" (llguidance; see
+                         ``adaserve.structured.compiler``)
     """
 
     model: str | None = None
@@ -66,6 +69,7 @@ class EngineConfig(SchedulerConfig):
     drift_min_interval_s: float = DriftConfig.min_interval_s
     threads: int | None = None
     reprofile: bool = False
+    structured_outputs_backend: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -96,6 +100,11 @@ class EngineConfig(SchedulerConfig):
         except AdaServeError as e:
             raise InvalidRequestError(str(e), "generation_config") from None
         check_servable(self.policy)  # clairvoyant policies are simulator only
+        if self.structured_outputs_backend not in ("auto", "llguidance", "xgrammar"):
+            raise InvalidRequestError(
+                "structured_outputs_backend must be auto, llguidance or xgrammar",
+                "structured_outputs_backend",
+            )
 
     @property
     def drift_config(self) -> DriftConfig:

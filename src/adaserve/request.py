@@ -9,6 +9,7 @@ import torch
 from adaserve.core.seq import SeqState, Status  # noqa: F401  (Status re-exported)
 from adaserve.sampling import SamplingParams
 from adaserve.slo import SLO
+from adaserve.structured.matcher import GrammarState
 
 
 @dataclass
@@ -61,6 +62,9 @@ class Request(SeqState):
         self.logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = []
         # per prompt token when params.prompt_logprobs is set (the first one None)
         self.prompt_logprobs: list = []
+        # the grammar state of a constrained request (params.structured_outputs), at its
+        # committed output; None: unconstrained
+        self.grammar: GrammarState | None = None
 
     @property
     def num_tokens(self) -> int:

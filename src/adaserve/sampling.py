@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from adaserve.errors import InvalidRequestError
+from adaserve.structured.params import StructuredOutputsParams
 
 MAX_TOKENS_LIMIT = 1 << 20
 
@@ -46,8 +47,14 @@ class SamplingParams:
     logprobs: int | None = None
     # the same for the prompt's tokens (the first has none), as vLLM's prompt_logprobs
     prompt_logprobs: int | None = None
+    # the output must match this constraint (JSON schema, regex, choice, grammar; a
+    # dict in vLLM's shape is accepted): every tree node is masked by its grammar state
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "structured_outputs", StructuredOutputsParams.of(self.structured_outputs)
+        )
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is not None:

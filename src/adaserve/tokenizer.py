@@ -52,6 +52,11 @@ class Tokenizer:
         dec = self._tok.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
         return max(1, max(len(t.encode("utf-8")) for t in dec))
 
+    def to_json(self) -> str:
+        """The ``tokenizer.json`` text (what grammar libraries build their vocabulary
+        from)."""
+        return self._tok.to_str()
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 

@@ -38,6 +38,8 @@ from adaserve.sched.power import PowerModel
 from adaserve.sched.registry import check_servable, make_policy
 from adaserve.slo import SLO
 from adaserve.spec_decode.draft import DraftOutput
+from adaserve.structured.manager import StructuredOutputs
+from adaserve.structured.matcher import GrammarState
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,13 @@ class Engine:
         self.on_step: Callable[[Engine, StepTrace], None] | None = None
         self._sel_log = SelectionLog(cfg.selection_log) if cfg.selection_log else None
         self.drift = DriftMonitor(cfg.drift_config)  # measured vs profiled step times
+        tok = run.tokenizer
+        self.structured = StructuredOutputs(
+            cfg.structured_outputs_backend,
+            None if tok is None else tok.to_json,
+            run.vocab_size,
+            run.eos_ids,
+        )
         self.stalls = StallDetector()  # passes over 3x their prediction, with a cause
 
     # ------------------------------------------------------------------ the loop
@@ -233,8 +242,11 @@ class Engine:
         params: SamplingParams | None = None,
         slo: SLO | None = None,
         arrival: float | None = None,
+        grammar: GrammarState | None = None,
     ) -> Request:
-        """A validated request, not queued (``add_request`` queues it)."""
+        """A validated request, not queued (``add_request`` queues it). ``grammar``: the
+        state of ``params.structured_outputs`` made beforehand (the server compiles off
+        the engine thread); None: compiled here when the params have a constraint."""
         params = params or SamplingParams()
         if params.n != 1:
             raise InvalidRequestError(
@@ -247,7 +259,12 @@ class Engine:
         slo = slo or self.scheduler.default_slo()
         arrival = self.clock.now() if arrival is None else arrival
         gen = self.runner.generator(params.seed)
-        return Request(next(self._ids), ids, params, slo, gen, arrival)
+        r = Request(next(self._ids), ids, params, slo, gen, arrival)
+        if grammar is not None:
+            r.grammar = grammar
+        elif params.structured_outputs is not None:
+            r.grammar = self.structured.state_for(params.structured_outputs)
+        return r
 
     def add_request(
         self,
@@ -255,10 +272,11 @@ class Engine:
         params: SamplingParams | None = None,
         slo: SLO | None = None,
         arrival: float | None = None,
+        grammar: GrammarState | None = None,
     ) -> Request:
         """Validate and queue a request (admission control may shed it with
         ``AdmissionRejected``); returns its live ``Request``."""
-        r = self.new_request(prompt, params, slo, arrival)
+        r = self.new_request(prompt, params, slo, arrival, grammar)
         self.scheduler.add(r)
         return r
 

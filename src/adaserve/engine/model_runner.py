@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from adaserve import paths, threads
@@ -25,8 +26,10 @@ from adaserve.models.config import ModelConfig
 from adaserve.models.loader import load_model, resolve_dtype
 from adaserve.request import Request
 from adaserve.resources import default_kv_budget, gpu_kv_budget
+from adaserve.spec_decode import grammar
 from adaserve.spec_decode.batch import VerifyBatch
 from adaserve.spec_decode.draft import DraftOutput, expand
+from adaserve.spec_decode.penalties import tree_paths
 from adaserve.tokenizer import Tokenizer, check_draft_tokenizer, load_tokenizer
 
 
@@ -256,6 +259,7 @@ class ModelRunner:
         )
         logits = self.target.logits(hidden[vb.hidden_rows])
         mask_min_tokens(logits, vb, vreqs, self.eos_ids)
+        mask_grammar(logits, vb, vreqs, vtrees, drafts)
         prompt_rows = []
         if extra:
             rows = [i for _, _, row, m in extra for i in range(row, row + m)]
@@ -301,6 +305,32 @@ def mask_min_tokens(logits: torch.Tensor, vb, reqs: list[Request], eos_ids: set[
             r_idx = torch.tensor(rows, device=dev)[:, None]
             c_idx = torch.tensor(sorted(ids), device=dev)[None, :]
             logits[r_idx, c_idx] = float("-inf")
+
+
+def mask_grammar(logits: torch.Tensor, vb, reqs: list[Request], trees, drafts) -> None:
+    """In place: each constrained request's node rows keep only the tokens its grammar
+    allows after that node's path (the draft's masks reused where it computed them),
+    so the verifier samples from the target distribution masked at every node: a
+    drafted token the grammar forbids is never accepted, and the bonus is always
+    allowed."""
+    cu = vb.cu_nodes
+    rows, masks = [], []
+    for i, r in enumerate(reqs):
+        gs = r.grammar
+        if gs is None:
+            continue
+        t = trees[i]
+        d = drafts.get(r.rid)
+        cached = d.masks if d is not None else {}
+        origin = t.origin if t.origin is not None else range(len(t.tokens))
+        paths = tree_paths(t.parents, t.tokens)
+        need = [n for n in range(len(t.tokens)) if int(origin[n]) not in cached]
+        fresh = dict(zip(need, gs.masks([paths[n] for n in need]))) if need else {}
+        for n in range(len(t.tokens)):
+            masks.append(fresh[n] if n in fresh else cached[int(origin[n])])
+        rows.extend(range(int(cu[i]), int(cu[i + 1])))
+    if rows:
+        grammar.apply(logits, rows, np.stack(masks))
 
 
 def _node_depths(vb) -> list[int]:

@@ -112,12 +112,20 @@ class OutputProcessor:
             r.token_times.append(now)
             self.counters.generation_tokens += 1
             reason = None
+            # a constrained output ends where its grammar does
+            ended = r.grammar is not None and not r.grammar.commit(tok)
             may_stop = r.num_output > p.min_tokens  # stops only after min_tokens
             if may_stop and (tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos)):
                 reason = "stop"
             elif r.num_output >= p.max_tokens or len(r.tokens) >= self.max_model_len:
                 reason = "length"
-            elif may_stop and p.stop and self.tokenizer is not None and self._hit_stop_string(r):
+            elif (
+                may_stop
+                and p.stop
+                and self.tokenizer is not None
+                and self._hit_stop_string(r)
+                or ended
+            ):
                 reason = "stop"
             if reason:
                 self.sched.finish(r, reason, now)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from adaserve.errors import ModelLoadError
+from adaserve.errors import InvalidRequestError, ModelLoadError
 from adaserve.server.errors import ApiError, unsupported
 from adaserve.server.generation import generate
 from adaserve.server.jobs import Endpoint
@@ -18,6 +18,11 @@ from adaserve.server.protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChatStreamChoice,
+    FunctionCallDelta,
+    FunctionCallOut,
+    NamedToolChoice,
+    ToolCallDelta,
+    ToolCallOut,
 )
 from adaserve.server.state import ServerState
 from adaserve.server.validation import (
@@ -26,12 +31,19 @@ from adaserve.server.validation import (
     check_text_size,
     encode,
 )
+from adaserve.structured.tools import ToolMode, tool_mode
 
 
-def _choice(index, text, logprobs, finish_reason, metrics) -> ChatChoice:
+def _choice(index, text, logprobs, finish_reason, metrics, calls=None) -> ChatChoice:
+    tool_calls = None
+    if calls:
+        tool_calls = [
+            ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+            for c in calls
+        ]
     return ChatChoice(
         index=index,
-        message=AssistantMessage(content=text),
+        message=AssistantMessage(content=text, tool_calls=tool_calls),
         logprobs=logprobs,
         finish_reason=finish_reason,
         metrics=metrics,
@@ -41,6 +53,30 @@ def _choice(index, text, logprobs, finish_reason, metrics) -> ChatChoice:
 def _stream_choice(index, text, finish_reason, logprobs) -> ChatStreamChoice:
     return ChatStreamChoice(
         index=index, delta=ChatDelta(content=text), logprobs=logprobs, finish_reason=finish_reason
+    )
+
+
+def _tool_stream_choice(index, events, finish_reason, logprobs) -> ChatStreamChoice | None:
+    """A streamed choice of ``ToolStream`` events: content, then tool-call deltas (a
+    call's first delta has its id, type and name; the rest argument fragments)."""
+    content = "".join(e[1] for e in events if e[0] == "content") or None
+    calls = [
+        ToolCallDelta(
+            index=e[1],
+            id=e[2],
+            type="function" if e[2] is not None else None,
+            function=FunctionCallDelta(name=e[3], arguments=e[4]),
+        )
+        for e in events
+        if e[0] == "call"
+    ]
+    if content is None and not calls and finish_reason is None and logprobs is None:
+        return None
+    return ChatStreamChoice(
+        index=index,
+        delta=ChatDelta(content=content, tool_calls=calls or None),
+        logprobs=logprobs,
+        finish_reason=finish_reason,
     )
 
 
@@ -57,6 +93,7 @@ CHAT = Endpoint(
     choice=_choice,
     stream_choice=_stream_choice,
     opening=_opening,
+    tool_stream_choice=_tool_stream_choice,
 )
 
 
@@ -64,24 +101,25 @@ CHAT = Endpoint(
 _RESERVED = {"messages", "tools", "documents", "add_generation_prompt"}
 
 
-def check_tools(body: ChatCompletionRequest) -> None:
-    """``tool_choice``: "none" is served (the tools go to the template, the output is
-    text); anything that asks for tool calls is refused, as there is no tool-call
-    parser. Tools without a tool_choice mean "auto", as vLLM and OpenAI read them."""
+def check_tools(state: ServerState, body: ChatCompletionRequest) -> ToolMode | None:
+    """The request's tool mode: "none" (text; the tools still go to the template), a
+    named function or "required" (constrained to the tools' schemas), "auto" (parsed
+    by ``--tool-call-parser``; refused without ``--enable-auto-tool-choice``). Tools
+    without a tool_choice mean "auto", as vLLM and OpenAI read them."""
     choice = body.tool_choice
-    if choice is None and body.tools:
-        choice = "auto"
-    if choice is None or choice == "none":
-        return
-    what = choice if isinstance(choice, str) else f"the named function {choice.function.name!r}"
-    raise ApiError(
-        400,
-        f"tool_choice {what} needs tool-call parsing, which this server does not support; "
-        'send tool_choice "none" (the tools are then passed to the chat template and the '
-        "reply is text)",
-        param="tool_choice",
-        code="unsupported_parameter",
-    )
+    if isinstance(choice, NamedToolChoice):
+        choice = choice.model_dump()
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    try:
+        return tool_mode(
+            tools,
+            choice,
+            body.parallel_tool_calls,
+            state.cfg.enable_auto_tool_choice,
+            state.cfg.tool_call_parser,
+        )
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), param=e.param) from None
 
 
 def render_kwargs(body: ChatCompletionRequest) -> dict:
@@ -157,7 +195,7 @@ async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[i
 
 async def create_chat(state: ServerState, body: ChatCompletionRequest, request: Request):
     check_body(state, body)
-    check_tools(body)
+    tools = check_tools(state, body)
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     if not body.messages:
@@ -177,4 +215,5 @@ async def create_chat(state: ServerState, body: ChatCompletionRequest, request: 
         default_max,
         None,
         "messages",
+        tools=tools,
     )

@@ -80,6 +80,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="reject requests with unknown fields (400) instead of ignoring them",
     )
+    p.add_argument(
+        "--structured-outputs-backend",
+        choices=("auto", "llguidance", "xgrammar"),
+        default=None,
+        help="grammar library of response_format / structured_outputs / tool calls "
+        "(auto: llguidance)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto": the model decides, --tool-call-parser reads its calls',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "qwen", "llama3_json", "mistral"),
+        default=None,
+        help="how tool calls are read from the model's text (tool_choice auto)",
+    )
     p.add_argument("--device", help="cpu or cuda[:N]")
     p.add_argument(
         "--dtype",
@@ -246,6 +264,7 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
         "generation_config": getattr(args, "generation_config", None),
         "seed": getattr(args, "seed", None),
         "threads": getattr(args, "threads", None),
+        "structured_outputs_backend": getattr(args, "structured_outputs_backend", None),
     }
     kw.update({k: v for k, v in flags.items() if v is not None})
     if getattr(args, "reprofile", False):
@@ -281,6 +300,12 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
         repl["strict_fields"] = True
     if getattr(args, "chat_template", None):
         repl["chat_template"] = args.chat_template
+    if getattr(args, "enable_auto_tool_choice", False):
+        if not getattr(args, "tool_call_parser", None):
+            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser")
+        repl["enable_auto_tool_choice"] = True
+    if getattr(args, "tool_call_parser", None):
+        repl["tool_call_parser"] = args.tool_call_parser
     for flag, key in (
         ("timeout_keep_alive", "timeout_keep_alive_s"),
         ("header_timeout", "header_timeout_s"),

@@ -67,6 +67,9 @@ class ServerConfig:
                          as vLLM): they are ignored, with one warning per field name
     chat_template:       a Jinja chat template file (or the template text) replacing the
                          model's (``--chat-template``)
+    enable_auto_tool_choice: serve ``tool_choice: "auto"`` (``--enable-auto-tool-choice``);
+                         the calls are read from the text by ``tool_call_parser``
+    tool_call_parser:    hermes, qwen, llama3_json or mistral (``--tool-call-parser``)
     max_body_bytes:      larger request bodies get 413 at their headers (None: derived
                          from the context, ``state.body_limit``)
     admission:           admission control (``core.admission``): a request whose class's
@@ -113,6 +116,8 @@ class ServerConfig:
     port: int = 8000
     strict_fields: bool = False
     chat_template: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     max_body_bytes: int | None = None
     admission: bool = True
     max_waiting: int | None = None
@@ -182,6 +187,12 @@ class ServerConfig:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or not 256 <= v <= 1 << 20:
                 raise ConfigError(f"server.{k} must be an integer from 256 to 1048576")
+        if self.tool_call_parser not in (None, "hermes", "qwen", "llama3_json", "mistral"):
+            raise ConfigError(
+                "server.tool_call_parser must be hermes, qwen, llama3_json or mistral"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("server.enable_auto_tool_choice needs server.tool_call_parser")
         if self.http not in ("h11", "httptools", "auto"):
             raise ConfigError(
                 f"server.http must be 'h11', 'httptools' or 'auto', not {self.http!r}"

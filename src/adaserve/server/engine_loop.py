@@ -135,8 +135,10 @@ class Handle:
         want_tokens: bool = True,
         ctx: Any = None,
         drop_output: bool = False,
+        grammar: Any = None,
     ):
         self.prompt_ids = prompt_ids
+        self.grammar = grammar  # the GrammarState of params.structured_outputs, or None
         self.drop_output = drop_output
         self.params = params
         self.slo = slo
@@ -408,7 +410,9 @@ class EngineLoop:
                         "queue_full",
                         QUEUE_FULL_RETRY_S,
                     )
-                r = self.engine.add_request(h.prompt_ids, h.params, h.slo, arrival=h.arrival)
+                r = self.engine.add_request(
+                    h.prompt_ids, h.params, h.slo, arrival=h.arrival, grammar=h.grammar
+                )
             except Exception as exc:  # handed to the awaiting handler
                 self._rejected(h)
                 fut.set_exception(exc)

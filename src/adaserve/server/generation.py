@@ -21,7 +21,9 @@ from adaserve.server.render import JSON
 from adaserve.server.slo_resolution import SLOChoice, resolve_slo
 from adaserve.server.state import RequestCtx, ServerState
 from adaserve.server.streaming import SSE, stream
+from adaserve.server.structured import constraint_of, grammar_states
 from adaserve.server.validation import check_choices, max_tokens_per_prompt, sampling_params
+from adaserve.structured.tools import ToolMode
 
 
 def _resolve(state: ServerState, body, headers, tenant: Tenant) -> SLOChoice:
@@ -61,12 +63,15 @@ async def generate(
     echo: list[str] | None,
     prompt_param: str,
     score_only: bool = False,
+    tools: ToolMode | None = None,
 ):
     """Generate ``body.n`` choices for every prompt (``max_tokens`` None: the rest of
-    the context, capped at ``default_max``); ``echo``: the prompts' texts to prepend."""
+    the context, capped at ``default_max``); ``echo``: the prompts' texts to prepend;
+    ``tools``: how the output becomes tool calls (chat)."""
     tenant: Tenant = request.state.tenant
     n = body.n
     check_choices(state, len(prompts), n)
+    constraint = constraint_of(body, tools)
     choice = _resolve(state, body, request.headers, tenant)
     per_prompt_max = max_tokens_per_prompt(state, prompts, max_tokens, default_max, prompt_param)
     prompt_tokens = sum(len(p) for p in prompts)
@@ -90,6 +95,7 @@ async def generate(
             reserved[i * n + j],
             None if body.seed is None else body.seed + j,
             state.loop.info.sampling_defaults,
+            constraint,
         )
         for i in range(len(prompts))
         for j in range(n)
@@ -97,6 +103,9 @@ async def generate(
     job = Job(state, tenant)
     streaming = False
     try:
+        grammars = [None] * len(params)
+        if constraint is not None:  # compiled off the loop; a bad one is a 400
+            grammars = await grammar_states(state, constraint, len(params))
         for i, ids in enumerate(prompts):
             for j in range(n):
                 ctx = RequestCtx(
@@ -118,6 +127,7 @@ async def generate(
                         want_tokens=body.stream,
                         ctx=ctx,
                         drop_output=score_only,
+                        grammar=grammars[i * n + j],
                     )
                 )
         results = await asyncio.gather(
@@ -136,6 +146,7 @@ async def generate(
             echo=echo,
             stop_holdback=max((len(s) for s in params[0].stop or ()), default=1) - 1,
             score_only=score_only,
+            tools=tools,
         )
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -183,6 +194,12 @@ async def collect(state: ServerState, request: Request, job: Job, meta: Meta):
             lp = ep.logprobs(tok, [*ids, *out_ids], (*f.prompt_logprobs, *out_lps))
         if meta.echo is not None:
             text = meta.echo_of(i, k) + text
+        if meta.tools is not None:
+            content, calls = meta.tools.parse(text)
+            if calls:
+                fr = "tool_calls"
+            choices.append(ep.choice(i, content, lp, fr, RequestMetrics.of(f.metrics), calls))
+            continue
         choices.append(ep.choice(i, text, lp, fr, RequestMetrics.of(f.metrics)))
     completion_tokens = sum(f.completion_tokens for f in finals.values())
     return JSON(

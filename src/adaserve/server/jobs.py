@@ -26,6 +26,8 @@ class Endpoint:
                                                            no new text)
     opening(index, echo):                     the streamed choice sent before any token,
                                               or None
+    tool_stream_choice(index, events, finish_reason, logprobs): a streamed choice of
+                                              ``ToolStream`` events (chat), or None
     """
 
     id_prefix: str
@@ -35,6 +37,7 @@ class Endpoint:
     choice: Callable[..., BaseModel]
     stream_choice: Callable[..., BaseModel]
     opening: Callable[[int, str | None], BaseModel | None]
+    tool_stream_choice: Callable[..., BaseModel | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class Meta:
     echo: list[str] | None
     stop_holdback: int
     score_only: bool = False  # max_tokens=0 with echo: the generated token is dropped
+    tools: Any = None  # the chat's ``structured.tools.ToolMode`` (None: text output)
 
     def echo_of(self, index: int, choices: int) -> str | None:
         """The echoed prompt of a choice (choices are prompt-major, n per prompt)."""

@@ -15,6 +15,7 @@ Response models are what the handlers build and dump (``render.dumps``).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
@@ -55,6 +56,30 @@ class StreamOptions(_Nested):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Nested):
+    """``response_format.json_schema`` (OpenAI's): the schema the output must match."""
+
+    name: str = Field("response", max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    # OpenAI's strict mode takes a subset of JSON schema; here every schema the backend
+    # compiles is enforced exactly, strict or not
+    strict: bool | None = None
+
+
+class ResponseFormat(_Nested):
+    """OpenAI's ``response_format``: free text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def as_dict(self) -> dict:
+        d: dict = {"type": self.type}
+        if self.json_schema is not None:
+            d["json_schema"] = {"schema": self.json_schema.schema_ or {"type": "object"}}
+        return d
+
+
 class _Sampling(_TopLevel):
     """Fields shared by completions and chat completions."""
 
@@ -91,6 +116,16 @@ class _Sampling(_TopLevel):
     # vLLM's: no EOS or stop token before this many output tokens
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
     skip_special_tokens: bool = True
+    # --- structured outputs: OpenAI's response_format, vLLM's structured_outputs
+    # (json, regex, choice, grammar, json_object, ...) and its deprecated guided_* names
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, max_length=4096)
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = Field(None, max_length=64)
 
 
 class CompletionRequest(_Sampling):
@@ -122,6 +157,18 @@ class ToolCall(_Nested):
     type: Literal["function"] = "function"
     function: ToolFunctionCall
 
+    def template_dict(self) -> dict:
+        """As templates read it: the arguments as a dict when they are a JSON object
+        (what transformers' templates expect, as vLLM passes them), else the text."""
+        d = self.model_dump()
+        try:
+            args = json.loads(self.function.arguments)
+        except ValueError:
+            return d
+        if isinstance(args, dict):
+            d["function"]["arguments"] = args
+        return d
+
 
 class ChatMessage(_Nested):
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -150,7 +197,7 @@ class ChatMessage(_Nested):
             if v is not None:
                 d[k] = v
         if self.tool_calls is not None:
-            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+            d["tool_calls"] = [c.template_dict() for c in self.tool_calls]
         return d
 
 
@@ -178,10 +225,6 @@ class NamedToolChoice(_Nested):
     function: NamedFunction
 
 
-class ResponseFormat(_Nested):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
@@ -190,9 +233,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
-    # tools are passed to the chat template; only tool_choice "none" is served (no
-    # tool-call parsing), and tools without a tool_choice mean "auto" (as vLLM)
+    # tools go to the chat template; tool_choice "required" and a named function are
+    # constrained to the tools' schemas, "auto" is parsed (--tool-call-parser), and
+    # tools without a tool_choice mean "auto" (as vLLM)
     tools: list[Tool] | None = Field(None, max_length=256)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -318,9 +361,21 @@ class CompletionResponse(_Response):
     choices: list[CompletionChoice]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = _omitted_if_none()
 
 
 class ChatChoice(BaseModel):
@@ -362,9 +417,22 @@ class CompletionChunk(_Chunk):
     choices: list[CompletionStreamChoice]
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = _omitted_if_none()
+    arguments: str | None = _omitted_if_none()
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = _omitted_if_none()
+    type: Literal["function"] | None = _omitted_if_none()
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = _omitted_if_none()
     content: str | None = _omitted_if_none()
+    tool_calls: list[ToolCallDelta] | None = _omitted_if_none()
 
 
 class ChatStreamChoice(BaseModel):

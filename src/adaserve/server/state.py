@@ -70,6 +70,7 @@ log = logging.getLogger("adaserve.server")
 # the threads that tokenise, detokenise and run chat templates, never the event loop's:
 # half the cores (the engine's threads have the rest), at least one
 TOKENIZER_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+GRAMMAR_THREADS = 2  # concurrent grammar compiles (each request waits for its own)
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,11 @@ class ServerState:
         self._tokenizer_pool = ThreadPoolExecutor(
             TOKENIZER_THREADS, thread_name_prefix="adaserve-tokenize"
         )
+        # grammar compiles have threads of their own: a slow one holds neither the
+        # tokenisers nor the event loop nor the engine, only its own request
+        self._grammar_pool = ThreadPoolExecutor(
+            GRAMMAR_THREADS, thread_name_prefix="adaserve-grammar"
+        )
 
     async def off_loop(self, fn, *args):
         """``fn(*args)`` on the tokenizer threads: tokenising, detokenising and chat
@@ -135,6 +141,11 @@ class ServerState:
         by each tenant's concurrency, while the loop keeps answering)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_pool, functools.partial(fn, *args))
+
+    async def off_loop_grammar(self, fn, *args):
+        """``fn(*args)`` on the grammar-compile threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._grammar_pool, functools.partial(fn, *args))
 
     def warn_ignored_fields(self, names: list[str]) -> None:
         """Log unknown request fields (ignored, as vLLM), once per field name."""
@@ -208,6 +219,7 @@ class ServerState:
             if ticker is not None:
                 ticker.cancel()
             self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            self._grammar_pool.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(self.loop.stop)
 
     def load_chat_template(self) -> ChatTemplate | None:

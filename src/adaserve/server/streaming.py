@@ -18,6 +18,7 @@ from adaserve.server.jobs import Job, Meta, next_or_disconnect, wait_disconnect
 from adaserve.server.protocol import RequestMetrics, Usage
 from adaserve.server.render import dumps
 from adaserve.server.state import ServerState
+from adaserve.structured.tools import ToolStream
 
 log = logging.getLogger("adaserve.server")
 
@@ -50,6 +51,7 @@ async def _events(state: ServerState, job: Job, meta: Meta, first, include_usage
     ep = meta.endpoint
     k = len(job.handles)
     detok = [Detok(tok, meta.stop_holdback) for _ in range(k)]
+    tools = [ToolStream(meta.tools) for _ in range(k)] if meta.tools is not None else None
 
     def chunk(choices, **kw) -> str:
         return sse(
@@ -71,7 +73,11 @@ async def _events(state: ServerState, job: Job, meta: Meta, first, include_usage
         lp = ep.logprobs(tok, lp_ids, lp_entries) if lp_entries else None
         if final is None:
             delta = detok[idx].push(new)
-            if delta or lp:
+            if tools is not None:
+                c = ep.tool_stream_choice(idx, tools[idx].push(delta), None, lp)
+                if c is not None:
+                    yield chunk([c])
+            elif delta or lp:
                 yield chunk([ep.stream_choice(idx, delta, None, lp)])
         else:
             left -= 1
@@ -82,7 +88,13 @@ async def _events(state: ServerState, job: Job, meta: Meta, first, include_usage
                 yield sse(err.body())
                 break
             delta = detok[idx].finish(final.text)
-            c = ep.stream_choice(idx, delta or None, finish_reason(final), lp)
+            if tools is not None:
+                ts = tools[idx]
+                events = ts.finish(final.text or "")
+                fr = "tool_calls" if ts.calls_sent else finish_reason(final)
+                c = ep.tool_stream_choice(idx, events, fr, lp)
+            else:
+                c = ep.stream_choice(idx, delta or None, finish_reason(final), lp)
             yield chunk([c], metrics=RequestMetrics.of(final.metrics))
             if left == 0:
                 break

@@ -222,7 +222,7 @@ def requested_logprobs(body) -> int | None:
 
 
 def sampling_params(
-    body, max_tokens: int, seed: int | None, defaults: dict | None = None
+    body, max_tokens: int, seed: int | None, defaults: dict | None = None, constraint=None
 ) -> SamplingParams:
     stop = body.stop
     if isinstance(stop, list) and not stop:
@@ -257,6 +257,7 @@ def sampling_params(
             min_tokens=body.min_tokens if explicit_max else min(body.min_tokens, max_tokens),
             logprobs=requested_logprobs(body),
             prompt_logprobs=body.logprobs if getattr(body, "echo", False) else None,
+            structured_outputs=constraint,
         )
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param=e.param) from None

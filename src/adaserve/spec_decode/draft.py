@@ -22,7 +22,7 @@ highest path probability form the next frontier.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ from adaserve.logits import target_probs
 from adaserve.models.attention import AttnMetadata, SeqSpec
 from adaserve.models.llama import LlamaModel
 from adaserve.request import Request
+from adaserve.spec_decode import grammar
 from adaserve.spec_decode.penalties import PenaltyRows
 
 
@@ -48,6 +49,9 @@ class DraftOutput:
     tree: CandidateTree
     q_rows: dict[int, torch.Tensor]
     fed: int
+    # a constrained request's grammar mask rows of the nodes the draft expanded (node
+    # index -> [W] int32), reused by the verifier
+    masks: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 class _Growing:
@@ -61,6 +65,15 @@ class _Growing:
         self.fed_nodes: list[int] = []  # scratch order
         self.level_start = 1  # first node index of the newest depth level
         self.q_rows: dict[int, torch.Tensor] = {}
+        self.masks: dict[int, np.ndarray] = {}
+
+    def path(self, node: int) -> list[int]:
+        """The candidate tokens from below the root down to ``node``."""
+        out = []
+        while node != 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
 
     def add(self, parent: int, token: int, q: float, rank: int) -> int:
         self.tokens.append(token)
@@ -181,7 +194,7 @@ def expand(
         logits = forward(ids, AttnMetadata.build(seqs, device, window))
         frontier = [new_frontier.get(i, []) for i in range(len(reqs))]
         active = nxt_active
-    return [DraftOutput(g.finish(), g.q_rows, len(g.fed_nodes)) for g in grows]
+    return [DraftOutput(g.finish(), g.q_rows, len(g.fed_nodes), g.masks) for g in grows]
 
 
 def _penalised(logits, grows, frontier, active, reqs) -> torch.Tensor:
@@ -204,9 +217,31 @@ def _penalised(logits, grows, frontier, active, reqs) -> torch.Tensor:
     return PenaltyRows.build(contexts, rows, logits.device).apply(logits)
 
 
+def _constrained(logits, grows, frontier, active, reqs) -> torch.Tensor:
+    """logits [F, V] with each constrained request's frontier rows masked by the
+    grammar state of that node's path (the masks are kept for the verifier)."""
+    rows, masks, row = [], [], 0
+    for i in active:
+        r, g = reqs[i], grows[i]
+        n = len(frontier[i])
+        if r.grammar is not None and n:
+            m = r.grammar.masks([g.path(node) for node in frontier[i]])
+            for j, node in enumerate(frontier[i]):
+                g.masks[node] = m[j]
+            rows.extend(range(row, row + n))
+            masks.append(m)
+        row += n
+    if not rows:
+        return logits
+    logits = logits.clone()
+    grammar.apply(logits, rows, np.concatenate(masks))
+    return logits
+
+
 def _add_children(logits, grows, frontier, active, reqs, shapes, sample: bool) -> None:
     """Append children of each active request's frontier rows (rows in request order)."""
     logits = _penalised(logits, grows, frontier, active, reqs)
+    logits = _constrained(logits, grows, frontier, active, reqs)
     wmax = max(shapes[i][1] for i in active)
     top = logits.softmax(-1).topk(wmax, dim=-1)
     vals, idx = top.values.tolist(), top.indices.tolist()
@@ -220,6 +255,8 @@ def _add_children(logits, grows, frontier, active, reqs, shapes, sample: bool) -
         if not sample or reqs[i].params.greedy or reqs[i].params.seed is not None:
             for node in frontier[i]:
                 for k in range(w):
+                    if vals[row][k] <= 0.0 and reqs[i].grammar is not None:
+                        break  # fewer tokens allowed than the width
                     g.add(node, idx[row][k], vals[row][k], k)
                 row += 1
             continue
