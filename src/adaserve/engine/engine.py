@@ -23,7 +23,7 @@ from adaserve.core.counters import Counters
 from adaserve.core.scheduler import Batch, Scheduler
 from adaserve.core.stalls import StallDetector
 from adaserve.core.trace import StepTrace
-from adaserve.core.tree import CandidateTree
+from adaserve.core.tree import CandidateTree, scratch_slots_needed
 from adaserve.engine.model_runner import ModelRunner
 from adaserve.engine.output import OutputProcessor
 from adaserve.engine.selection_log import SelectionLog
@@ -55,6 +55,10 @@ class Faults:
             raise ValueError("draft_noise must be >= 0")
         if not 0 <= self.kv_reserved <= 1:
             raise ValueError("kv_reserved must be in [0, 1]")
+
+
+# forced tokens one tree carries at most (a long literal is forced over several steps)
+MAX_FORCED = 32
 
 
 class _From:
@@ -145,6 +149,7 @@ class Engine:
         if paced is not None:
             paced(_pass_tokens(batch, trees))
         result = accept(vpass)
+        self._count_forced(drafts, trees, result)
         self.runner.move_target_slots(result.moves_src, result.moves_dst)
         now = self.clock.now()  # --- commit
         for r, p, lsm in vpass.prompt_rows if vpass is not None else ():
@@ -187,15 +192,48 @@ class Engine:
             self.step()
 
     def _speculate(self, batch: Batch) -> dict[int, DraftOutput]:
-        """Draft a tree per speculating request; the calibrator sets each node's f."""
+        """Draft a tree per speculating request; the calibrator sets each node's f.
+
+        A constrained request whose grammar forces the next tokens gets them as a chain
+        below its root (no draft step; f = 1, the calibrated estimates of the drafted
+        nodes below it taken relative to the chain's end), when the pool holds them."""
         self._catchup = sum(len(r.tokens) - r.draft_cached for r, _ in batch.spec)
-        drafts = self.runner.draft_trees(batch.spec, self._faults.draft_noise)
+        forced = [self._forced(r, shape) for r, shape in batch.spec]
+        drafts = self.runner.draft_trees(batch.spec, self._faults.draft_noise, forced)
         for r, _ in batch.spec:
-            tree = drafts[r.rid].tree
+            d = drafts[r.rid]
+            tree = d.tree
             self.calibrator.apply(tree)
-            r.stats.drafted_tokens += tree.num_candidates
-            self.counters.drafted_tokens += tree.num_candidates
+            if d.forced:
+                k = d.forced
+                tree.f[k + 1 :] /= max(tree.f[k], 1e-12)
+                tree.f[: k + 1] = 1.0
+                self.structured.forced_tokens += k
+            drafted = tree.num_candidates - d.forced
+            r.stats.drafted_tokens += drafted
+            self.counters.drafted_tokens += drafted
         return drafts
+
+    def _forced(self, r: Request, shape: tuple[int, int]) -> list[int]:
+        """The tokens ``r``'s grammar forces next (none without a grammar, or when the
+        KV pool cannot hold them beside the drafted tree)."""
+        if r.grammar is None:
+            return []
+        chain = r.grammar.forced()[:MAX_FORCED]
+        room = len(chain) + scratch_slots_needed(*shape) + 1
+        if chain and not self.scheduler.reserve_tree(r, room):
+            return []
+        return chain
+
+    def _count_forced(self, drafts, trees, result) -> None:
+        """Forced tokens the target accepted (for the share they contribute)."""
+        for rid, d in drafts.items():
+            if not d.forced or rid not in result.accepted:
+                continue
+            t = trees[rid]
+            origin = t.origin if t.origin is not None else np.arange(len(t.tokens))
+            path = result.accepted[rid].path
+            self.structured.forced_accepted += sum(1 for n in path if 1 <= origin[n] <= d.forced)
 
     def _verified_trees(
         self,

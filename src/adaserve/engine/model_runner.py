@@ -169,9 +169,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forwards
     def draft_trees(
-        self, spec: list[tuple[Request, tuple[int, int]]], noise_std: float
+        self,
+        spec: list[tuple[Request, tuple[int, int]]],
+        noise_std: float,
+        forced: list[list[int]] | None = None,
     ) -> dict[int, DraftOutput]:
-        """Beam-expand one candidate tree per (request, (depth, width)) with the draft."""
+        """Beam-expand one candidate tree per (request, (depth, width)) with the draft
+        (below each request's ``forced`` chain of grammar-forced tokens)."""
         if not spec:
             return {}
         reqs = [r for r, _ in spec]
@@ -184,6 +188,7 @@ class ModelRunner:
             sample=self.cfg.draft_sample,
             noise_std=noise_std,
             vocab_size=self.vocab_size,
+            forced=forced,
         )
         self.model_time_s += time.perf_counter() - t0
         return {r.rid: o for r, o in zip(reqs, outs)}

@@ -49,6 +49,9 @@ class DraftOutput:
     tree: CandidateTree
     q_rows: dict[int, torch.Tensor]
     fed: int
+    # nodes 1..forced are the grammar's forced tokens, a chain below the root that
+    # no draft step proposed (the draft only read them); 0: none
+    forced: int = 0
     # a constrained request's grammar mask rows of the nodes the draft expanded (node
     # index -> [W] int32), reused by the verifier
     masks: dict[int, np.ndarray] = field(default_factory=dict)
@@ -111,8 +114,15 @@ def expand(
     sample: bool = False,
     noise_std: float = 0.0,
     vocab_size: int | None = None,
+    forced: list[list[int]] | None = None,
 ) -> list[DraftOutput]:
     """Grow a candidate tree of depth d and width w for each request (shapes[i] = (d, w)).
+
+    ``forced``: per request, tokens its grammar forces after the root (may be empty).
+    They become a chain below the root (q = 1) that the draft reads in its catch-up
+    step, with no draft step of their own; the d levels of drafted candidates grow
+    from the chain's end. The caller's reservation then covers ``len(forced[i])``
+    scratch slots more.
 
     ``sample``: draw children i.i.d. from q for requests that do not decode greedily
     and have no seed (otherwise children are the draft's top-w: seeded requests are
@@ -123,7 +133,7 @@ def expand(
     draft lacks, none proposed that the target lacks), and target-only ids in a
     sequence enter the draft as its last id.
     The caller guarantees each request's block table covers
-    ``len(tokens) + scratch_slots_needed(d, w)`` slots.
+    ``len(tokens) + len(forced[i]) + scratch_slots_needed(d, w)`` slots.
     """
     device = model.embed_tokens.weight.device
     window = model.cfg.sliding_window
@@ -143,19 +153,27 @@ def expand(
             return F.pad(logits, (0, Vt - Vd), value=float("-inf"))
         return logits
 
+    forced = forced or [[] for _ in reqs]
     grows = [_Growing(r.tokens[-1]) for r in reqs]
-    # ---- step 0: catch up the draft cache; last logits -> root's children
+    for g, chain in zip(grows, forced):
+        for k, tok in enumerate(chain):
+            g.fed_nodes.append(g.add(k, int(tok), 1.0, 0))  # in scratch slots C, C+1, ...
+    # ---- step 0: catch up the draft cache (and read the forced chain); last logits ->
+    # the children of the root (or of the chain's end)
     seqs, ids = [], []
-    for r in reqs:
+    for r, chain in zip(reqs, forced):
         C, dc = len(r.tokens), r.draft_cached
-        seqs.append(SeqSpec(r.table.slots(0, dc), r.table.slots(dc, C), list(range(dc, C))))
+        end = C + len(chain)
+        seqs.append(SeqSpec(r.table.slots(0, dc), r.table.slots(dc, end), list(range(dc, end))))
         ids.extend(r.tokens[dc:C])
+        ids.extend(int(t) for t in chain)
     meta = AttnMetadata.build(seqs, device, window)
     ends = np.cumsum([len(s.new_slots) for s in seqs]) - 1
     logits = forward(ids, meta, torch.as_tensor(ends, device=device))
     for r in reqs:
         r.draft_cached = len(r.tokens)
-    frontier: list[list[int]] = [[0] for _ in reqs]  # nodes whose logits rows we hold
+    # nodes whose logits rows we hold
+    frontier: list[list[int]] = [[len(chain)] for chain in forced]
     active = list(range(len(reqs)))
     for t in range(1, max((d for d, _ in shapes), default=0) + 1):
         if noise_std > 0:
@@ -185,7 +203,7 @@ def expand(
                 SeqSpec(
                     prefix,
                     new_slots,
-                    [C - 1 + t] * len(chosen),
+                    [C - 1 + g.depth[n] for n in chosen],
                     new_mask=np.eye(len(chosen), dtype=bool),
                     prefix_mask=pmask,
                 )
@@ -194,7 +212,10 @@ def expand(
         logits = forward(ids, AttnMetadata.build(seqs, device, window))
         frontier = [new_frontier.get(i, []) for i in range(len(reqs))]
         active = nxt_active
-    return [DraftOutput(g.finish(), g.q_rows, len(g.fed_nodes), g.masks) for g in grows]
+    return [
+        DraftOutput(g.finish(), g.q_rows, len(g.fed_nodes), len(f), g.masks)
+        for g, f in zip(grows, forced)
+    ]
 
 
 def _penalised(logits, grows, frontier, active, reqs) -> torch.Tensor:

@@ -27,9 +27,10 @@ from adaserve.errors import InvalidRequestError
 from adaserve.structured.params import StructuredOutputsParams
 
 BACKENDS = ("auto", "llguidance", "xgrammar")
-# JSON's optional whitespace when the request names no pattern: at most a few
-# characters between tokens, so a sampling model cannot pad an object forever
-DEFAULT_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,4}"
+# JSON's optional whitespace when the request names no pattern: compact (up to two
+# spaces) or pretty-printed (one line break and its indentation) JSON, but never an
+# unbounded run, so a sampling model cannot pad an object until max_tokens
+DEFAULT_WHITESPACE = r"[ \t]{0,2}|\r?\n[ \t]{0,16}"
 
 
 @dataclass

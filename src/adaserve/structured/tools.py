@@ -336,6 +336,10 @@ class ToolStream:
         content, calls = m.parse(final_text)
         if m.kind == "required":
             ev += self._complete_items()
+            if not self.calls_sent and not calls:  # not a complete call: the text
+                out = final_text[self.sent_content :]
+                self.sent_content = len(final_text)
+                ev += [("content", out)] if out else []
             return ev
         if not calls:  # auto without calls: everything is content
             out = final_text[self.sent_content :]
