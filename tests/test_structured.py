@@ -27,7 +27,7 @@ from adaserve.core.clock import TickClock
 from adaserve.errors import InvalidRequestError
 from adaserve.logits import make_generator, target_probs
 from adaserve.models.loader import load_model
-from adaserve.paths import DEFAULT_DRAFT, DEFAULT_TARGET
+from adaserve.paths import DEFAULT_TARGET
 from adaserve.structured.params import StructuredOutputsParams
 
 POLICIES = ["spec-chain:4", "spec-tree:3x2", "adaserve", "dyn-tree", "smartspec"]
@@ -72,9 +72,14 @@ def valid(text: str, c: dict) -> bool:
     return re.fullmatch(r"\([a-z]{1,8}(,[a-z]{1,8}){0,3}\)", text) is not None
 
 
-@pytest.fixture(scope="module")
-def shipped(profile_file):
-    return LLM(profile=profile_file, clock=TickClock(0.001), kv_cache_bytes=64 << 20)
+@pytest.fixture(scope="module", params=["llguidance", "xgrammar"])
+def shipped(request, profile_file):
+    return LLM(
+        profile=profile_file,
+        clock=TickClock(0.001),
+        kv_cache_bytes=64 << 20,
+        structured_outputs_backend=request.param,
+    )
 
 
 def _texts(llm, policy, sp, prompts=PROMPTS):
@@ -113,7 +118,12 @@ def test_forced_tokens_enter_the_tree_without_drafting(shipped, monkeypatch):
     s.forced_tokens = s.forced_accepted = 0
     assert [o.token_ids for o in _texts(shipped, "spec-chain:4", sp)] == ref
     assert s.forced_tokens >= 4 * len(PROMPTS)  # '{"name":"', '","age":', ... per output
-    assert s.forced_accepted >= 0.8 * s.forced_tokens
+    if shipped.engine.structured.backend_name == "llguidance":
+        # its masks allow only the canonical tokens of forced text: they are what the
+        # target writes. xgrammar's allow other splits too ("n", "name"), which the
+        # tiny target often prefers: its forced tokens are proposals like any other
+        assert s.forced_accepted >= 0.9 * s.forced_tokens
+    assert s.forced_accepted > 0
     monkeypatch.setattr(eng_mod, "MAX_FORCED", 0)  # no forced chains: the same tokens
     s.forced_tokens = 0
     assert [o.token_ids for o in _texts(shipped, "spec-chain:4", sp)] == ref

@@ -119,6 +119,14 @@ class Engine:
         self._sel_log = SelectionLog(cfg.selection_log) if cfg.selection_log else None
         self.drift = DriftMonitor(cfg.drift_config)  # measured vs profiled step times
         tok = run.tokenizer
+        if cfg.structured_outputs_backend == "xgrammar":
+            import importlib.util
+
+            if importlib.util.find_spec("xgrammar") is None:
+                raise ModelLoadError(
+                    "--structured-outputs-backend xgrammar: xgrammar is not installed "
+                    "(pip install 'adaserve[xgrammar]')"
+                )
         self.structured = StructuredOutputs(
             cfg.structured_outputs_backend,
             None if tok is None else tok.to_json,

@@ -37,6 +37,8 @@ E2E_BUCKETS = (
     30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 
+COMPILE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 # vLLM's FinishReason values; adaserve's other reasons (client_disconnected,
@@ -109,6 +111,11 @@ class ServerMetrics:
         treg = self.tenant_registry
         m = ["model_name"]
         mc = ["model_name", "slo_class"]
+        self.grammar_compile = Histogram(
+            "adaserve:grammar_compile_seconds",
+            "Time to compile one structured-output grammar (cache misses only).",
+            m, buckets=COMPILE_BUCKETS, registry=reg,
+        )  # fmt: skip
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time to first token (arrival to first output token).",
@@ -275,6 +282,10 @@ class ServerMetrics:
             h.labels(mn)
         self._collector.cache_info = dict(cache_info or {})
 
+    def observe_compiles(self, seconds: list[float]) -> None:
+        for v in seconds:
+            self.grammar_compile.labels(self.model_name).observe(v)
+
     def observe_step(self, tokens: int) -> None:
         """One engine step that processed ``tokens`` prompt + generated tokens."""
         if tokens > 0:
@@ -368,6 +379,7 @@ class _EngineCollector:
         self.targets_fn = targets_fn  # () -> {class: SLO} (the current class targets)
         self.cache_info: dict | None = None
         self.threads_fn = None  # () -> the thread plan dict (``engine_provenance``)
+        self.structured_fn = None  # () -> the engine's ``StructuredOutputs`` (or None)
 
     def describe(self):
         return []
@@ -473,6 +485,26 @@ class _EngineCollector:
         yield counter(
             "vllm:num_preemptions", "Cumulative number of preemptions.", c.get("preemptions", 0)
         )
+        so = self.structured_fn() if self.structured_fn is not None else None
+        if so is not None:
+            yield counter(
+                "adaserve:grammar_mask_seconds",
+                "Host time computing grammar masks of constrained requests' tree nodes.",
+                so.mask_s,
+            )
+            yield counter(
+                "adaserve:grammar_masks", "Grammar masks computed (one per node).", so.masks
+            )
+            yield counter(
+                "adaserve:structured_forced_tokens",
+                "Grammar-forced tokens put into trees without a draft step.",
+                so.forced_tokens,
+            )
+            yield counter(
+                "adaserve:structured_forced_accepted_tokens",
+                "Grammar-forced tokens the target accepted.",
+                so.forced_accepted,
+            )
         if self.cache_info is not None:
             info = GaugeMetricFamily(
                 "vllm:cache_config_info",

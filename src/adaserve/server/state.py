@@ -113,6 +113,9 @@ class ServerState:
         self.metrics._collector.threads_fn = lambda: getattr(self.loop, "provenance", {}).get(
             "threads"
         )
+        self.metrics._collector.structured_fn = lambda: getattr(
+            self.loop.engine, "structured", None
+        )
         # the engine's clock (``WallClock``: perf_counter) at start; iteration samples
         # are stamped in seconds from here
         self.started_at = time.perf_counter()

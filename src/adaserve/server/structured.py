@@ -58,3 +58,5 @@ async def grammar_states(state: ServerState, spec: StructuredOutputsParams, k: i
         return await state.off_loop_grammar(build)
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param=e.param) from None
+    finally:
+        state.metrics.observe_compiles(structured.drain_compile_times())
