@@ -170,6 +170,52 @@ def test_prompt_tokens_equal_transformers_apply_chat_template(srv, ckpt, client)
     assert without < len(want)  # the tools reached the template
 
 
+def test_a_tool_call_and_its_result_go_back_through_the_template(ckpt, client):
+    """A named tool choice answers with a call; the call and the tool's result, sent
+    back as the next turn, reach the chat template (arguments as a dict, as vLLM
+    passes them): the prompt is what transformers renders for that conversation."""
+    _, hf = ckpt
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 8}},
+                    "required": ["city"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+    ]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r = client.chat.completions.create(
+        model=NAME,
+        messages=msgs,
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=200,
+    )
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls"
+    call = ch.message.tool_calls[0]
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    turn = [
+        *msgs,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C"},
+    ]
+    r2 = client.chat.completions.create(
+        model=NAME, messages=turn, tools=tools, tool_choice="none", max_tokens=2
+    )
+    hf_turn = [*turn[:1], {**turn[1], "tool_calls": [_args_dict(call.model_dump())]}, turn[2]]
+    want = _hf_ids(
+        hf.apply_chat_template(hf_turn, tools=tools, add_generation_prompt=True, tokenize=True)
+    )
+    assert r2.usage.prompt_tokens == len(want)
+
+
 def test_template_raise_exception_is_a_400(client):
     msgs = [{"role": "user", "content": "x"}] * 9
     with pytest.raises(openai.BadRequestError) as e:

@@ -29,6 +29,8 @@ from adaserve.errors import InvalidRequestError
 from adaserve.structured.params import StructuredOutputsParams
 
 PARSERS = ("hermes", "qwen", "llama3_json", "mistral")
+# calls one "required" reply may make (a sampling model cannot run on adding calls)
+MAX_PARALLEL_CALLS = 8
 
 
 @dataclass(frozen=True)
@@ -66,8 +68,7 @@ def required_schema(tools: list[dict], parallel: bool) -> dict:
         ]
     }
     schema: dict = {"type": "array", "minItems": 1, "items": items}
-    if not parallel:
-        schema["maxItems"] = 1
+    schema["maxItems"] = MAX_PARALLEL_CALLS if parallel else 1
     return schema
 
 
