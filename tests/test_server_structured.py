@@ -565,3 +565,19 @@ def test_compile_and_mask_time_are_metrics(srv, client):
     assert fams["adaserve:grammar_masks_total"][0][1] > 0
     assert fams["adaserve:grammar_mask_seconds_total"][0][1] > 0
     assert "adaserve:structured_forced_tokens_total" in fams
+
+
+def test_the_dashboard_shows_compile_and_mask_time(srv, client, browser):
+    from selenium.webdriver.common.by import By
+    from server_fixtures import wait_for
+
+    _completion(client, extra_body={"structured_outputs": {"regex": "dash[0-9]{2}"}})
+    rep = srv.http().get("/v1/slo/report").json()["engine"]["structured"]
+    assert rep["grammars_compiled"] >= 1 and rep["masks"] > 0 and rep["backend"] == "llguidance"
+    browser.get(srv.url + "/dashboard")
+
+    def note():
+        return browser.find_element(By.ID, "structured-note").text
+
+    assert wait_for(lambda: "grammar(s) compiled" in note(), 30), browser.page_source[:2000]
+    assert "node masks at" in note() and "llguidance" in note()

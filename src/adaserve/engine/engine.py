@@ -113,6 +113,7 @@ class Engine:
         self.calibrator = self._new_calibrator()
         self._faults = Faults()
         self._catchup = 0  # tokens the draft caught up on in this step (for the trace)
+        self._chains: dict[int, int] = {}  # rid -> forced chain of a request not drafted
         self._ids = itertools.count()
         self.last_trace: StepTrace | None = None
         self.on_step: Callable[[Engine, StepTrace], None] | None = None
@@ -235,13 +236,15 @@ class Engine:
 
     def _count_forced(self, drafts, trees, result) -> None:
         """Forced tokens the target accepted (for the share they contribute)."""
-        for rid, d in drafts.items():
-            if not d.forced or rid not in result.accepted:
+        chains = {rid: d.forced for rid, d in drafts.items() if d.forced}
+        chains.update(self._chains)
+        for rid, k in chains.items():
+            if rid not in result.accepted:
                 continue
             t = trees[rid]
             origin = t.origin if t.origin is not None else np.arange(len(t.tokens))
             path = result.accepted[rid].path
-            self.structured.forced_accepted += sum(1 for n in path if 1 <= origin[n] <= d.forced)
+            self.structured.forced_accepted += sum(1 for n in path if 1 <= origin[n] <= k)
 
     def _verified_trees(
         self,
@@ -252,16 +255,38 @@ class Engine:
         """The subtree each decoding request verifies (root only when not speculating,
         or when the pool cannot hold the selected nodes)."""
         out: dict[int, CandidateTree] = {}
+        self._chains = {}
         for r in batch.decode:
             d = drafts.get(r.rid)
             root = CandidateTree.root_only(r.tokens[-1])
             if d is None:
-                out[r.rid] = root
+                out[r.rid] = self._forced_chain(r) or root
                 continue
             nodes = np.asarray(selected.get(r.rid, np.zeros(1, dtype=np.int64)))
             ok = self.scheduler.reserve_tree(r, len(nodes))
             out[r.rid] = d.tree.subtree(nodes) if ok else root
         return out
+
+    def _forced_chain(self, r: Request) -> CandidateTree | None:
+        """A constrained request the planner did not speculate this step still gets the
+        tokens its grammar forces, as a chain below its root (verification only), when
+        the policy drafts at all (``ar`` stays plain decoding: the baseline)."""
+        if r.grammar is None or not self.policy.uses_draft:
+            return None
+        chain = r.grammar.forced()[:MAX_FORCED]
+        if not chain or not self.scheduler.reserve_tree(r, len(chain) + 1):
+            return None
+        k = len(chain)
+        self._chains[r.rid] = k
+        self.structured.forced_tokens += k
+        return CandidateTree(
+            tokens=np.array([r.tokens[-1], *chain], dtype=np.int64),
+            parents=np.maximum(np.arange(k + 1) - 1, 0),
+            depth=np.arange(k + 1),
+            q=np.ones(k + 1),
+            rank=np.zeros(k + 1, dtype=np.int64),
+            f=np.ones(k + 1),
+        )
 
     def _fill_trace(self, tr: StepTrace, plan, batch: Batch, trees, accepted, drafts, generated):
         """The executor's part of the trace: pass tokens, tree sizes, draft work (the

@@ -154,6 +154,7 @@ def report_view(
             "threads": eng.get("threads"),
             "stalls": eng.get("stalls") or {},
             "drift": eng.get("drift") or {},
+            "structured": eng.get("structured"),
         },
         accepted_per_pos=accepted_per_pos,
         spec_drafts=spec_drafts,

@@ -44,9 +44,16 @@ def engine_summary(loop: EngineLoop) -> dict:
         "spec_accepted_tokens": c.get("spec_accepted_tokens", 0),
         "stalls": c.get("stalls", {}),
         "drift": snap.drift,
+        # structured outputs: compile and mask time, forced tokens
+        "structured": _structured_summary(loop),
         # the thread plan, the profile and where the class targets come from
         **getattr(loop, "provenance", {}),
     }
+
+
+def _structured_summary(loop: EngineLoop) -> dict | None:
+    so = getattr(loop.engine, "structured", None)
+    return so.summary() if so is not None else None
 
 
 # the derived request-body limit (``derived_body_limit``) stays within these

@@ -195,6 +195,9 @@ class GrammarCompiler:
         self.compile_times: list[float] = []  # seconds, drained by the metrics
         self.hits = 0
         self.misses = 0
+        self.compiled = 0  # totals since start (the report and the dashboard)
+        self.compile_s_total = 0.0
+        self.compile_s_max = 0.0
 
     @property
     def name(self) -> str:
@@ -247,5 +250,8 @@ class GrammarCompiler:
                 self._done.popitem(last=False)
             del self._pending[key]
             self.compile_times.append(c.compile_s)
+            self.compiled += 1
+            self.compile_s_total += c.compile_s
+            self.compile_s_max = max(self.compile_s_max, c.compile_s)
         fut.set_result(c)
         return c

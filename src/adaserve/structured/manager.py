@@ -65,6 +65,24 @@ class StructuredOutputs:
             self.compile(spec).new_matcher(), self.vocab_size, self.eos_ids, stats=self
         )
 
+    def summary(self) -> dict:
+        """Totals since start: compiles and their time, masks and theirs, forced
+        tokens (``/v1/slo/report``, the dashboard)."""
+        c = self._compiler
+        n = c.compiled if c is not None else 0
+        return {
+            "backend": self.backend_name,
+            "grammars_compiled": n,
+            "compile_ms_mean": 1000 * c.compile_s_total / n if n else None,
+            "compile_ms_max": 1000 * c.compile_s_max if n else None,
+            "cache_hits": c.hits if c is not None else 0,
+            "masks": self.masks,
+            "mask_us_per_node": 1e6 * self.mask_s / self.masks if self.masks else None,
+            "mask_s": self.mask_s,
+            "forced_tokens": self.forced_tokens,
+            "forced_accepted": self.forced_accepted,
+        }
+
     def drain_compile_times(self) -> list[float]:
         c = self._compiler
         if c is None:

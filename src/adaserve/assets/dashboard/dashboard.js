@@ -111,6 +111,13 @@
       (dr.median_ratio !== null && dr.median_ratio !== undefined ? " Passes run at " +
       num(dr.median_ratio, 2) + "x the profile" + (dr.drifted ? " (drifted: run `adaserve profile`)" : "") + "." : "");
     var stalls = Object.keys(e.stalls || {}).map(function (k) { return k + " " + e.stalls[k]; });
+    var so = e.structured || {};
+    $("structured-note").textContent = so.grammars_compiled || so.masks ?
+      "Structured outputs (" + so.backend + "): " + so.grammars_compiled + " grammar(s) compiled, " +
+      num(so.compile_ms_mean, 2) + " ms mean, " + num(so.compile_ms_max, 2) + " ms max, " +
+      so.cache_hits + " cache hit(s); " + so.masks + " node masks at " + num(so.mask_us_per_node, 1) +
+      " \u00b5s each; forced tokens " + so.forced_accepted + " accepted of " + so.forced_tokens + "." :
+      "Structured outputs: none served yet.";
     $("classes-note").textContent =
       "Percentiles and attainment: finished requests since start (\u2713 meets / \u2717 misses the class target). " +
       "Per-iteration columns: means over the last " + v.recent_iterations + " iterations." + from +
