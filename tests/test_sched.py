@@ -697,3 +697,26 @@ def test_budgeted_policy_keeps_its_planner_state_on_the_plan():
         pol.cfg.max_depth = 3
     with pytest.raises(ValueError, match="degrade_after"):
         AdaptiveConfig(degrade_after=0)
+
+
+def test_the_planner_prices_grammar_masks_of_constrained_requests():
+    """The same batch, its requests under a grammar: a costly mask per node makes the
+    planner verify fewer tokens (each costs a mask); a free one changes nothing, and
+    unconstrained requests never pay for it."""
+    import dataclasses
+
+    reqs = [req(i, 40.0, 0.0) for i in range(8)]
+    cons = [dataclasses.replace(r, constrained=True) for r in reqs]
+
+    def budget(rs, mask_ms):
+        view = BatchView(
+            now_ms=0.0, requests=rs, free_kv_slots=10**6, hw=HW, mask_ms_per_node=mask_ms
+        )
+        plan = AdaServePolicy().plan(view)
+        return sum(max(0, d) * w for d, w in plan.shapes.values()), plan.budget
+
+    free = budget(cons, 0.0)
+    assert budget(reqs, 0.0) == free
+    assert budget(reqs, 2.0) == free  # nobody is constrained
+    priced = budget(cons, 2.0)
+    assert priced[1] < free[1] or priced[0] < free[0], (priced, free)

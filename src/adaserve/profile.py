@@ -228,6 +228,52 @@ def measure_draft_host(engine, requests: int = 8, depth: int = 4, width: int = 2
     return statistics.median(times[1:])
 
 
+# the schema whose masks the profile times (objects, strings, numbers, an enum array)
+MASK_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "id": {"type": "integer"},
+        "score": {"type": "number"},
+        "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}},
+    },
+    "required": ["name", "id", "score", "tags"],
+}
+
+
+def measure_mask(engine, n: int = 300) -> float | None:
+    """Median host ms of one tree node's grammar mask (the engine's backend, a JSON
+    schema, walked by random allowed tokens); None without a tokenizer."""
+    import random
+
+    import numpy as np
+
+    from adaserve.structured.params import StructuredOutputsParams
+
+    so = getattr(engine, "structured", None)
+    if so is None or engine.tokenizer is None:
+        return None
+    spec = StructuredOutputsParams(json=MASK_SCHEMA)
+    saved = (so.mask_s, so.masks)
+    try:
+        st = so.state_for(spec)
+        rng = random.Random(0)
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            m = st.masks([[]])
+            times.append((time.perf_counter() - t0) * 1000)
+            ok = np.flatnonzero(np.unpackbits(m[0].view(np.uint8), bitorder="little"))
+            ok = ok[ok < so.vocab_size]
+            if not len(ok) or not st.commit(int(rng.choice(list(ok)))):
+                st = so.state_for(spec)
+    except Exception:  # a backend that cannot load here: the profile goes without
+        return None
+    finally:
+        so.mask_s, so.masks = saved
+    return statistics.median(times)
+
+
 def profile_engine(engine, reps: int = 5, timer=None) -> dict:
     """Profile the engine's loaded pair and annotate it with paths and fingerprints."""
     prof = measure(engine.target, engine.draft, reps=reps, timer=timer)
@@ -244,6 +290,9 @@ def profile_engine(engine, reps: int = 5, timer=None) -> dict:
         hw = HardwareModel.from_dict(prof)
         forwards = float(hw.draft_latency(n * 24) + (d - 1) * hw.draft_latency(n * w))
         prof["draft_host_ms"] = round(max(0.0, (total - forwards) / (n * d)), 4)
+    mask = measure_mask(engine)
+    if mask is not None:
+        prof["mask_ms_per_node"] = round(mask, 5)
     prof["target"].update(path=str(engine.model_dir), fingerprint=fingerprint(engine.model_dir))
     if prof["draft"] is not None:
         prof["draft"].update(path=str(engine.draft_dir), fingerprint=fingerprint(engine.draft_dir))

@@ -315,6 +315,7 @@ class Scheduler:
             min_rate=c.min_rate if c else 0.0,
             max_queue_ms=r.slo.max_queue_ms,
             deadline_ms=r.slo.deadline_ms,
+            constrained=r.constrained,
         )
 
     def view(self, acc_by_rank: tuple[float, ...] = ()) -> BatchView:
@@ -329,6 +330,7 @@ class Scheduler:
             num_waiting=len(self.waiting),
             acc_by_rank=tuple(acc_by_rank),
             power=self.power,
+            mask_ms_per_node=self.hw.mask_ms_per_node if self.hw is not None else 0.0,
         )
 
     def plan(self, view: BatchView) -> Plan:

@@ -57,6 +57,7 @@ class SeqState:
         self.num_cached = 0
         self.draft_cached = 0
         self.admit_seq = 0
+        self.constrained = False  # its output follows a grammar (structured outputs)
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
         self.finished_at: float | None = None

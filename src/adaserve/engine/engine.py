@@ -146,6 +146,9 @@ class Engine:
         if not sched.running:
             return list(sched.expired)
         view = sched.view(self.calibrator.acceptance_by_rank())  # --- plan
+        live = self.structured.mask_ms_per_node()
+        if live is not None:  # what masks cost on this run, once enough were timed
+            view.mask_ms_per_node = live
         plan = sched.plan(view)
         batch = sched.reserve(plan, can_draft=self.runner.draft is not None)
         drafts = self._speculate(batch)  # --- speculate
@@ -335,6 +338,7 @@ class Engine:
             r.grammar = grammar
         elif params.structured_outputs is not None:
             r.grammar = self.structured.state_for(params.structured_outputs)
+        r.constrained = r.grammar is not None
         return r
 
     def add_request(

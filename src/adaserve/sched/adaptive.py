@@ -144,6 +144,7 @@ class _Arrays:
     weight: np.ndarray
     left: np.ndarray  # output tokens still allowed (max_tokens left)
     coef: tuple | None = None  # BudgetedPolicy._coef's constants, once computed
+    constrained_share: float = 0.0  # of the requests, the share under a grammar
 
     @classmethod
     def of(cls, reqs: list[ReqView]) -> _Arrays:
@@ -167,6 +168,7 @@ class _Arrays:
             has_tpot=~np.isnan(tpot),
             weight=weight,
             left=left,
+            constrained_share=sum(r.constrained for r in reqs) / len(reqs) if reqs else 0.0,
         )
 
 
@@ -568,6 +570,11 @@ class BudgetedPolicy(Policy):
         fixed = (th[0] + (th[3] + th[4] * n) * di)[:, None] + th[2] * tok0
         base = hw.kv_ms_per_token * kv + draft  # [D, 1]
         V = hw.verify_table(tok0 + n * int(kmax.max()))  # every token count planned for
+        masked = arr.constrained_share * view.mask_ms_per_node
+        if masked > 0:
+            # constrained requests' nodes each cost a grammar mask on the host: priced
+            # per verified token at the batch's share of constrained requests
+            V = V + masked * np.arange(len(V))
         # a prefill chunk's time is spent whatever the trees: leave it out of the rate,
         # or it makes every extra draft step and candidate look cheap next to it (a
         # 60 ms prefill iteration "gains" rate from a depth-8 tree whose marginal

@@ -26,6 +26,8 @@ class ReqView:
     prefill_left: prompt tokens still to prefill (0 when decoding)
     context_len:  tokens in its context (prompt + output)
     rank:         strictness of its class (0 = strictest)
+    constrained:  its output follows a grammar (structured outputs): every node of its
+                  trees costs a grammar mask on the host
     """
 
     rid: int
@@ -42,6 +44,7 @@ class ReqView:
     min_rate: float = 0.0
     max_queue_ms: float | None = None
     deadline_ms: float | None = None
+    constrained: bool = False
 
     @property
     def decoding(self) -> bool:
@@ -60,6 +63,9 @@ class BatchView:
     num_waiting: int = 0
     acc_by_rank: tuple[float, ...] = ()  # calibrated acceptance of a child by sibling rank
     power: object | None = None  # sched.power.PowerModel when the deployment's is known
+    # ms of host work per grammar mask of a constrained request's node (the engine's
+    # live mean, else the profile's ``mask_ms_per_node``)
+    mask_ms_per_node: float = 0.0
 
     @property
     def decoding(self) -> list[ReqView]:

@@ -13,6 +13,7 @@ Profile JSON schema (``adaserve.profile/1``; written by ``adaserve profile``)::
       "draft_step_ms": float,                                      # one step, few tokens
       "overhead_ms": float,                                        # host work per iteration
       "draft_host_ms": float,                  # host work per speculating request per step
+      "mask_ms_per_node": float,               # a grammar mask of one tree node (host)
       "kv_bytes_per_token": {"target": int, "draft": int},
       "threads": int,                          # intra-op threads it was measured with
       "targets": {"unloaded_tpot_ms": float,   # what the class targets multiply
@@ -87,6 +88,7 @@ class HardwareModel:
     kv_ms_per_token: float = 0.0
     overhead_ms: float = 0.0
     draft_host_ms: float = 0.0  # host work per speculating request per draft step
+    mask_ms_per_node: float = 0.0  # host time of one constrained tree node's grammar mask
     kv_bytes_target: int = 0
     kv_bytes_draft: int = 0
     source: str = "profile"
@@ -185,6 +187,7 @@ class HardwareModel:
             kv_ms_per_token=float(v.get("kv_ms_per_token", 0.0)),
             overhead_ms=float(d.get("overhead_ms", 0.0)),
             draft_host_ms=float(d.get("draft_host_ms", 0.0)),
+            mask_ms_per_node=float(d.get("mask_ms_per_node", 0.0)),
             kv_bytes_target=int(kvb.get("target", 0)),
             kv_bytes_draft=int(kvb.get("draft") or 0),
             source=source,

@@ -72,6 +72,7 @@ async def generate(
     n = body.n
     check_choices(state, len(prompts), n)
     constraint = constraint_of(body, tools)
+    compile_start = time.perf_counter()  # a grammar's compile counts toward its TTFT
     choice = _resolve(state, body, request.headers, tenant)
     per_prompt_max = max_tokens_per_prompt(state, prompts, max_tokens, default_max, prompt_param)
     prompt_tokens = sum(len(p) for p in prompts)
@@ -130,6 +131,10 @@ async def generate(
                         grammar=grammars[i * n + j],
                     )
                 )
+                if constraint is not None:
+                    # the engine judges the TTFT (and admission predicts it) from before
+                    # the compile: the client waited for it
+                    job.handles[-1].arrival = compile_start
         results = await asyncio.gather(
             *(state.loop.submit(h) for h in job.handles), return_exceptions=True
         )

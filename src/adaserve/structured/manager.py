@@ -65,6 +65,10 @@ class StructuredOutputs:
             self.compile(spec).new_matcher(), self.vocab_size, self.eos_ids, stats=self
         )
 
+    def mask_ms_per_node(self, min_masks: int = 200) -> float | None:
+        """The mean host time of one node's mask so far (None below ``min_masks``)."""
+        return 1000 * self.mask_s / self.masks if self.masks >= min_masks else None
+
     def summary(self) -> dict:
         """Totals since start: compiles and their time, masks and theirs, forced
         tokens (``/v1/slo/report``, the dashboard)."""
