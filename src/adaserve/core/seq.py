@@ -46,6 +46,7 @@ class SeqState:
         "degraded_from",
         "preemptions",
         "cancelled",
+        "constrained",
     )
 
     def __init__(self, rid: int, slo: SLO, arrival: float):
