@@ -155,9 +155,12 @@ def expand(
 
     forced = forced or [[] for _ in reqs]
     grows = [_Growing(r.tokens[-1]) for r in reqs]
-    for g, chain in zip(grows, forced):
+    for r, g, chain in zip(reqs, grows, forced):
+        sampled = sample and not r.params.greedy and r.params.seed is None
         for k, tok in enumerate(chain):
             g.fed_nodes.append(g.add(k, int(tok), 1.0, 0))  # in scratch slots C, C+1, ...
+            if sampled:  # verified against q: the chain's q is one-hot on its token
+                g.q_rows[k] = F.one_hot(torch.tensor(int(tok), device=device), Vt).float()
     # ---- step 0: catch up the draft cache (and read the forced chain); last logits ->
     # the children of the root (or of the chain's end)
     seqs, ids = [], []
