@@ -313,3 +313,36 @@ def test_letter_pair_copy_is_independent(letter_pair, tmp_path):
     shutil.copytree(letter_pair[0], tmp_path / "t")
     tok = load_tokenizer(tmp_path / "t")
     assert tok.encode("abhl", add_special_tokens=False) == [0, 1, 7, 11]
+
+
+def test_sampling_below_a_forced_chain_matches_the_masked_target(letter_pair):
+    """``[a-h]g[a-f]``: after the first token the grammar forces ``g``, which goes into
+    the tree as a chain with the sampled draft's candidates below it; the first and
+    third tokens still have the masked target's joint distribution."""
+    target, draft = letter_pair
+    sp = SamplingParams(temperature=1.0)
+    m = load_model(target)
+    V = SMALL_VOCAB
+    with torch.inference_mode():
+        row = m.forward_dense(torch.tensor([PROMPT]))[0, -1]
+        p1 = target_probs(_mask(row, range(0, 8))[None], sp)[0]
+        rows = m.forward_dense(torch.tensor([PROMPT + [x, 6] for x in range(V)]))[:, -1]
+        p3 = target_probs(_mask(rows, range(0, 6)), sp)  # [x1, x3]
+    probs = (p1[:, None] * p3).double().numpy()
+    llm = LLM(model=str(target), draft=str(draft), policy="spec-tree:3x3",
+              kv_cache_bytes=64 << 20, max_num_seqs=512, draft_sample=True)  # fmt: skip
+    runner = llm.engine.runner
+    fixed = iter(range(N_SAMPLES))
+    runner.generator = lambda seed: make_generator(next(fixed), runner.device)
+    params = SamplingParams(
+        temperature=1.0, max_tokens=3, structured_outputs={"regex": "[a-h]g[a-f]"}
+    )
+    counts = np.zeros((V, V))
+    for o in llm.generate([PROMPT] * N_SAMPLES, params):
+        t = o.outputs[0].token_ids
+        assert t[1] == 6
+        counts[t[0], t[2]] += 1
+    assert llm.engine.structured.forced_tokens >= N_SAMPLES // 2
+    stat, df, p = chi_square(counts, probs)
+    print(f"chi2={stat:.1f} df={df} p={p:.3f}")
+    assert not chi_square_rejects(counts, probs), (stat, df, p)
