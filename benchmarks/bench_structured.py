@@ -131,7 +131,13 @@ def speculation(llm, rounds: int, concurrency=(1, 4, 16)) -> dict:
     same prompts, 120 tokens each): what speculation keeps under a schema."""
     import adaserve.engine.engine as eng_mod
 
-    configs = [("ar", 32), ("adaserve", 32), ("adaserve", 0), ("spec-chain:4", 32), ("dyn-tree", 32)]
+    configs = [
+        ("ar", 32),
+        ("adaserve", 32),
+        ("adaserve", 0),
+        ("spec-chain:4", 32),
+        ("dyn-tree", 32),
+    ]
     workloads = {
         "json_schema": SamplingParams(max_tokens=200, structured_outputs={"json": RECORD}),
         "unconstrained": SamplingParams(max_tokens=120, ignore_eos=True),
