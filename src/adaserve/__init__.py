@@ -2,8 +2,9 @@
 
 from adaserve.sampling import SamplingParams
 from adaserve.slo import SLO, SLOClass
+from adaserve.structured.params import StructuredOutputsParams
 
-__all__ = ["LLM", "RequestOutput", "SLO", "SLOClass", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "SLO", "SLOClass", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 

@@ -71,7 +71,7 @@ async def generate(
     tenant: Tenant = request.state.tenant
     n = body.n
     check_choices(state, len(prompts), n)
-    constraint = constraint_of(body, tools)
+    constraint = constraint_of(body, tools, state.warned_guided)
     compile_start = time.perf_counter()  # a grammar's compile counts toward its TTFT
     choice = _resolve(state, body, request.headers, tenant)
     per_prompt_max = max_tokens_per_prompt(state, prompts, max_tokens, default_max, prompt_param)

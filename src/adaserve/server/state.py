@@ -136,6 +136,7 @@ class ServerState:
         self.created = int(time.time())
         self.chat_template: ChatTemplate | None = None  # set at start-up
         self._warned_fields: set[str] = set()
+        self.warned_guided: set[str] = set()  # deprecated guided_* fields logged once each
         self._tokenizer_pool = ThreadPoolExecutor(
             TOKENIZER_THREADS, thread_name_prefix="adaserve-tokenize"
         )

@@ -13,16 +13,19 @@ from adaserve.structured.params import GUIDED_ALIASES, StructuredOutputsParams, 
 from adaserve.structured.tools import ToolMode
 
 log = logging.getLogger("adaserve.server")
-_warned: set[str] = set()
 
 
-def constraint_of(body, tools: ToolMode | None = None) -> StructuredOutputsParams | None:
+def constraint_of(
+    body, tools: ToolMode | None = None, warned: set[str] | None = None
+) -> StructuredOutputsParams | None:
     """The one output constraint the request asks for (400 when it asks for two, or
-    for one that is malformed)."""
+    for one that is malformed); a deprecated ``guided_*`` field is logged once per
+    name in ``warned`` (the server's)."""
     guided = {k: getattr(body, k) for k in GUIDED_ALIASES if getattr(body, k, None) is not None}
+    warned = set() if warned is None else warned
     for k in guided:
-        if k not in _warned:
-            _warned.add(k)
+        if k not in warned:
+            warned.add(k)
             log.warning(
                 "the request field %s is deprecated: send structured_outputs={%r: ...}",
                 k,
