@@ -48,6 +48,18 @@ def apply_penalties(
     return x.clamp_(-PENALTY_LOGIT_CAP, PENALTY_LOGIT_CAP)
 
 
+def add_logit_bias(logits: torch.Tensor, rows, bias: tuple[tuple[int, float], ...]) -> None:
+    """In place: logits [N, V] rows ``rows`` get ``bias`` ((token id, bias) pairs)
+    added to those tokens' logits (OpenAI's logit_bias)."""
+    if not rows or not bias:
+        return
+    dev = logits.device
+    ids = torch.tensor([k for k, _ in bias], device=dev)
+    vals = torch.tensor([v for _, v in bias], device=dev, dtype=logits.dtype)
+    r = torch.as_tensor(list(rows), device=dev)[:, None]
+    logits[r, ids[None, :]] += vals[None, :]
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Processed target distribution: logits [N, V] -> probs [N, V] (float32).
 

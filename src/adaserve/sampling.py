@@ -50,11 +50,30 @@ class SamplingParams:
     # the output must match this constraint (JSON schema, regex, choice, grammar; a
     # dict in vLLM's shape is accepted): every tree node is masked by its grammar state
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before
+    # anything else (a dict is kept as sorted (id, bias) pairs); the draft and every tree
+    # node of the target see it, so speculation stays lossless
+    logit_bias: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "structured_outputs", StructuredOutputsParams.of(self.structured_outputs)
         )
+        lb = self.logit_bias
+        if lb is not None:
+            items = lb.items() if isinstance(lb, dict) else lb
+            try:
+                pairs = tuple(sorted((int(k), float(v)) for k, v in items))
+            except (TypeError, ValueError):
+                raise InvalidRequestError(
+                    "logit_bias maps token ids to numbers", "logit_bias"
+                ) from None
+            for k, v in pairs:
+                if k < 0 or not _real(v) or not -100 <= v <= 100:
+                    raise InvalidRequestError(
+                        "logit_bias: token ids >= 0, biases in [-100, 100]", "logit_bias"
+                    )
+            object.__setattr__(self, "logit_bias", pairs or None)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is not None:

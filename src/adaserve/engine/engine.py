@@ -327,6 +327,12 @@ class Engine:
                 "an engine request is one sample: n > 1 is for LLM.generate and the server",
                 "n",
             )
+        if params.logit_bias and params.logit_bias[-1][0] >= self.runner.vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias: token id {params.logit_bias[-1][0]} is not below the "
+                f"vocabulary size {self.runner.vocab_size}",
+                "logit_bias",
+            )
         ids = self.runner.encode(prompt)
         self.scheduler.check_prompt(len(ids))
         self.scheduler.check_room(len(ids), params.max_tokens)

@@ -20,7 +20,7 @@ from adaserve.core.scheduler import Batch
 from adaserve.core.tree import CandidateTree, ancestor_mask
 from adaserve.errors import InvalidRequestError, ModelLoadError
 from adaserve.kv.cache import KVCache
-from adaserve.logits import make_generator
+from adaserve.logits import add_logit_bias, make_generator
 from adaserve.models.attention import AttnMetadata, SeqSpec
 from adaserve.models.config import ModelConfig
 from adaserve.models.loader import load_model, resolve_dtype
@@ -263,6 +263,11 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_target.layers
         )
         logits = self.target.logits(hidden[vb.hidden_rows])
+        for i, r in enumerate(vreqs):  # before the masks: a bias never revives a token
+            if r.params.logit_bias:
+                add_logit_bias(
+                    logits, range(int(vb.cu_nodes[i]), int(vb.cu_nodes[i + 1])), r.params.logit_bias
+                )
         mask_min_tokens(logits, vb, vreqs, self.eos_ids)
         mask_grammar(logits, vb, vreqs, vtrees, drafts)
         prompt_rows = []

@@ -20,8 +20,6 @@ def check_body(state: ServerState, body) -> None:
         in_vocab(state, body.stop_token_ids, "stop_token_ids")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
-    if body.logit_bias:
-        raise unsupported("logit_bias", "logit_bias is not supported")
     if not body.skip_special_tokens:
         raise unsupported("skip_special_tokens", "skip_special_tokens=false is not supported")
 
@@ -258,6 +256,7 @@ def sampling_params(
             logprobs=requested_logprobs(body),
             prompt_logprobs=body.logprobs if getattr(body, "echo", False) else None,
             structured_outputs=constraint,
+            logit_bias=body.logit_bias or None,
         )
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param=e.param) from None

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from adaserve.core.tree import CandidateTree
 from adaserve.kv.cache import KVCache
-from adaserve.logits import target_probs
+from adaserve.logits import add_logit_bias, target_probs
 from adaserve.models.attention import AttnMetadata, SeqSpec
 from adaserve.models.llama import LlamaModel
 from adaserve.request import Request
@@ -241,6 +241,21 @@ def _penalised(logits, grows, frontier, active, reqs) -> torch.Tensor:
     return PenaltyRows.build(contexts, rows, logits.device).apply(logits)
 
 
+def _biased(logits, frontier, active, reqs) -> torch.Tensor:
+    """logits [F, V] with each logit_bias request's frontier rows biased (the draft
+    proposes from the distribution the target is verified with)."""
+    row, out = 0, logits
+    for i in active:
+        n = len(frontier[i])
+        bias = reqs[i].params.logit_bias
+        if bias and n:
+            if out is logits:
+                out = logits.clone()
+            add_logit_bias(out, range(row, row + n), bias)
+        row += n
+    return out
+
+
 def _constrained(logits, grows, frontier, active, reqs) -> torch.Tensor:
     """logits [F, V] with each constrained request's frontier rows masked by the
     grammar state of that node's path (the masks are kept for the verifier)."""
@@ -265,6 +280,7 @@ def _constrained(logits, grows, frontier, active, reqs) -> torch.Tensor:
 def _add_children(logits, grows, frontier, active, reqs, shapes, sample: bool) -> None:
     """Append children of each active request's frontier rows (rows in request order)."""
     logits = _penalised(logits, grows, frontier, active, reqs)
+    logits = _biased(logits, frontier, active, reqs)
     logits = _constrained(logits, grows, frontier, active, reqs)
     wmax = max(shapes[i][1] for i in active)
     top = logits.softmax(-1).topk(wmax, dim=-1)
