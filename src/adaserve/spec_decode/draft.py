@@ -279,8 +279,8 @@ def _constrained(logits, grows, frontier, active, reqs) -> torch.Tensor:
 
 def _add_children(logits, grows, frontier, active, reqs, shapes, sample: bool) -> None:
     """Append children of each active request's frontier rows (rows in request order)."""
+    logits = _biased(logits, frontier, active, reqs)  # as the target: bias, penalties, mask
     logits = _penalised(logits, grows, frontier, active, reqs)
-    logits = _biased(logits, frontier, active, reqs)
     logits = _constrained(logits, grows, frontier, active, reqs)
     wmax = max(shapes[i][1] for i in active)
     top = logits.softmax(-1).topk(wmax, dim=-1)
