@@ -29,6 +29,14 @@ BAD = [
     (["serve", "--max-model-len", "99999"], "max_position_embeddings=2048"),
     (["bench", "serve", "--kv-cache-bytes", "lots"], "--kv-cache-bytes"),
     (["generate", "--prompt", "x", "--max-tokens", "0"], "--max-tokens"),
+    (["serve", "--tensor-parallel-size", "2"], "tensor parallelism is not implemented"),
+    (["serve", "--speculative-config", "{bad"], "--speculative-config is not JSON"),
+    (
+        ["serve", "--speculative-config", '{"method": "ngram", "model": "x"}'],
+        "method 'ngram' is not supported",
+    ),
+    (["serve", "--speculative-config", '{"method": "draft_model"}'], 'needs "model"'),
+    (["serve", "--enable-auto-tool-choice"], "needs --tool-call-parser"),
     ([], "required: COMMAND"),
 ]
 
@@ -104,3 +112,52 @@ def test_value_parsers():
     for bad in ("-1", "65536", "x"):
         with pytest.raises(argparse.ArgumentTypeError):
             port(bad)
+
+
+def _configs(argv, env=None, monkeypatch=None):
+    from adaserve.server.cli import add_arguments, build_configs
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return build_configs(p.parse_args(argv))
+
+
+def test_vllm_launch_flags_map_onto_ours(monkeypatch):
+    """What vLLM scripts pass: -tp 1, --trust-remote-code, --speculative-config (a
+    draft and the chain policy; an explicit --policy wins), aliases in
+    --served-model-name, --no-admission, $VLLM_API_KEY, --uvicorn-log-level."""
+    monkeypatch.delenv("ADASERVE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    spec = '{"method": "draft_model", "model": "/d", "num_speculative_tokens": 3}'
+    e, s = _configs(["-tp", "1", "--trust-remote-code", "--speculative-config", spec])
+    assert e.draft == "/d" and e.policy == "spec-chain:3"
+    e, _ = _configs(["--speculative-config", spec, "--policy", "adaserve"])
+    assert e.draft == "/d" and e.policy == "adaserve"
+    e, _ = _configs(["--draft", "/d"])
+    assert e.policy == "adaserve"  # a draft alone keeps the adaserve policy
+    _, s = _configs(["--served-model-name", "main", "alias-a", "alias-b"])
+    assert s.model_name == "main" and s.model_aliases == ("alias-a", "alias-b")
+    e, s = _configs(["--no-admission"])
+    assert s.admission is False and e.admission is False
+    e, s = _configs(["--admission"])
+    assert s.admission is True and e.admission is True
+    monkeypatch.setenv("VLLM_API_KEY", "vk-1")
+    _, s = _configs([])
+    assert [t.name for t in s.tenants] and all(t.admin for t in s.tenants)
+    p = argparse.ArgumentParser()
+    from adaserve.server.cli import add_arguments
+
+    add_arguments(p)
+    assert p.parse_args(["--uvicorn-log-level", "trace"]).uvicorn_log_level == "trace"
+
+
+def test_offline_llm_takes_vllm_arguments(tiny_pair):
+    from adaserve import LLM
+    from adaserve.errors import InvalidRequestError
+
+    target, _, _ = tiny_pair
+    with pytest.raises(InvalidRequestError, match="tensor parallelism"):
+        LLM(model=str(target), no_draft=True, policy="ar", tensor_parallel_size=2)
+    llm = LLM(model=str(target), no_draft=True, policy="ar", tensor_parallel_size=1,
+              trust_remote_code=True)  # fmt: skip
+    assert llm.get_tokenizer() is llm.tokenizer

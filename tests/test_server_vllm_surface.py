@@ -29,6 +29,7 @@ from adaserve.server.cli import add_arguments, build_configs
 _env = pytest.fixture(scope="module", autouse=True)(server_test_env)
 
 NAME = "tiny-chatml"
+ALIAS = "tiny-alias"  # a second --served-model-name
 KEYS = ("key-one", "key-two")
 CHATML = (
     "{{ bos_token }}"
@@ -122,6 +123,7 @@ def srv(ckpt):
             f" ,{KEYS[1]}",
             "--served-model-name",
             NAME,
+            ALIAS,
         ]
     )
     ecfg, scfg = build_configs(args)
@@ -214,6 +216,13 @@ def test_a_tool_call_and_its_result_go_back_through_the_template(ckpt, client):
         hf.apply_chat_template(hf_turn, tools=tools, add_generation_prompt=True, tokenize=True)
     )
     assert r2.usage.prompt_tokens == len(want)
+
+
+def test_a_served_model_name_alias_is_accepted(client):
+    r = client.completions.create(model=ALIAS, prompt="hi", max_tokens=2)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="another-model", prompt="hi", max_tokens=2)
 
 
 def test_template_raise_exception_is_a_400(client):

@@ -179,8 +179,20 @@ class LLM:
         dtype: str = "auto",
         no_draft: bool = False,
         clock: Clock | None = None,
+        tensor_parallel_size: int = 1,
+        trust_remote_code: bool = False,
         **engine_kwargs,
     ):
+        # vLLM's arguments that scripts pass: tensor parallelism does not exist here
+        # (several engines scale out: docs/deployment.md); the supported families need
+        # no remote code
+        if tensor_parallel_size != 1:
+            raise InvalidRequestError(
+                f"tensor_parallel_size={tensor_parallel_size}: tensor parallelism is not "
+                "implemented (1 only)",
+                "tensor_parallel_size",
+            )
+        del trust_remote_code
         cfg = EngineConfig(
             model=model,
             draft=draft,
@@ -194,6 +206,11 @@ class LLM:
 
     @property
     def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's ``LLM.get_tokenizer``): ``encode``, ``decode``,
+        ``apply_chat_template``."""
         return self.engine.tokenizer
 
     def generate(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -63,7 +64,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="require one of these API keys (repeatable or comma-separated; also "
         "$ADASERVE_API_KEY); they form an admin tenant beside the config file's tenants",
     )
-    p.add_argument("--served-model-name", help="model id in /v1/models and responses")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="model id in /v1/models and responses; more names are aliases (vLLM's)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=cli_args.int_at_least(1),
+        default=None,
+        help="1 (tensor parallelism is not implemented; --replicas N scales out)",
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for vLLM scripts: the supported families need no remote code",
+    )
+    p.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help='vLLM\'s: {"method": "draft_model", "model": DIR, "num_speculative_tokens": K} '
+        "= --draft DIR --policy spec-chain:K (an explicit --policy wins)",
+    )
+    p.add_argument(
+        "--admission",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="admission control: 429 at once for a request whose class's promise cannot be "
+        "kept (default on; --no-admission queues everything)",
+    )
+    p.add_argument(
+        "--uvicorn-log-level",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        default=None,
+        help="uvicorn's own log level (default: --log-level)",
+    )
     p.add_argument(
         "--chat-template",
         metavar="FILE",
@@ -204,12 +241,39 @@ def _model_of(args) -> str | None:
     return tag or flag
 
 
+def _speculative(args) -> tuple[str | None, str | None]:
+    """(draft, policy) of ``--speculative-config`` (None, None without it)."""
+    raw = getattr(args, "speculative_config", None)
+    if not raw:
+        return None, None
+    try:
+        spec = json.loads(raw)
+    except ValueError as e:
+        raise ConfigError(f"--speculative-config is not JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ConfigError("--speculative-config must be a JSON object")
+    method = spec.get("method", "draft_model")
+    if method != "draft_model":
+        raise ConfigError(
+            f"--speculative-config: method {method!r} is not supported (draft_model only)"
+        )
+    model = spec.get("model")
+    if not isinstance(model, str) or not model:
+        raise ConfigError('--speculative-config needs "model": the draft checkpoint')
+    k = spec.get("num_speculative_tokens", 4)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+        raise ConfigError("--speculative-config: num_speculative_tokens must be 1-16")
+    return model, f"spec-chain:{k}"
+
+
 def _cli_tenant(args, cfg: ServerConfig) -> Tenant | None:
-    """The tenant of ``--api-key`` / ``$ADASERVE_API_KEY`` keys (None without any)."""
+    """The tenant of ``--api-key`` / ``$ADASERVE_API_KEY`` / ``$VLLM_API_KEY`` keys
+    (None without any)."""
     raw = list(args.api_key or [])
-    env = os.environ.get("ADASERVE_API_KEY")
-    if env:
-        raw.append(env)
+    for var in ("ADASERVE_API_KEY", "VLLM_API_KEY"):
+        env = os.environ.get(var)
+        if env:
+            raw.append(env)
     keys = [k.strip() for v in raw for k in v.split(",") if k.strip()]
     if not keys:
         if raw:
@@ -245,16 +309,27 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     """Engine and server configuration from the file and the flags (flags win)."""
     cfg = load_config(args.config) if args.config else ServerConfig()
+    if getattr(args, "admission", None) is not None:  # the engine's config follows it
+        cfg = dataclasses.replace(cfg, admission=args.admission)
     kw = dict(cfg.engine)
     if isinstance(kw.get("kv_cache_bytes"), str):  # "2GiB" in the TOML file
         try:
             kw["kv_cache_bytes"] = cli_args.parse_byte_size(kw["kv_cache_bytes"])
         except ValueError as e:
             raise ConfigError(f"engine.kv_cache_bytes: {e}") from None
+    tp = getattr(args, "tensor_parallel_size", None)
+    if tp is not None and tp != 1:
+        raise ConfigError(
+            f"--tensor-parallel-size {tp}: tensor parallelism is not implemented; serve "
+            "with 1 (--replicas N runs N engines)"
+        )
+    spec_draft, spec_policy = _speculative(args)
+    if spec_draft and args.draft and args.draft != spec_draft:
+        raise ConfigError("the draft is given twice: --draft and --speculative-config")
     flags = {
         "model": _model_of(args),
-        "draft": args.draft,
-        "policy": args.policy,
+        "draft": args.draft or spec_draft,
+        "policy": args.policy or spec_policy,
         "device": args.device,
         "dtype": _DTYPE_ALIASES.get(args.dtype, args.dtype),
         "kv_cache_bytes": args.kv_cache_bytes,
@@ -293,7 +368,12 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     if args.port is not None:
         repl["port"] = args.port
     if args.served_model_name:
-        repl["model_name"] = args.served_model_name
+        names = args.served_model_name
+        if isinstance(names, str):
+            names = [names]
+        repl["model_name"] = names[0]
+        repl["model_aliases"] = tuple(n for n in names[1:] if n != names[0])
+
     if args.shutdown_grace is not None:
         repl["shutdown_grace_s"] = args.shutdown_grace
     if getattr(args, "strict_fields", False):
@@ -332,6 +412,12 @@ def run(args) -> int:
         level=getattr(logging, args.log_level.upper()),
         format="%(levelname)s %(name)s: %(message)s",
     )
+    if getattr(args, "trust_remote_code", False):
+        print(
+            "adaserve serve: --trust-remote-code has no effect: the supported families "
+            "(Llama, Qwen2, Mistral) load without remote code",
+            file=sys.stderr,
+        )
     try:
         ecfg, cfg = build_configs(args)
         _check_model_len(ecfg)
@@ -364,7 +450,7 @@ def run(args) -> int:
         print(f"adaserve serve: cannot start the engine: {msg}", file=sys.stderr)
         return 1
     app = create_app(eloop, cfg)
-    server = make_server(app, cfg, args.log_level)
+    server = make_server(app, cfg, getattr(args, "uvicorn_log_level", None) or args.log_level)
     mode = (
         "open local mode (no API keys configured)"
         if cfg.open_mode

@@ -112,6 +112,7 @@ class ServerConfig:
     """
 
     model_name: str | None = None
+    model_aliases: tuple[str, ...] = ()  # more ids requests may name (--served-model-name a b)
     host: str = "127.0.0.1"
     port: int = 8000
     strict_fields: bool = False

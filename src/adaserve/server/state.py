@@ -102,7 +102,7 @@ class ServerState:
         self.model_name = model_name
         # only the served id: the checkpoint's path is not a name a client may use (nor
         # learn from the answer)
-        self.served_names = {model_name}
+        self.served_names = {model_name, *cfg.model_aliases}
         self.tenants = TenantRegistry.for_config(cfg)
         self.quotas = QuotaBook(cfg.tenants)
         self.usage = UsageBook()
@@ -218,7 +218,7 @@ class ServerState:
                 "%d tenant(s) with API keys configured; requests need a Bearer key",
                 len(self.tenants.tenants),
             )
-        log.info("%s", startup_summary(info, self.model_name))
+        log.info("%s", startup_summary(info, self.model_name, self.cfg.admission))
         ticker = None
         if self.cfg.log_stats:
             self.stats = StatsLogger(self.stats.class_names, lambda: self.loop.snapshot)

@@ -38,8 +38,9 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def startup_summary(info, model_name: str) -> str:
-    """One line: what is served and with what (``info`` is an ``EngineInfo``)."""
+def startup_summary(info, model_name: str, admission: bool | None = None) -> str:
+    """One line: what is served and with what (``info`` is an ``EngineInfo``), and
+    whether admission control is on (what a 429 means)."""
     classes = ", ".join(c.name for c in info.classes)
     max_tokens = info.kv_blocks * info.block_size
     pool = (
@@ -51,6 +52,14 @@ def startup_summary(info, model_name: str) -> str:
         f"draft {info.draft_dir or 'none (no speculation)'}, dtype {info.dtype or '?'}, "
         f"device {info.device or '?'}, {pool}, policy {info.policy}, "
         f"max model len {info.max_model_len}, classes {classes} (default {info.default_class})"
+        + (
+            ""
+            if admission is None
+            else "; admission on: a request whose class's TTFT or TPOT promise cannot be "
+            "kept now gets 429 with Retry-After (--no-admission queues it)"
+            if admission
+            else "; admission off: every request queues, 429 only when the queue is full"
+        )
     )
 
 
