@@ -60,6 +60,27 @@ def add_logit_bias(logits: torch.Tensor, rows, bias: tuple[tuple[int, float], ..
     logits[r, ids[None, :]] += vals[None, :]
 
 
+def bad_word_bans(context: Sequence[int], words: Sequence[Sequence[int]]) -> list[int]:
+    """The token ids banned after ``context`` by the bad words ``words`` (token id
+    sequences): a word's last token wherever the context ends with the rest of it (a
+    one-token word: always)."""
+    out = []
+    for w in words:
+        k = len(w) - 1
+        if k == 0 or (len(context) >= k and list(context[len(context) - k :]) == list(w[:-1])):
+            out.append(int(w[-1]))
+    return out
+
+
+def ban_tokens(logits: torch.Tensor, bans: Sequence[tuple[int, Sequence[int]]]) -> None:
+    """In place: ``(row, token ids)`` pairs of logits [N, V] set to -inf."""
+    rows = [r for r, ids in bans for _ in ids]
+    if rows:
+        cols = [t for _, ids in bans for t in ids]
+        dev = logits.device
+        logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Processed target distribution: logits [N, V] -> probs [N, V] (float32).
 

@@ -65,6 +65,8 @@ class Request(SeqState):
         # the grammar state of a constrained request (params.structured_outputs), at its
         # committed output; None: unconstrained
         self.grammar: GrammarState | None = None
+        # params.bad_words as token id sequences (each word with and without a space)
+        self.bad_words_ids: list[list[int]] = []
 
     @property
     def num_tokens(self) -> int:

@@ -54,6 +54,13 @@ class SamplingParams:
     # anything else (a dict is kept as sorted (id, bias) pairs); the draft and every tree
     # node of the target see it, so speculation stays lossless
     logit_bias: tuple[tuple[int, float], ...] | None = None
+    # vLLM's: words never generated (each word's token sequences, with and without a
+    # leading space, are banned at every tree node whose path would complete one)
+    bad_words: tuple[str, ...] | None = None
+    # vLLM's: the output text keeps the stop string that ended it
+    include_stop_str_in_output: bool = False
+    # vLLM's: special tokens are left out of the output text (False: kept)
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -74,6 +81,13 @@ class SamplingParams:
                         "logit_bias: token ids >= 0, biases in [-100, 100]", "logit_bias"
                     )
             object.__setattr__(self, "logit_bias", pairs or None)
+        bw = self.bad_words
+        if bw is not None:
+            if isinstance(bw, str):
+                bw = (bw,)
+            if not all(isinstance(w, str) and w.strip() for w in bw):
+                raise InvalidRequestError("bad_words must be non-empty strings", "bad_words")
+            object.__setattr__(self, "bad_words", tuple(bw) or None)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is not None:

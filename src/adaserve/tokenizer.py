@@ -57,8 +57,8 @@ class Tokenizer:
         from)."""
         return self._tok.to_str()
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
         """Render messages with the checkpoint's template (or the documented default);

@@ -345,7 +345,17 @@ class Engine:
         elif params.structured_outputs is not None:
             r.grammar = self.structured.state_for(params.structured_outputs)
         r.constrained = r.grammar is not None
+        if params.bad_words:
+            r.bad_words_ids = self._bad_words_ids(params.bad_words)
         return r
+
+    def _bad_words_ids(self, words) -> list[list[int]]:
+        """Each bad word's token ids, as written and after a space (vLLM's two forms)."""
+        tok = self.runner.tokenizer
+        if tok is None:
+            raise InvalidRequestError("bad_words need the model's tokenizer", "bad_words")
+        seqs = {tuple(tok.encode(v, add_special_tokens=False)) for w in words for v in (w, " " + w)}
+        return [list(s) for s in sorted(seqs) if s]
 
     def add_request(
         self,

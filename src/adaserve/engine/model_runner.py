@@ -20,7 +20,7 @@ from adaserve.core.scheduler import Batch
 from adaserve.core.tree import CandidateTree, ancestor_mask
 from adaserve.errors import InvalidRequestError, ModelLoadError
 from adaserve.kv.cache import KVCache
-from adaserve.logits import add_logit_bias, make_generator
+from adaserve.logits import add_logit_bias, bad_word_bans, ban_tokens, make_generator
 from adaserve.models.attention import AttnMetadata, SeqSpec
 from adaserve.models.config import ModelConfig
 from adaserve.models.loader import load_model, resolve_dtype
@@ -268,6 +268,7 @@ class ModelRunner:
                 add_logit_bias(
                     logits, range(int(vb.cu_nodes[i]), int(vb.cu_nodes[i + 1])), r.params.logit_bias
                 )
+        ban_bad_words(logits, vb, vreqs, vtrees)
         mask_min_tokens(logits, vb, vreqs, self.eos_ids)
         mask_grammar(logits, vb, vreqs, vtrees, drafts)
         prompt_rows = []
@@ -315,6 +316,23 @@ def mask_min_tokens(logits: torch.Tensor, vb, reqs: list[Request], eos_ids: set[
             r_idx = torch.tensor(rows, device=dev)[:, None]
             c_idx = torch.tensor(sorted(ids), device=dev)[None, :]
             logits[r_idx, c_idx] = float("-inf")
+
+
+def ban_bad_words(logits: torch.Tensor, vb, reqs: list[Request], trees) -> None:
+    """In place: at every node of a request with ``bad_words``, the last token of each
+    bad word the committed output plus the node's path would complete is -inf (the
+    draft bans the same): such a word is never generated, and speculation stays
+    lossless."""
+    bans = []
+    for i, r in enumerate(reqs):
+        if not r.bad_words_ids:
+            continue
+        t, out, lo = trees[i], r.output_ids, int(vb.cu_nodes[i])
+        for n, path in enumerate(tree_paths(t.parents, t.tokens)):
+            ids = bad_word_bans(out + path, r.bad_words_ids)
+            if ids:
+                bans.append((lo + n, ids))
+    ban_tokens(logits, bans)
 
 
 def mask_grammar(logits: torch.Tensor, vb, reqs: list[Request], trees, drafts) -> None:

@@ -134,13 +134,17 @@ class OutputProcessor:
             del r.logprobs[r.num_output :]
 
     def _hit_stop_string(self, r: Request) -> bool:
-        longest = max(len(s) for s in r.params.stop)
-        tail = self.tokenizer.decode(r.output_ids[-(longest + 8) :])
-        if not any(s in tail for s in r.params.stop):
+        p = r.params
+        longest = max(len(s) for s in p.stop)
+        skip = p.skip_special_tokens
+        tail = self.tokenizer.decode(r.output_ids[-(longest + 8) :], skip)
+        if not any(s in tail for s in p.stop):
             return False
-        text = self.tokenizer.decode(r.output_ids)
-        cuts = [text.find(s) for s in r.params.stop if s in text]
-        r.stop_text_cut = min(cuts)
+        text = self.tokenizer.decode(r.output_ids, skip)
+        at, s = min((text.find(s), s) for s in p.stop if s in text)
+        # the text is cut where the stop string starts, or after it (vLLM's
+        # include_stop_str_in_output)
+        r.stop_text_cut = at + len(s) if p.include_stop_str_in_output else at
         return True
 
     def output_text(self, r: Request) -> str | None:
@@ -148,7 +152,7 @@ class OutputProcessor:
         tokenizer)."""
         if self.tokenizer is None:
             return None
-        text = self.tokenizer.decode(r.output_ids)
+        text = self.tokenizer.decode(r.output_ids, r.params.skip_special_tokens)
         if r.stop_text_cut is not None:
             text = text[: r.stop_text_cut]
         return text

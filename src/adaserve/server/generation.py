@@ -150,6 +150,7 @@ async def generate(
             service_tier=body.service_tier or "default",
             echo=echo,
             stop_holdback=max((len(s) for s in params[0].stop or ()), default=1) - 1,
+            skip_special_tokens=params[0].skip_special_tokens,
             score_only=score_only,
             tools=tools,
         )

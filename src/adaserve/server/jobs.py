@@ -50,6 +50,7 @@ class Meta:
     service_tier: str
     echo: list[str] | None
     stop_holdback: int
+    skip_special_tokens: bool = True
     score_only: bool = False  # max_tokens=0 with echo: the generated token is dropped
     tools: Any = None  # the chat's ``structured.tools.ToolMode`` (None: text output)
 

@@ -116,6 +116,11 @@ class _Sampling(_TopLevel):
     # vLLM's: no EOS or stop token before this many output tokens
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
     skip_special_tokens: bool = True
+    # vLLM's: the stop string stays in the text; words never generated
+    include_stop_str_in_output: bool = False
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+        None, max_length=256
+    )
     # --- structured outputs: OpenAI's response_format, vLLM's structured_outputs
     # (json, regex, choice, grammar, json_object, ...) and its deprecated guided_* names
     response_format: ResponseFormat | None = None

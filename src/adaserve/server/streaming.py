@@ -50,7 +50,7 @@ async def _events(state: ServerState, job: Job, meta: Meta, first, include_usage
     tok = state.loop.info.tokenizer
     ep = meta.endpoint
     k = len(job.handles)
-    detok = [Detok(tok, meta.stop_holdback) for _ in range(k)]
+    detok = [Detok(tok, meta.stop_holdback, meta.skip_special_tokens) for _ in range(k)]
     tools = [ToolStream(meta.tools) for _ in range(k)] if meta.tools is not None else None
 
     def chunk(choices, **kw) -> str:
@@ -112,8 +112,9 @@ class Detok:
     the request finishes, because the engine cuts the output where a stop string starts.
     The final chunk completes the engine's own (full) decode of the output."""
 
-    def __init__(self, tok, holdback: int):
+    def __init__(self, tok, holdback: int, skip_special_tokens: bool = True):
         self.tok = tok
+        self.skip = skip_special_tokens
         self.holdback = max(0, holdback)
         self.ids: list[int] = []
         self.prefix = 0  # start of the left-context tokens
@@ -126,11 +127,11 @@ class Detok:
         if self.tok is None or not new:
             return ""
         self.ids.extend(new)
-        new_text = self.tok.decode(self.ids[self.prefix :])
+        new_text = self.tok.decode(self.ids[self.prefix :], self.skip)
         if len(new_text) > len(self.prefix_text) and not new_text.endswith("\ufffd"):
             self.text += new_text[len(self.prefix_text) :]
             self.prefix, self.read = self.read, len(self.ids)
-            self.prefix_text = self.tok.decode(self.ids[self.prefix : self.read])
+            self.prefix_text = self.tok.decode(self.ids[self.prefix : self.read], self.skip)
         end = len(self.text) - self.holdback
         if end <= self.emitted:
             return ""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from adaserve.errors import InvalidRequestError
 from adaserve.sampling import SamplingParams
-from adaserve.server.errors import ApiError, context_error, unsupported
+from adaserve.server.errors import ApiError, context_error
 from adaserve.server.state import ServerState
 
 MAX_STOP_SEQUENCES = 16
@@ -20,8 +20,6 @@ def check_body(state: ServerState, body) -> None:
         in_vocab(state, body.stop_token_ids, "stop_token_ids")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
-    if not body.skip_special_tokens:
-        raise unsupported("skip_special_tokens", "skip_special_tokens=false is not supported")
 
 
 def check_body_model(state: ServerState, body) -> None:
@@ -257,6 +255,9 @@ def sampling_params(
             prompt_logprobs=body.logprobs if getattr(body, "echo", False) else None,
             structured_outputs=constraint,
             logit_bias=body.logit_bias or None,
+            bad_words=tuple(body.bad_words) if body.bad_words else None,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
         )
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param=e.param) from None

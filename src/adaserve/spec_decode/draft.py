@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from adaserve.core.tree import CandidateTree
 from adaserve.kv.cache import KVCache
-from adaserve.logits import add_logit_bias, target_probs
+from adaserve.logits import add_logit_bias, bad_word_bans, ban_tokens, target_probs
 from adaserve.models.attention import AttnMetadata, SeqSpec
 from adaserve.models.llama import LlamaModel
 from adaserve.request import Request
@@ -256,6 +256,26 @@ def _biased(logits, frontier, active, reqs) -> torch.Tensor:
     return out
 
 
+def _banned(logits, grows, frontier, active, reqs) -> torch.Tensor:
+    """logits [F, V] with the bad words' completing tokens at -inf in each frontier
+    row of a request with ``bad_words`` (as the verifier bans them)."""
+    bans, row = [], 0
+    for i in active:
+        r, g = reqs[i], grows[i]
+        if r.bad_words_ids:
+            out = r.output_ids
+            for j, node in enumerate(frontier[i]):
+                ids = bad_word_bans(out + g.path(node), r.bad_words_ids)
+                if ids:
+                    bans.append((row + j, ids))
+        row += len(frontier[i])
+    if not bans:
+        return logits
+    logits = logits.clone()
+    ban_tokens(logits, bans)
+    return logits
+
+
 def _constrained(logits, grows, frontier, active, reqs) -> torch.Tensor:
     """logits [F, V] with each constrained request's frontier rows masked by the
     grammar state of that node's path (the masks are kept for the verifier)."""
@@ -281,6 +301,7 @@ def _add_children(logits, grows, frontier, active, reqs, shapes, sample: bool) -
     """Append children of each active request's frontier rows (rows in request order)."""
     logits = _biased(logits, frontier, active, reqs)  # as the target: bias, penalties, mask
     logits = _penalised(logits, grows, frontier, active, reqs)
+    logits = _banned(logits, grows, frontier, active, reqs)
     logits = _constrained(logits, grows, frontier, active, reqs)
     wmax = max(shapes[i][1] for i in active)
     top = logits.softmax(-1).topk(wmax, dim=-1)
