@@ -346,3 +346,23 @@ def test_sampling_below_a_forced_chain_matches_the_masked_target(letter_pair):
     stat, df, p = chi_square(counts, probs)
     print(f"chi2={stat:.1f} df={df} p={p:.3f}")
     assert not chi_square_rejects(counts, probs), (stat, df, p)
+
+
+@pytest.mark.skipif(not DEFAULT_TARGET.is_dir(), reason="shipped pair not present")
+def test_forced_chains_stop_at_max_tokens_and_the_context(profile_file):
+    """A long forced literal near the end of max_tokens, and near the end of the
+    model's context: the chain is cut to what the request may still take."""
+    llm = LLM(profile=profile_file, clock=TickClock(0.001), kv_cache_bytes=16 << 20,
+              max_model_len=48)  # fmt: skip
+    literal = {"regex": "(the same fixed literal text, forced token after token, ){3}"}
+    prompt = list(range(100, 140))  # 40 token ids
+    for max_tokens, n_prompt in ((3, 8), (40, 40)):
+        sp = SamplingParams(max_tokens=max_tokens, structured_outputs=literal)
+        ref = None
+        for pol in ("ar", "spec-chain:4", "adaserve"):
+            llm.engine.set_policy(pol)
+            out = llm.generate([prompt[:n_prompt]], sp)[0].outputs[0]
+            assert out.finish_reason == "length", (pol, out)
+            ref = ref or out.token_ids
+            assert out.token_ids == ref, pol
+        assert len(ref) == min(max_tokens, 48 - n_prompt)
