@@ -123,6 +123,13 @@ def test_new_vllm_series_hold_what_ran(ran, shipped):
     assert _one(fams, "vllm:request_prompt_tokens_sum") == prompt
     assert _one(fams, "vllm:request_generation_tokens_sum") == gen
     assert _one(fams, "vllm:request_params_max_tokens_sum") == sum(m for *_, m in usages)
+    # per HTTP request: n (1 each) and the most tokens a choice generated
+    assert _one(fams, "vllm:request_params_n_count") == n
+    assert _one(fams, "vllm:request_params_n_sum") == n
+    assert _one(fams, "vllm:request_max_num_generation_tokens_sum") == gen
+    # vLLM's exposition: no _created twins, process_* series
+    assert not [k for k in fams if k.endswith("_created")]
+    assert _one(fams, "process_resident_memory_bytes") > 0
     les = [float(lab["le"]) for lab, _ in fams["vllm:request_prompt_tokens_bucket"]]
     assert les[:-1] == [float(b) for b in build_1_2_5_buckets(256)]  # up to max_model_len
     # per-step tokens: every prompt and generated token went through some step

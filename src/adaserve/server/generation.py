@@ -151,6 +151,7 @@ async def generate(
             echo=echo,
             stop_holdback=max((len(s) for s in params[0].stop or ()), default=1) - 1,
             skip_special_tokens=params[0].skip_special_tokens,
+            n=n,
             score_only=score_only,
             tools=tools,
         )
@@ -208,6 +209,7 @@ async def collect(state: ServerState, request: Request, job: Job, meta: Meta):
             continue
         choices.append(ep.choice(i, text, lp, fr, RequestMetrics.of(f.metrics)))
     completion_tokens = sum(f.completion_tokens for f in finals.values())
+    state.metrics.observe_request(meta.n, max(f.completion_tokens for f in finals.values()))
     return JSON(
         ep.response(
             id=meta.id,

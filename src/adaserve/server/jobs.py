@@ -51,6 +51,7 @@ class Meta:
     echo: list[str] | None
     stop_holdback: int
     skip_special_tokens: bool = True
+    n: int = 1  # the request's n (choices per prompt)
     score_only: bool = False  # max_tokens=0 with echo: the generated token is dropped
     tools: Any = None  # the chat's ``structured.tools.ToolMode`` (None: text output)
 

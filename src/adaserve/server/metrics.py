@@ -19,10 +19,21 @@ scrape without an admin key, when API keys are configured) or keep one tenant's.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+import prometheus_client
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from adaserve.server.engine_loop import EngineSnapshot, Final
+
+# vLLM turns the ``_created`` twin of every counter and histogram off: the series are
+# what its dashboards and clients read (process-wide, as vLLM does)
+prometheus_client.disable_created_metrics()
 
 TTFT_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -58,6 +69,8 @@ VLLM_NAMES = (
     "vllm:request_prompt_tokens",
     "vllm:request_generation_tokens",
     "vllm:request_params_max_tokens",
+    "vllm:request_params_n",
+    "vllm:request_max_num_generation_tokens",
     "vllm:iteration_tokens_total",
     "vllm:request_success_total",
     "vllm:num_preemptions_total",
@@ -109,6 +122,7 @@ class ServerMetrics:
         self.tenant_registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
         treg = self.tenant_registry
+        ProcessCollector(registry=reg)  # process_* (CPU, memory, open fds), as vLLM's
         m = ["model_name"]
         mc = ["model_name", "slo_class"]
         self.grammar_compile = Histogram(
@@ -278,9 +292,32 @@ class ServerMetrics:
             "vllm:request_params_max_tokens", "The max_tokens request parameter.",
             m, buckets=buckets, registry=reg,
         )  # fmt: skip
-        for h in (self.prompt_tokens, self.generation_tokens, self.max_tokens):
+        self.max_generation = Histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Per request, the most tokens any of its n choices generated.",
+            m, buckets=buckets, registry=reg,
+        )  # fmt: skip
+        self.params_n = Histogram(
+            "vllm:request_params_n", "The n request parameter.",
+            m, buckets=(1, 2, 5, 10, 20), registry=reg,
+        )  # fmt: skip
+        for h in (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.max_tokens,
+            self.max_generation,
+            self.params_n,
+        ):
             h.labels(mn)
         self._collector.cache_info = dict(cache_info or {})
+
+    def observe_request(self, n: int, max_generation_tokens: int) -> None:
+        """One HTTP request whose choices all finished: its ``n`` and the most tokens
+        one of them generated (vLLM's per-request series)."""
+        if self.prompt_tokens is None:
+            return
+        self.params_n.labels(self.model_name).observe(n)
+        self.max_generation.labels(self.model_name).observe(max_generation_tokens)
 
     def observe_compiles(self, seconds: list[float]) -> None:
         for v in seconds:

@@ -64,6 +64,7 @@ async def _events(state: ServerState, job: Job, meta: Meta, first, include_usage
             yield chunk([opening])
     left = k
     completion_tokens = 0
+    most = 0  # the most tokens one choice generated
     ev = first
     while True:
         idx, new, final, lps, plps = ev
@@ -82,6 +83,7 @@ async def _events(state: ServerState, job: Job, meta: Meta, first, include_usage
         else:
             left -= 1
             completion_tokens += final.completion_tokens
+            most = max(most, final.completion_tokens)
             err = final_error(state, final, job.handles[idx].ctx.cls)
             if err is not None:
                 job.close(SHUTDOWN)
@@ -99,6 +101,8 @@ async def _events(state: ServerState, job: Job, meta: Meta, first, include_usage
             if left == 0:
                 break
         ev = await job.sink.get()
+    if left == 0:
+        state.metrics.observe_request(meta.n, most)
     if include_usage and left == 0:
         yield chunk([], usage=Usage.of(meta.prompt_tokens, completion_tokens))
     yield "data: [DONE]\n\n"
