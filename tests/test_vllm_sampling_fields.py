@@ -97,3 +97,17 @@ def test_the_fields_over_http(profile_file, stream):
         assert shown == tok.id_to_token(eos) * 2
     finally:
         s.stop()
+
+
+def test_offline_chat_passes_tools_and_template_kwargs(shipped):
+    template = (
+        "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+        "{% if shout %}!{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    msgs = [{"role": "user", "content": "hi"}]
+    out = shipped.chat(msgs, SamplingParams(max_tokens=2), chat_template=template, tools=tools,
+                       chat_template_kwargs={"shout": True}, use_tqdm=False)[0]  # fmt: skip
+    assert shipped.get_tokenizer().decode(out.prompt_token_ids) == "[tool get_weather]!hi"
+    plain = shipped.chat(msgs, SamplingParams(max_tokens=2), chat_template=template)[0]
+    assert shipped.get_tokenizer().decode(plain.prompt_token_ids) == "hi"

@@ -266,11 +266,16 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         slo: SLO | str | list[SLO | str] | None = None,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of ``{"role", "content"}``
         messages) or to each of a list of them, as vLLM's ``LLM.chat``: the messages
         go through the tokenizer's chat template (the one the server uses), or through
-        ``chat_template`` (a Jinja template string or a file holding one)."""
+        ``chat_template`` (a Jinja template string or a file holding one). ``tools``
+        (OpenAI's tool dicts) and ``chat_template_kwargs`` reach the template, as in
+        vLLM; the reply is text (a grammar in ``sampling_params.structured_outputs``
+        can hold it to a call's shape)."""
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list", "messages")
         convs = [messages] if isinstance(messages[0], dict) else messages
@@ -292,7 +297,12 @@ class LLM:
                     "messages",
                 )
             try:
-                text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+                kw = dict(chat_template_kwargs or {})
+                if tools is not None:
+                    kw["tools"] = tools
+                text = tok.apply_chat_template(
+                    conv, add_generation_prompt=add_generation_prompt, **kw
+                )
             except ModelLoadError as e:
                 raise InvalidRequestError(
                     f"the chat template rejected the messages: {e}", "messages"
