@@ -231,17 +231,19 @@ class Engine:
         KV pool cannot hold them beside the drafted tree)."""
         if r.grammar is None:
             return []
-        chain = r.grammar.forced()[: self._chain_room(r, shape[0])]
+        chain = r.grammar.forced()[: self._chain_room(r)]
         room = len(chain) + scratch_slots_needed(*shape) + 1
         if chain and not self.scheduler.reserve_tree(r, room):
             return []
         return chain
 
-    def _chain_room(self, r: Request, depth: int) -> int:
-        """Forced tokens ``r`` may take beside ``depth`` drafted levels: within
-        ``MAX_FORCED``, its output budget and the model's context."""
+    def _chain_room(self, r: Request) -> int:
+        """Forced tokens ``r`` may still take: within ``MAX_FORCED``, and with the
+        bonus token after them within its output budget and the model's context (the
+        chain goes first; drafted levels past the budget are cut at the commit, as
+        without a chain)."""
         left = min(self.runner.max_model_len - len(r.tokens), r.max_new_tokens - r.num_output)
-        return max(0, min(MAX_FORCED, left - 1 - depth))
+        return max(0, min(MAX_FORCED, left - 1))
 
     def _count_forced(self, drafts, trees, result) -> None:
         """Forced tokens the target accepted (for the share they contribute)."""
@@ -282,7 +284,7 @@ class Engine:
         the policy drafts at all (``ar`` stays plain decoding: the baseline)."""
         if r.grammar is None or not self.policy.uses_draft:
             return None
-        chain = r.grammar.forced()[: self._chain_room(r, 0)]
+        chain = r.grammar.forced()[: self._chain_room(r)]
         if not chain or not self.scheduler.reserve_tree(r, len(chain) + 1):
             return None
         k = len(chain)
