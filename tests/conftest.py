@@ -113,6 +113,45 @@ def ref_penalize(row: torch.Tensor, prompt, output, sp) -> torch.Tensor:
     return x.float()
 
 
+# the 12-token pair of the distribution tests (tests/test_spec.py, test_structured.py)
+SMALL_VOCAB = 12
+SMALL_PAIR_KW = dict(
+    vocab_size=SMALL_VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    pad_token_id=None,
+    initializer_range=0.2,
+)
+
+
+def save_small_pair(root, eos_token_id=None):
+    """(target, draft) of the distribution tests under ``root`` (seeds 21 and 22)."""
+    save_tiny(root / "t", seed=21, eos_token_id=eos_token_id, **SMALL_PAIR_KW)
+    save_tiny(root / "d", seed=22, num_hidden_layers=1, eos_token_id=eos_token_id, **SMALL_PAIR_KW)
+    return root / "t", root / "d"
+
+
+def shipped_llm(profile: str, **kw):
+    """The shipped pair offline, on a tick clock (the budgeted policies' decisions never
+    follow machine speed), with the given hardware profile."""
+    from adaserve import LLM
+    from adaserve.core.clock import TickClock
+
+    return LLM(profile=profile, clock=TickClock(0.001), kv_cache_bytes=64 << 20, **kw)
+
+
+def fixed_generators(llm, n: int) -> None:
+    """The next ``n`` unseeded requests of ``llm`` get generators seeded 0..n-1 (a
+    sampling test that is reproducible)."""
+    from adaserve.logits import make_generator
+
+    runner = llm.engine.runner
+    fixed = iter(range(n))
+    runner.generator = lambda seed: make_generator(next(fixed), runner.device)
+
+
 def chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int, float]:
     """Chi-square goodness of fit of ``counts`` to ``probs``: (statistic, degrees of
     freedom, p-value by the Wilson-Hilferty approximation).

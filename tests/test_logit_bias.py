@@ -9,21 +9,19 @@ import numpy as np
 import openai
 import pytest
 import torch
-from conftest import chi_square, chi_square_rejects
+from conftest import SMALL_VOCAB, chi_square, chi_square_rejects, fixed_generators, shipped_llm
 from server_fixtures import LiveServer, server_test_env
 from test_structured import (
     N_SAMPLES,
     PROMPT,
-    SMALL_VOCAB,
     _mask,
     letter_pair,  # noqa: F401  (the fixture)
 )
 
 from adaserve import LLM, SamplingParams
 from adaserve.config import EngineConfig
-from adaserve.core.clock import TickClock
 from adaserve.errors import InvalidRequestError
-from adaserve.logits import make_generator, target_probs
+from adaserve.logits import target_probs
 from adaserve.models.loader import load_model
 from adaserve.paths import DEFAULT_TARGET
 from adaserve.server import ServerConfig
@@ -35,7 +33,7 @@ PROMPTS = ["def add(a, b):", "Hello", "import os\n", "# the answer is"]
 
 @pytest.fixture(scope="module")
 def shipped(profile_file):
-    return LLM(profile=profile_file, clock=TickClock(0.001), kv_cache_bytes=64 << 20)
+    return shipped_llm(profile_file)
 
 
 def _ids(llm, policy, sp):
@@ -115,9 +113,7 @@ def _exact(target) -> np.ndarray:
 def _sampled(target, draft) -> np.ndarray:
     llm = LLM(model=str(target), draft=str(draft), policy="spec-tree:3x3",
               kv_cache_bytes=64 << 20, max_num_seqs=512, draft_sample=True)  # fmt: skip
-    runner = llm.engine.runner
-    fixed = iter(range(N_SAMPLES))
-    runner.generator = lambda seed: make_generator(next(fixed), runner.device)
+    fixed_generators(llm, N_SAMPLES)
     params = SamplingParams(
         temperature=1.0, max_tokens=3, logit_bias=BIAS, structured_outputs={"regex": REGEX}
     )

@@ -5,11 +5,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import chi_square, chi_square_rejects, random_prompts, ref_penalize, save_tiny
+from conftest import (
+    SMALL_VOCAB,
+    chi_square,
+    chi_square_rejects,
+    fixed_generators,
+    random_prompts,
+    ref_penalize,
+    save_small_pair,
+)
 
 from adaserve import LLM, SLO, SamplingParams
 from adaserve.core.clock import TickClock
-from adaserve.logits import make_generator, target_probs
+from adaserve.logits import target_probs
 from adaserve.models.loader import load_model
 from adaserve.paths import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -115,25 +123,11 @@ def test_kv_pool_full_after_random_workload_with_preemption(tiny_pair):
 
 
 # ---------------------------------------------------------------- distribution test
-SMALL_VOCAB = 12
 
 
 @pytest.fixture(scope="module")
 def small_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("small")
-    kw = dict(
-        vocab_size=SMALL_VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        eos_token_id=None,
-        pad_token_id=None,
-        initializer_range=0.2,
-    )
-    save_tiny(root / "t", seed=21, **kw)
-    save_tiny(root / "d", seed=22, num_hidden_layers=1, **kw)
-    return root / "t", root / "d"
+    return save_small_pair(tmp_path_factory.mktemp("small"))
 
 
 def exact_joint(model_dir, prompt, sp) -> np.ndarray:
@@ -166,9 +160,7 @@ def sample_joint(
         draft_sample=draft_sample,
     )
     if not seeded:
-        runner = llm.engine.runner
-        fixed = iter(range(n))
-        runner.generator = lambda seed: make_generator(next(fixed), runner.device)
+        fixed_generators(llm, n)
     params = [
         SamplingParams(
             temperature=sp.temperature,

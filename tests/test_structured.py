@@ -20,12 +20,19 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-from conftest import chi_square, chi_square_rejects, save_tiny
+from conftest import (
+    SMALL_VOCAB,
+    chi_square,
+    chi_square_rejects,
+    fixed_generators,
+    save_small_pair,
+    shipped_llm,
+)
 
 from adaserve import LLM, SamplingParams
 from adaserve.core.clock import TickClock
 from adaserve.errors import InvalidRequestError
-from adaserve.logits import make_generator, target_probs
+from adaserve.logits import target_probs
 from adaserve.models.loader import load_model
 from adaserve.paths import DEFAULT_TARGET
 from adaserve.structured.params import StructuredOutputsParams
@@ -74,12 +81,7 @@ def valid(text: str, c: dict) -> bool:
 
 @pytest.fixture(scope="module", params=["llguidance", "xgrammar"])
 def shipped(request, profile_file):
-    return LLM(
-        profile=profile_file,
-        clock=TickClock(0.001),
-        kv_cache_bytes=64 << 20,
-        structured_outputs_backend=request.param,
-    )
+    return shipped_llm(profile_file, structured_outputs_backend=request.param)
 
 
 def _texts(llm, policy, sp, prompts=PROMPTS):
@@ -191,7 +193,6 @@ def test_constraints_are_compiled_once_by_content(shipped):
 
 
 # ---------------------------------------------------------------- distribution test
-SMALL_VOCAB = 12
 EOS = SMALL_VOCAB - 1  # "l"
 # token 1 in a..h, token 2 in d..k, token 3 in a..f: the mask differs by depth. The
 # test looks at tokens 2 and 3, drawn in one tree (2 at its root, 3 below it)
@@ -208,18 +209,7 @@ def letter_pair(tmp_path_factory):
     from tokenizers import Tokenizer, decoders, models
 
     root = tmp_path_factory.mktemp("letters")
-    kw = dict(
-        vocab_size=SMALL_VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        eos_token_id=EOS,
-        pad_token_id=None,
-        initializer_range=0.2,
-    )
-    save_tiny(root / "t", seed=21, **kw)
-    save_tiny(root / "d", seed=22, num_hidden_layers=1, **kw)
+    save_small_pair(root, eos_token_id=EOS)
     tok = Tokenizer(models.BPE(vocab={chr(97 + i): i for i in range(SMALL_VOCAB)}, merges=[]))
     tok.decoder = decoders.ByteLevel()
     for d in ("t", "d"):
@@ -260,9 +250,7 @@ def sample_masked_joint(target, draft, policy, sp, n, draft_sample) -> np.ndarra
         max_num_seqs=512,
         draft_sample=draft_sample,
     )
-    runner = llm.engine.runner
-    fixed = iter(range(n))
-    runner.generator = lambda seed: make_generator(next(fixed), runner.device)
+    fixed_generators(llm, n)
     params = SamplingParams(
         temperature=sp.temperature,
         top_p=sp.top_p,
@@ -331,9 +319,7 @@ def test_sampling_below_a_forced_chain_matches_the_masked_target(letter_pair):
     probs = (p1[:, None] * p3).double().numpy()
     llm = LLM(model=str(target), draft=str(draft), policy="spec-tree:3x3",
               kv_cache_bytes=64 << 20, max_num_seqs=512, draft_sample=True)  # fmt: skip
-    runner = llm.engine.runner
-    fixed = iter(range(N_SAMPLES))
-    runner.generator = lambda seed: make_generator(next(fixed), runner.device)
+    fixed_generators(llm, N_SAMPLES)
     params = SamplingParams(
         temperature=1.0, max_tokens=3, structured_outputs={"regex": "[a-h]g[a-f]"}
     )

@@ -6,11 +6,11 @@ the ``openai`` client (streamed and not)."""
 from __future__ import annotations
 
 import pytest
+from conftest import shipped_llm
 from server_fixtures import LiveServer, server_test_env
 
-from adaserve import LLM, SamplingParams
+from adaserve import SamplingParams
 from adaserve.config import EngineConfig
-from adaserve.core.clock import TickClock
 from adaserve.paths import DEFAULT_TARGET
 from adaserve.server import ServerConfig
 
@@ -21,7 +21,7 @@ PROMPTS = ["def add(a, b):", "import os\n", "class Point:", "for i in range(10):
 
 @pytest.fixture(scope="module")
 def shipped(profile_file):
-    return LLM(profile=profile_file, clock=TickClock(0.001), kv_cache_bytes=64 << 20)
+    return shipped_llm(profile_file)
 
 
 def _outs(llm, policy, sp):

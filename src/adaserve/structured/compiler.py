@@ -20,7 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from adaserve.errors import InvalidRequestError
@@ -41,10 +41,8 @@ class Compiled:
     key: tuple
     handle: Any
     compile_s: float
-    uses: int = field(default=0)
 
     def new_matcher(self):
-        self.uses += 1
         return self.backend.new_matcher(self.handle)
 
 
@@ -153,12 +151,6 @@ class LLGuidanceMatcher:
     def is_terminated(self) -> bool:
         return self.m.is_stopped()
 
-    def is_error(self) -> bool:
-        return self.m.is_error()
-
-    def error(self) -> str:
-        return self.m.get_error()
-
 
 def _bad(spec: StructuredOutputsParams, why: str) -> InvalidRequestError:
     what = {
@@ -202,13 +194,6 @@ class GrammarCompiler:
     @property
     def name(self) -> str:
         return self.backend.name
-
-    def cached(self, spec: StructuredOutputsParams) -> Compiled | None:
-        with self._lock:
-            c = self._done.get(spec.key())
-            if c is not None:
-                self._done.move_to_end(spec.key())
-            return c
 
     def compile(self, spec: StructuredOutputsParams) -> Compiled:
         """The compiled grammar of ``spec`` (InvalidRequestError naming the problem

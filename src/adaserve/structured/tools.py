@@ -100,6 +100,12 @@ def _call_of(obj: Any, args_keys: tuple[str, ...]) -> Call | None:
     return Call(obj["name"], "{}")
 
 
+def _calls(vals, args_keys: tuple[str, ...]) -> list[Call]:
+    """The calls among JSON values (a list value: its items)."""
+    objs = [o for v in vals for o in (v if isinstance(v, list) else [v])]
+    return [c for c in (_call_of(o, args_keys) for o in objs) if c is not None]
+
+
 class HermesParser:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes, Qwen2.5)."""
 
@@ -111,11 +117,7 @@ class HermesParser:
             return text, []
         calls = []
         for m in re.finditer(r"<tool_call>(.*?)(?:</tool_call>|$)", text[at:], re.S):
-            vals, _ = _json_values(m.group(1).strip())
-            for v in vals:
-                c = _call_of(v, ("arguments", "parameters"))
-                if c is not None:
-                    calls.append(c)
+            calls += _calls(_json_values(m.group(1).strip())[0], ("arguments", "parameters"))
         if not calls:
             return text, []
         content = text[:at].strip()
@@ -135,7 +137,7 @@ class Llama3JsonParser:
         if not s.lstrip().startswith("{"):
             return text, []
         vals, end = _json_values(s)
-        calls = [c for c in (_call_of(v, ("parameters", "arguments")) for v in vals) if c]
+        calls = _calls(vals, ("parameters", "arguments"))
         if not calls or s[end:].strip():
             return text, []  # not all calls: the text is content
         return None, calls
@@ -150,13 +152,7 @@ class MistralParser:
         at = text.find("[TOOL_CALLS]")
         if at < 0:
             return text, []
-        vals, _ = _json_values(text, at + len("[TOOL_CALLS]"))
-        calls = []
-        for v in vals:
-            for obj in v if isinstance(v, list) else [v]:
-                c = _call_of(obj, ("arguments", "parameters"))
-                if c is not None:
-                    calls.append(c)
+        calls = _calls(_json_values(text, at + len("[TOOL_CALLS]"))[0], ("arguments", "parameters"))
         if not calls:
             return text, []
         content = text[:at].strip()

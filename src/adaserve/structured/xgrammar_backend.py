@@ -114,9 +114,3 @@ class XGrammarMatcher:
 
     def is_terminated(self) -> bool:
         return self.m.is_terminated()
-
-    def is_error(self) -> bool:
-        return False
-
-    def error(self) -> str:
-        return ""
