@@ -88,6 +88,17 @@ def replay_engine(eng, policy: str, requests, steps, cfg=None, num_blocks=None, 
     )
 
 
+def with_tokens(requests, live: dict) -> list:
+    """Recorded requests with the token ids of their live engine requests (``rid ->
+    Request``), so a replay names KV blocks as the engine did."""
+    import dataclasses
+
+    return [
+        dataclasses.replace(q, tokens=tuple(live[q.rid].tokens)) if q.rid in live else q
+        for q in requests
+    ]
+
+
 def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     out = []

@@ -16,7 +16,7 @@ import dataclasses
 import random
 
 import pytest
-from conftest import random_prompts, replay_engine
+from conftest import random_prompts, replay_engine, with_tokens
 
 from adaserve import SLO, SamplingParams
 from adaserve.bench.metrics import summarize
@@ -158,7 +158,7 @@ def test_simulator_makes_the_engines_admission_decisions(tiny_pair, cheap_profil
     target, _, _ = tiny_pair
     cap = probe_capacity(paced_engine(str(target), cheap_profile))
     eng = paced_engine(str(target), cheap_profile)  # fresh: nothing measured before
-    steps, requests, refused = [], [], {}
+    steps, requests, refused, live = [], [], {}, {}
     eng.on_step = lambda e, tr: steps.append(tr)
     items = poisson_items(3.0 * cap, 8.0, seed=1)
     clock = eng.clock
@@ -182,6 +182,7 @@ def test_simulator_makes_the_engines_admission_decisions(tiny_pair, cheap_profil
                 rid = -1 - it.idx  # never admitted: no engine id
             else:
                 rid = r.rid
+                live[rid] = r
             requests.append(RecordedRequest(rid, t0 + it.arrival_s, it.prompt_len, MAX_TOKENS, slo))
             i += 1
         if eng.has_work():
@@ -189,6 +190,7 @@ def test_simulator_makes_the_engines_admission_decisions(tiny_pair, cheap_profil
         elif i < len(items):
             clock.set(t0 + items[i].arrival_s)
     assert refused, "the run must refuse some requests to compare refusals"
+    requests = with_tokens(requests, live)
     got_refused: dict[int, str] = {}
     got = replay_engine(eng, "adaserve", requests, steps, refusals=got_refused)
     by_rid = {(-1 - idx): reason for idx, reason in refused.items()}

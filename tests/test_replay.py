@@ -5,7 +5,7 @@ prefill-chunk, preemption and plan decisions at every step."""
 from __future__ import annotations
 
 import pytest
-from conftest import random_prompts, replay_engine
+from conftest import random_prompts, replay_engine, with_tokens
 
 from adaserve import SLO, SamplingParams
 from adaserve.config import EngineConfig
@@ -35,13 +35,14 @@ def record_run(target: str, policy: str, profile: str):
     eng = build_engine(cfg, clock=TickClock(0.001))
     steps = []
     eng.on_step = lambda e, tr: steps.append(tr)
-    requests = []
+    requests, live = [], {}
     prompts = random_prompts(18, seed=41, lo=5, hi=60)
 
     def add(i: int) -> None:
         slo = CLASSES[i % 3]
         sp = SamplingParams(max_tokens=8 + 3 * (i % 4), ignore_eos=True)
         r = eng.add_request(prompts[i], sp, slo)
+        live[r.rid] = r
         requests.append(RecordedRequest(r.rid, r.arrival, len(r.prompt_ids), sp.max_tokens, slo))
 
     for i in range(8):
@@ -53,7 +54,7 @@ def record_run(target: str, policy: str, profile: str):
         if i < len(prompts) and k % 3 == 0:
             add(i)
             i += 1
-    return eng, requests, steps
+    return eng, with_tokens(requests, live), steps
 
 
 @pytest.mark.parametrize("policy", ["adaserve", "spec-chain:3", "ar-chunked"])

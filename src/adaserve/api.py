@@ -79,6 +79,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)
+    # prompt tokens found in the prefix cache (vLLM's ``num_cached_tokens``)
+    num_cached_tokens: int = 0
 
     @property
     def text(self) -> str | None:
@@ -213,6 +215,11 @@ class LLM:
         ``apply_chat_template``."""
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (vLLM's ``LLM.reset_prefix_cache``)."""
+        self.engine.reset_prefix_cache()
+        return True
+
     def generate(
         self,
         prompts: str | dict | list[str] | list[int] | list[list[int]] | list[dict],
@@ -223,7 +230,8 @@ class LLM:
         """Generate for every prompt (continuous batching); outputs in prompt order.
 
         A prompt is a string, a list of token ids, or vLLM's prompt dict
-        ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}``. Each prompt gets
+        ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}`` (with an optional
+        ``"cache_salt"``: its cached prefix is shared only with prompts of that salt). Each prompt gets
         ``sampling_params.n`` samples (``RequestOutput.outputs``); with a seed, sample
         j is seeded ``seed + j``. ``use_tqdm``: a progress bar of finished prompts on
         stderr (when it is a terminal; a callable: the tqdm class to use, as vLLM).
@@ -244,11 +252,16 @@ class LLM:
                 if isinstance(s, str):
                     s = eng.class_slo(s)
                 text, ids = _prompt_of(p)
+                salt = p.get("cache_salt") if isinstance(p, dict) else None
+                if salt is not None and not isinstance(salt, str):
+                    raise InvalidRequestError("cache_salt must be a string", "cache_salt")
                 samples = [
                     replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
                     for j in range(sp.n)
                 ]
-                groups.append((text, [eng.add_request(ids, x, s) for x in samples]))
+                groups.append(
+                    (text, [eng.add_request(ids, x, s, cache_salt=salt) for x in samples])
+                )
             self._run([reqs for _, reqs in groups], use_tqdm)
         except BaseException:
             for _, reqs in groups:  # no request of a failed call is left in the engine
@@ -360,6 +373,7 @@ class LLM:
             outputs=outs,
             finished=all(r.finished for r in reqs),
             metrics=outs[0].metrics,
+            num_cached_tokens=first.cached_prompt,
         )
 
 

@@ -80,6 +80,9 @@ class Request(SeqState):
     def max_new_tokens(self) -> int:
         return self.params.max_tokens
 
+    def block_tokens(self, start: int, stop: int) -> list[int]:
+        return self.tokens[start:stop]
+
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[len(self.prompt_ids) :]

@@ -178,7 +178,7 @@ class AdmissionControl:
     def admitted(self, seq: SeqState, now: float) -> None:
         """``seq`` passed the checks and was queued at ``now``."""
         q = self._admits.setdefault(seq.slo.cls, deque())
-        q.append((now, seq.uncached, seq.slo.ttft_ms))
+        q.append((now, seq.to_prefill, seq.slo.ttft_ms))
         while q and q[0][0] < now - _FINISH_WINDOW_S:
             q.popleft()
 
@@ -236,7 +236,7 @@ class AdmissionControl:
     def alone_ms(self, seq: SeqState) -> float:
         """Predicted ms of ``seq``'s prefill with nothing ahead of it (0 without a model
         of the pass time)."""
-        return self.prefill_ms(seq.uncached) or 0.0
+        return self.prefill_ms(seq.to_prefill) or 0.0
 
     def predicted_ttft_ms(self, seq: SeqState, now: float) -> float | None:
         """Predicted ms from ``now`` to ``seq``'s first token (None without a model of
@@ -246,20 +246,20 @@ class AdmissionControl:
         s = self.sched
         ttft = seq.slo.ttft_ms
         deadline = seq.arrival + (ttft / 1000.0 if ttft is not None else math.inf)
-        tokens = seq.uncached
+        tokens = seq.to_prefill
         seats_ahead = 0
         for r in itertools.chain(s.running, s.waiting):
             waiting = r not in s.running
             if not (waiting or r.in_prefill):
                 continue
             if r.num_output > 0:  # preempted: back at the front of the queue
-                tokens += r.uncached
+                tokens += r.to_prefill
                 seats_ahead += waiting
                 continue
             rt = r.slo.ttft_ms
             rd = r.arrival + (rt / 1000.0 if rt is not None else math.inf)
             if rd <= deadline and rd > now:
-                tokens += r.uncached
+                tokens += r.to_prefill
                 seats_ahead += waiting
         # requests still to come that will go ahead of it: those of a class whose
         # deadline, if they arrive before ``deadline - their ttft``, falls before its own

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from adaserve.core.blocks import EVICTION
 from adaserve.errors import InvalidRequestError
 from adaserve.slo import DEFAULT_CLASSES, SLOClass
 
@@ -27,6 +28,10 @@ class SchedulerConfig:
     max_model_len:      context limit (None: the model's)
     admission:          shed new requests under overload (queue full, strict capacity)
     max_waiting:        waiting-queue bound when ``admission`` is on
+    enable_prefix_caching: map a new request's longest cached prefix of full KV
+                        blocks instead of computing it (vLLM's automatic prefix caching)
+    prefix_cache_eviction: "lru" (vLLM's) or "slo" (the strictest class that used a
+                        cached block keeps it longer)
     classes:            the SLO classes; ``default_class`` (one of them) is the SLO of a
                         request that names none (None: the request must name one)
     """
@@ -39,6 +44,8 @@ class SchedulerConfig:
     default_class: str | None = "chat"
     admission: bool = False
     max_waiting: int = 1024
+    enable_prefix_caching: bool = True
+    prefix_cache_eviction: str = "lru"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -51,6 +58,11 @@ class SchedulerConfig:
             raise InvalidRequestError("max_model_len must be at least 2", "max_model_len")
         if self.max_waiting < 1:
             raise InvalidRequestError("max_waiting must be positive", "max_waiting")
+        if self.prefix_cache_eviction not in EVICTION:
+            raise InvalidRequestError(
+                f"prefix_cache_eviction must be one of {', '.join(EVICTION)}",
+                "prefix_cache_eviction",
+            )
         names = [c.name for c in self.classes]
         if len(set(names)) != len(names):
             raise InvalidRequestError("SLO class names must be unique", "classes")

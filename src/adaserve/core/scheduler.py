@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from adaserve.core.admission import DEGRADABLE, AdmissionControl
-from adaserve.core.blocks import BlockAllocator, BlockTable, OutOfBlocks
+from adaserve.core.blocks import BlockAllocator, BlockTable, OutOfBlocks, block_digest
 from adaserve.core.clock import Clock
 from adaserve.core.config import SchedulerConfig
 from adaserve.core.counters import Counters
@@ -94,7 +94,12 @@ class Scheduler:
         self.cfg = cfg
         self.policy = policy
         self.clock = clock
-        self.allocator = BlockAllocator(int(num_blocks), cfg.block_size)
+        self.allocator = BlockAllocator(
+            int(num_blocks),
+            cfg.block_size,
+            caching=cfg.enable_prefix_caching,
+            eviction=cfg.prefix_cache_eviction,
+        )
         self.max_model_len = int(max_model_len)
         self.hw = hw
         self.power = power  # sched.power.PowerModel, handed to policies in the view
@@ -111,6 +116,7 @@ class Scheduler:
         self.last_plan_at: float | None = None
         self._admitted: list[int] = []
         self._preempted: list[int] = []
+        self._hits: dict[int, int] = {}
         self.admission = AdmissionControl(self)
         self._last: StepTrace | None = None  # the last pass, for admission's measurements
         # queued requests ended at their TTFT deadline in this step (``begin_step``)
@@ -213,6 +219,7 @@ class Scheduler:
     def add(self, seq: SeqState) -> None:
         """Queue a validated request after the admission check (may raise
         ``AdmissionRejected``)."""
+        seq.prefix_hint = self.cached_prefix(seq)
         self.check_admission(seq)
         seq.status = Status.WAITING
         self.waiting.append(seq)
@@ -229,6 +236,7 @@ class Scheduler:
             self.admission.observe_finish(seq.finished_at)
         seq.status = Status.FINISHED
         if seq.table is not None:
+            self.register_blocks(seq)
             seq.table.release()
 
     def abort(self, seq: SeqState, reason: str = "abort") -> None:
@@ -263,8 +271,10 @@ class Scheduler:
         """Read the clock for this step; start its trace; with admission control, end
         the queued requests past their TTFT deadline (``expired``)."""
         self.now = self.clock.now()
+        self.allocator.now = self.now
         self._admitted = []
         self._preempted = []
+        self._hits: dict[int, int] = {}
         if self._last is not None:  # the previous pass, its token counts filled in
             last = self._last
             # with work left after it, the next pass followed at once: start to start
@@ -285,17 +295,23 @@ class Scheduler:
         bs = self.cfg.block_size
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             r = self.waiting[0]
-            first_chunk = min(r.uncached, self.cfg.max_prefill_tokens) + 1
-            if self.allocator.num_free < -(-first_chunk // bs) + 1 and self.running:
+            hit = self._match(r)
+            held = sum(1 for b in hit if self.allocator.refcount(b) == 0)
+            first_chunk = min(r.uncached - len(hit) * bs, self.cfg.max_prefill_tokens) + 1
+            if self.allocator.num_free - held < -(-first_chunk // bs) + 1 and self.running:
                 break
             self.waiting.popleft()
             r.status = Status.RUNNING
             r.table = r.table or BlockTable(self.allocator)
+            r.table.rank = self.rank_of(r.slo.cls)
+            self._map_prefix(r, hit)
             r.admit_seq = next(self._admit_seq)
             if r.admitted_at is None:
                 r.admitted_at = self.now
             self.running.append(r)
             self._admitted.append(r.rid)
+            if r.num_cached:
+                self._hits[r.rid] = r.num_cached
 
     def req_view(self, r: SeqState, now: float) -> ReqView:
         """What a policy may know about ``r`` at ``now``."""
@@ -308,7 +324,7 @@ class Scheduler:
             n_out=r.num_output,
             decode_ms=(now - r.first_token_at) * 1000.0 if r.first_token_at is not None else 0.0,
             waited_ms=(now - r.arrival) * 1000.0,
-            prefill_left=r.uncached if r.in_prefill else 0,
+            prefill_left=r.to_prefill if r.in_prefill else 0,
             context_len=r.num_tokens,
             rank=c.rank if c else 0,
             max_tokens=r.max_new_tokens - r.num_output,
@@ -409,12 +425,16 @@ class Scheduler:
         for r in batch.decode:
             if r.running and r.table is not None:
                 r.table.truncate(r.num_cached + 1)
+        for r in itertools.chain((r for r, _ in batch.prefill), batch.decode):
+            if r.running:
+                self.register_blocks(r)
         self.counters.iterations += 1
         tr = self._trace
         self._trace = None
         tr.t_end = t_end
         tr.admitted = self._admitted
         tr.preempted = self._preempted
+        tr.cached = self._hits
         tr.prefill = {r.rid: n for r, n in batch.prefill}
         tr.decode = [r.rid for r in batch.decode]
         tr.spec = {r.rid: s for r, s in batch.spec}
@@ -425,6 +445,68 @@ class Scheduler:
         tr.kv_usage = self.allocator.usage
         self._last = tr
         return tr
+
+    # ------------------------------------------------------------------ prefix cache
+    def _digests(self, r: SeqState, n: int) -> list[bytes]:
+        """The names of ``r``'s first ``n`` full blocks (computed once, kept on ``r``);
+        fewer when its tokens are unknown."""
+        d, bs = r.digests, self.cfg.block_size
+        while len(d) < n:
+            toks = r.block_tokens(len(d) * bs, (len(d) + 1) * bs)
+            if toks is None:
+                break
+            d.append(block_digest(d[-1] if d else b"", toks, r.cache_salt))
+        return d[:n]
+
+    def _match(self, r: SeqState) -> list[int]:
+        """The cached blocks ``r`` may map: its longest cached run of full blocks
+        strictly before its last token (whose KV it computes, in a block of its own)."""
+        if not (self.allocator.caching and r.cache_lookup):
+            return []
+        n = (r.num_tokens - 1) // self.cfg.block_size
+        return self.allocator.match(self._digests(r, n)) if n > 0 else []
+
+    def cached_prefix(self, r: SeqState) -> int:
+        """Tokens of ``r`` the prefix cache holds now (what it would not compute)."""
+        return len(self._match(r)) * self.cfg.block_size
+
+    def _map_prefix(self, r: SeqState, hit: list[int]) -> None:
+        """Start ``r``'s empty table on the cached blocks ``hit``; counts the lookup."""
+        bs = self.cfg.block_size
+        r.table.map_cached(hit)
+        r.num_cached = len(hit) * bs
+        r.draft_cached = r.table.drafted * bs
+        r.prefix_hint = 0
+        if r.num_output == 0:
+            r.cached_prompt = r.num_cached
+        if self.allocator.caching and r.cache_lookup:
+            self.allocator.stats.count(r.cls, r.num_tokens, r.num_cached)
+
+    def register_blocks(self, r: SeqState) -> None:
+        """Name ``r``'s newly full blocks of committed tokens in the prefix cache, and
+        mark those whose draft KV is computed too."""
+        t = r.table
+        if t is None or not self.allocator.caching:
+            return
+        bs = self.cfg.block_size
+        full = min(r.num_cached // bs, len(t.blocks))
+        if full > t.named:
+            names = self._digests(r, full)
+            while t.named < len(names):
+                self.allocator.register(t.blocks[t.named], names[t.named])
+                t.named += 1
+        drafted = min(r.draft_cached // bs, t.named)
+        while t.drafted < drafted:
+            self.allocator.mark_draft(t.blocks[t.drafted])
+            t.drafted += 1
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block; returns how many were named."""
+        n = self.allocator.reset_cache()
+        for r in self.running:
+            if r.table is not None:
+                r.table.named = r.table.drafted = 0
+        return n
 
     # ------------------------------------------------------------------ KV
     def _ensure(self, r: SeqState, slots: int, may_preempt: bool) -> bool:
@@ -442,7 +524,9 @@ class Scheduler:
                     return False
 
     def _preempt(self, victim: SeqState) -> None:
-        """Free a running request's KV and put it back in front of the queue."""
+        """Free a running request's KV and put it back in front of the queue (its named
+        blocks stay cached: on readmission it maps what is still there)."""
+        self.register_blocks(victim)
         victim.table.release()
         victim.num_cached = 0
         victim.draft_cached = 0

@@ -47,6 +47,11 @@ class SeqState:
         "preemptions",
         "cancelled",
         "constrained",
+        "cache_salt",
+        "cache_lookup",
+        "digests",
+        "prefix_hint",
+        "cached_prompt",
     )
 
     def __init__(self, rid: int, slo: SLO, arrival: float):
@@ -66,6 +71,15 @@ class SeqState:
         self.degraded_from: str | None = None
         self.preemptions = 0
         self.cancelled = False
+        # prefix caching: the salt of its first block's name (None: shared by all),
+        # whether it may map cached blocks (a request scoring its prompt's log
+        # probabilities computes them all), its blocks' names so far, the cached
+        # tokens expected while it waits, and the prompt tokens it found cached
+        self.cache_salt: str | None = None
+        self.cache_lookup = True
+        self.digests: list[bytes] = []
+        self.prefix_hint = 0
+        self.cached_prompt = 0
 
     # ------------------------------------------------------------ provided by subclasses
     @property
@@ -83,6 +97,11 @@ class SeqState:
         """The output-token limit (``max_tokens``)."""
         raise NotImplementedError
 
+    def block_tokens(self, start: int, stop: int):
+        """Token ids at positions ``start..stop-1`` (what names a KV block); None when
+        the request's tokens are unknown (it is never cached)."""
+        return None
+
     # ------------------------------------------------------------ derived
     @property
     def cls(self) -> str:
@@ -98,6 +117,13 @@ class SeqState:
     def uncached(self) -> int:
         """Context tokens not yet in the target's KV cache."""
         return self.num_tokens - self.num_cached
+
+    @property
+    def to_prefill(self) -> int:
+        """Context tokens still to compute: the uncached ones, less those a waiting
+        request expects to find in the prefix cache."""
+        hint = self.prefix_hint if self.status is Status.WAITING else 0
+        return max(1, self.uncached - hint) if hint else self.uncached
 
     @property
     def in_prefill(self) -> bool:

@@ -19,6 +19,7 @@ class StepTrace:
     acc_by_rank: the calibrated acceptance by sibling rank the policy was shown
     admitted:    rids admitted at the start of this step, in order
     preempted:   rids preempted while reserving KV, in order
+    cached:      rid -> tokens found in the prefix cache, for each request admitted
     prefill:     rid -> prefill tokens run in this pass
     decode:      rids decoding in this pass (admission order)
     spec:        rid -> (depth, width) of the drafted tree
@@ -40,6 +41,7 @@ class StepTrace:
     acc_by_rank: tuple[float, ...] = ()
     admitted: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
+    cached: dict[int, int] = field(default_factory=dict)
     prefill: dict[int, int] = field(default_factory=dict)
     decode: list[int] = field(default_factory=list)
     spec: dict[int, tuple[int, int]] = field(default_factory=dict)

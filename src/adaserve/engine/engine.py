@@ -18,6 +18,7 @@ import numpy as np
 
 from adaserve import paths
 from adaserve.config import EngineConfig
+from adaserve.core.blocks import CacheStats
 from adaserve.core.clock import Clock, WallClock
 from adaserve.core.counters import Counters
 from adaserve.core.scheduler import Batch, Scheduler
@@ -325,10 +326,13 @@ class Engine:
         slo: SLO | None = None,
         arrival: float | None = None,
         grammar: GrammarState | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """A validated request, not queued (``add_request`` queues it). ``grammar``: the
         state of ``params.structured_outputs`` made beforehand (the server compiles off
-        the engine thread); None: compiled here when the params have a constraint."""
+        the engine thread); None: compiled here when the params have a constraint.
+        ``cache_salt``: its prefix-cache blocks are shared only with requests of the
+        same salt (vLLM's field; None: with every unsalted request)."""
         params = params or SamplingParams()
         if params.n != 1:
             raise InvalidRequestError(
@@ -348,6 +352,9 @@ class Engine:
         arrival = self.clock.now() if arrival is None else arrival
         gen = self.runner.generator(params.seed)
         r = Request(next(self._ids), ids, params, slo, gen, arrival)
+        r.cache_salt = cache_salt or None
+        # a request scoring its prompt computes every prompt token (vLLM's choice too)
+        r.cache_lookup = params.prompt_logprobs is None
         if grammar is not None:
             r.grammar = grammar
         elif params.structured_outputs is not None:
@@ -372,10 +379,11 @@ class Engine:
         slo: SLO | None = None,
         arrival: float | None = None,
         grammar: GrammarState | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate and queue a request (admission control may shed it with
         ``AdmissionRejected``); returns its live ``Request``."""
-        r = self.new_request(prompt, params, slo, arrival, grammar)
+        r = self.new_request(prompt, params, slo, arrival, grammar, cache_salt)
         self.scheduler.add(r)
         return r
 
@@ -406,6 +414,8 @@ class Engine:
             raise AdaServeError("cannot reset an engine that still has requests")
         self.scheduler.counters = Counters()
         self.scheduler.admission.reset()
+        self.scheduler.reset_prefix_cache()  # no run starts warm from the one before
+        self.allocator.stats = CacheStats()
         self.calibrator = self._new_calibrator()
         self.set_faults(Faults())
         self.last_trace = None
@@ -482,6 +492,19 @@ class Engine:
     def kv_usage(self) -> float:
         """Fraction of the KV pool in use (0-1)."""
         return self.allocator.usage
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV block (vLLM's ``reset_prefix_cache``); returns how
+        many were cached. Requests running keep their blocks."""
+        return self.scheduler.reset_prefix_cache()
+
+    def prefix_cache_stats(self) -> dict:
+        """Prefix-cache lookups since start: queried and cached prompt tokens, hit rate,
+        in total and per class (``CacheStats.summary``)."""
+        out = self.allocator.stats.summary()
+        out["enabled"] = self.allocator.caching
+        out["cached_blocks"] = self.allocator.num_cached
+        return out
 
 
 def _pass_tokens(batch: Batch, trees: dict[int, CandidateTree]) -> int:

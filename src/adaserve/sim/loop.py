@@ -129,6 +129,18 @@ class SimRequest(SeqState):
     def num_tokens(self) -> int:
         return self.n_tokens
 
+    def block_tokens(self, start: int, stop: int):
+        """The item's prompt ids, then (a recorded run's outputs, else) ids no prompt
+        holds: a simulated output is never found in another request's prompt."""
+        ids = self.item.prompt_ids
+        if ids is None:
+            return None
+        full = self.item.meta.get("tokens")
+        if full is not None and stop <= len(full):
+            return full[start:stop]
+        base = -(self.rid + 1) << 24
+        return [ids[i] if i < len(ids) else base - i for i in range(start, stop)]
+
     @property
     def prompt_len(self) -> int:
         return self._prompt_len

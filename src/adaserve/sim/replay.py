@@ -35,6 +35,9 @@ class RecordedRequest:
     prompt_len: int
     max_tokens: int
     slo: SLO
+    # its prompt and output token ids, when known: the simulator then names its KV
+    # blocks as the engine did, and finds the same prefix-cache hits
+    tokens: tuple[int, ...] | None = None
 
 
 def decisions(tr: StepTrace) -> dict:
@@ -43,6 +46,7 @@ def decisions(tr: StepTrace) -> dict:
     return {
         "admitted": list(tr.admitted),
         "preempted": list(tr.preempted),
+        "cached": dict(tr.cached),
         "prefill": dict(tr.prefill),
         "decode": list(tr.decode),
         "spec": dict(tr.spec),
@@ -96,7 +100,16 @@ class _ReplayRun(_Run):
 
     def __init__(self, sim, policy, requests, steps, refusals: dict[int, str]):
         items = [
-            WorkItem(r.rid, r.arrival, r.slo.cls, None, None, r.prompt_len, r.max_tokens)
+            WorkItem(
+                r.rid,
+                r.arrival,
+                r.slo.cls,
+                None,
+                None if r.tokens is None else list(r.tokens[: r.prompt_len]),
+                r.prompt_len,
+                r.max_tokens,
+                meta={} if r.tokens is None else {"tokens": list(r.tokens)},
+            )
             for r in requests
         ]
         super().__init__(sim, policy, items, {}, None, None, False)
