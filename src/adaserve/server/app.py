@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adaserve import __version__
 from adaserve.config import EngineConfig
-from adaserve.server.auth import client_of
+from adaserve.server.auth import AUTH_PATHS, client_of
 from adaserve.server.chat import create_chat
 from adaserve.server.completions import create_completion
 from adaserve.server.config import ServerConfig, Tenant, engine_config_for_server
@@ -66,10 +66,6 @@ from adaserve.server.tokenize import detokenize, parse_tokenize, tokenize
 from adaserve.server.validation import is_json_content, json_encoding_error
 
 log = logging.getLogger("adaserve.server")
-
-# outside /v1/, the paths that need a key as /v1/* does (model access); /health,
-# /ping, /version and /metrics (which filters by key itself) do not
-AUTH_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
 # ---------------------------------------------------------------------- middleware
@@ -354,6 +350,21 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
         except ValueError as e:
             raise ApiError(409, str(e), code="no_profile") from None
         return JSON({"status": "reloaded", "profile": _jsonable(prov)})
+
+    @app.post("/reset_prefix_cache", responses=_ERRORS)
+    async def reset_prefix_cache(request: Request, _key: BearerKey):
+        """vLLM's ``/reset_prefix_cache``: forget every cached KV block between two
+        steps (running requests keep theirs). Needs an admin key (or open mode)."""
+        tenant: Tenant = request.state.tenant
+        if not (state.tenants.open_mode or tenant.admin):
+            raise ApiError(
+                403,
+                "resetting the prefix cache needs an API key with the admin role",
+                type="permission_error",
+                code="admin_required",
+            )
+        n = await asyncio.wrap_future(state.loop.call(lambda e: e.reset_prefix_cache()))
+        return JSON({"status": "reset", "blocks_forgotten": n})
 
     @app.get("/health")
     async def health():

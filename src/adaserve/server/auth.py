@@ -41,7 +41,7 @@ ANONYMOUS = "anonymous"
 
 # outside /v1/, the paths that need a key as /v1/* does (model access); /health,
 # /ping, /version and /metrics (which filters by key itself) do not
-AUTH_PATHS = frozenset({"/tokenize", "/detokenize"})
+AUTH_PATHS = frozenset({"/tokenize", "/detokenize", "/reset_prefix_cache"})
 
 # the throttle's bounds: the longest lock, how many client addresses it remembers (the
 # least recently seen go first) and how many good keys per address

@@ -96,6 +96,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "kept (default on; --no-admission queues everything)",
     )
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="automatic prefix caching: a prompt's cached prefix of full KV blocks is "
+        "reused, not recomputed (default on, as vLLM; tenants never share blocks unless "
+        "their prefix_cache_group says so)",
+    )
+    p.add_argument(
+        "--prefix-cache-eviction",
+        choices=["lru", "slo"],
+        default=None,
+        help="which cached block goes first when the pool is full: lru (vLLM's, the "
+        "default) or slo (blocks the strictest classes used are kept longer)",
+    )
+    p.add_argument(
         "--uvicorn-log-level",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         default=None,
@@ -340,6 +355,8 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
         "seed": getattr(args, "seed", None),
         "threads": getattr(args, "threads", None),
         "structured_outputs_backend": getattr(args, "structured_outputs_backend", None),
+        "enable_prefix_caching": getattr(args, "enable_prefix_caching", None),
+        "prefix_cache_eviction": getattr(args, "prefix_cache_eviction", None),
     }
     kw.update({k: v for k, v in flags.items() if v is not None})
     if getattr(args, "reprofile", False):

@@ -53,6 +53,15 @@ class Tenant:
     max_concurrent: int | None = None
     admin: bool = False
     free_targets: bool = False  # explicit targets may be stricter than the class's
+    # tenants of one group share cached prompt prefixes (None: the tenant's own name,
+    # so no other tenant's request is ever served from its KV blocks)
+    prefix_cache_group: str | None = None
+
+    def cache_salt(self, salt: str | None) -> str:
+        """The salt of a request's prefix-cache blocks: its tenant's group, then the
+        request's own ``cache_salt`` (vLLM's field), if any."""
+        group = self.prefix_cache_group or self.name
+        return group if salt is None else f"{group}\0{salt}"
 
     def may_use(self, cls: str) -> bool:
         return self.classes is None or cls in self.classes
@@ -259,6 +268,7 @@ _TENANT_KEYS = {
     "max_concurrent",
     "admin",
     "free_targets",
+    "prefix_cache_group",
 }
 
 
@@ -374,6 +384,9 @@ def _parse_tenant(name: str, t: Mapping) -> Tenant:
     default = t.get("default_class")
     if default is not None and not isinstance(default, str):
         raise ConfigError(f"{where}.default_class must be a string")
+    group = t.get("prefix_cache_group")
+    if group is not None and (not isinstance(group, str) or not group):
+        raise ConfigError(f"{where}.prefix_cache_group must be a non-empty string")
     flags = {}
     for k in ("admin", "free_targets"):
         flags[k] = t.get(k, False)
@@ -386,6 +399,7 @@ def _parse_tenant(name: str, t: Mapping) -> Tenant:
         default_class=default,
         on_forbidden_class=forbid,
         on_overload=on_overload,
+        prefix_cache_group=group,
         **flags,
         **limits,
     )

@@ -68,6 +68,7 @@ class EngineInfo:
     kv_blocks: int = 0  # KV pool size in blocks of ``block_size`` tokens
     block_size: int = 0
     kv_bytes: int = 0  # bytes of the pool (target + draft)
+    prefix_caching: bool = False  # automatic prefix caching is on
     # SamplingParams field -> the model's generation_config.json default (as vLLM's
     # --generation-config auto; empty with "vllm")
     sampling_defaults: dict = field(default_factory=dict)
@@ -81,6 +82,8 @@ class EngineSnapshot:
     waiting: int = 0
     kv_usage: float = 0.0
     counters: dict = field(default_factory=dict)
+    # ``Engine.prefix_cache_stats``: queried and cached prompt tokens, by class
+    prefix_cache: dict = field(default_factory=dict)
     time: float = 0.0
     drift: dict = field(default_factory=dict)  # ``DriftMonitor.as_dict``
 
@@ -105,6 +108,8 @@ class Final:
     # the scheduler degraded it (``Request.degraded_from``); None: not known / not
     cls: str | None = None
     degraded_from: str | None = None
+    # prompt tokens found in the prefix cache (``usage.prompt_tokens_details``)
+    cached_tokens: int = 0
 
     @property
     def completion_tokens(self) -> int:
@@ -136,8 +141,10 @@ class Handle:
         ctx: Any = None,
         drop_output: bool = False,
         grammar: Any = None,
+        cache_salt: str | None = None,
     ):
         self.prompt_ids = prompt_ids
+        self.cache_salt = cache_salt  # its prefix-cache salt (the tenant's group and its own)
         self.grammar = grammar  # the GrammarState of params.structured_outputs, or None
         self.drop_output = drop_output
         self.params = params
@@ -411,7 +418,12 @@ class EngineLoop:
                         QUEUE_FULL_RETRY_S,
                     )
                 r = self.engine.add_request(
-                    h.prompt_ids, h.params, h.slo, arrival=h.arrival, grammar=h.grammar
+                    h.prompt_ids,
+                    h.params,
+                    h.slo,
+                    arrival=h.arrival,
+                    grammar=h.grammar,
+                    cache_salt=h.cache_salt,
                 )
             except Exception as exc:  # handed to the awaiting handler
                 self._rejected(h)
@@ -505,6 +517,7 @@ class EngineLoop:
             ),
             cls=r.slo.cls,
             degraded_from=r.degraded_from,
+            cached_tokens=r.cached_prompt,
         )
         if self.on_finish is not None:
             try:
@@ -554,6 +567,7 @@ class EngineLoop:
             waiting=len(e.waiting),
             kv_usage=float(e.kv_usage()),
             counters=dataclasses.asdict(e.counters),
+            prefix_cache=_prefix_cache_of(e),
             time=time.time(),
             drift=_drift_of(e),
         )
@@ -628,6 +642,7 @@ def _pool_info(e) -> dict:
         "kv_blocks": blocks,
         "block_size": bs,
         "kv_bytes": blocks * bs * per_slot,
+        "prefix_caching": bool(getattr(e.cfg, "enable_prefix_caching", False)),
     }
 
 
@@ -653,3 +668,9 @@ def model_name_of(source) -> str:
     if md is None or Path(md) == paths.DEFAULT_TARGET:
         return "adaserve"
     return Path(md).name
+
+
+def _prefix_cache_of(e) -> dict:
+    """The engine's prefix-cache figures ({} for an engine without them)."""
+    stats = getattr(e, "prefix_cache_stats", None)
+    return stats() if stats is not None else {}

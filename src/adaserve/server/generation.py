@@ -129,6 +129,7 @@ async def generate(
                         ctx=ctx,
                         drop_output=score_only,
                         grammar=grammars[i * n + j],
+                        cache_salt=tenant.cache_salt(body.cache_salt),
                     )
                 )
                 if constraint is not None:
@@ -216,8 +217,14 @@ async def collect(state: ServerState, request: Request, job: Job, meta: Meta):
             created=meta.created,
             model=meta.model,
             choices=choices,
-            usage=Usage.of(meta.prompt_tokens, completion_tokens),
+            usage=Usage.of(meta.prompt_tokens, completion_tokens, cached_of(finals, meta.n)),
             metrics=RequestMetrics.of(finals[0].metrics),
             service_tier=meta.service_tier,
         )
     )
+
+
+def cached_of(finals: dict, n: int) -> int:
+    """Prompt tokens served from the prefix cache: each prompt's first choice's (the
+    others share its prompt, as ``prompt_tokens`` counts it once)."""
+    return sum(f.cached_tokens for i, f in finals.items() if i % n == 0)

@@ -84,6 +84,9 @@ VLLM_NAMES = (
     "vllm:spec_decode_num_draft_tokens_total",
     "vllm:spec_decode_num_accepted_tokens_total",
     "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:prompt_tokens_cached_total",
 )
 
 SHED_REASONS = ("queue_full", "server_shutdown")
@@ -455,6 +458,37 @@ class _EngineCollector:
             "vllm:spec_decode_num_accepted_tokens",
             "Draft tokens accepted.",
             c.get("spec_accepted_tokens", 0),
+        )
+        pc = s.prefix_cache or {}
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            pc.get("queried_tokens", 0),
+        )
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            pc.get("cached_tokens", 0),
+        )
+        yield counter(
+            "vllm:prompt_tokens_cached",
+            "Prompt tokens served from the prefix cache.",
+            pc.get("cached_tokens", 0),
+        )
+        for key, name, doc in (
+            ("queried_tokens", "adaserve:prefix_cache_queries_by_class",
+             "Prompt tokens looked up in the prefix cache, by SLO class."),
+            ("cached_tokens", "adaserve:prefix_cache_hits_by_class",
+             "Prompt tokens found in the prefix cache, by SLO class."),
+        ):  # fmt: skip
+            f = CounterMetricFamily(name, doc, labels=["model_name", "slo_class"])
+            for cls, v in (pc.get("by_class") or {}).items():
+                f.add_metric([mn, cls], v.get(key, 0))
+            yield f
+        yield counter(
+            "adaserve:prefix_cache_evictions",
+            "Cached KV blocks evicted to make room.",
+            pc.get("evictions", 0),
         )
         per_pos = CounterMetricFamily(
             "vllm:spec_decode_num_accepted_tokens_per_pos",

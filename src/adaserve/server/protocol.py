@@ -131,6 +131,9 @@ class _Sampling(_TopLevel):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = Field(None, max_length=64)
+    # vLLM's: the request's cached prefix is shared only with requests of this salt
+    # (within its tenant's prefix-cache group)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
 
 class CompletionRequest(_Sampling):
@@ -278,17 +281,26 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's ``usage.prompt_tokens_details``: prompt tokens served from the prefix
+    cache."""
+
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
 
 

@@ -46,6 +46,8 @@ def engine_summary(loop: EngineLoop) -> dict:
         "drift": snap.drift,
         # structured outputs: compile and mask time, forced tokens
         "structured": _structured_summary(loop),
+        # automatic prefix caching: queried and cached prompt tokens, hit rate by class
+        "prefix_cache": snap.prefix_cache or None,
         # the thread plan, the profile and where the class targets come from
         **getattr(loop, "provenance", {}),
     }
@@ -203,6 +205,7 @@ class ServerState:
                 "num_gpu_blocks": info.kv_blocks,
                 "cache_dtype": info.dtype,
                 "device": info.device,
+                "enable_prefix_caching": info.prefix_caching,
             },
         )
         self.chat_template = self.load_chat_template()

@@ -51,7 +51,8 @@ def startup_summary(info, model_name: str, admission: bool | None = None) -> str
         f"engine ready: model {model_name} ({info.model_dir}), "
         f"draft {info.draft_dir or 'none (no speculation)'}, dtype {info.dtype or '?'}, "
         f"device {info.device or '?'}, {pool}, policy {info.policy}, "
-        f"max model len {info.max_model_len}, classes {classes} (default {info.default_class})"
+        f"max model len {info.max_model_len}, classes {classes} (default {info.default_class}), "
+        f"prefix caching {'on' if info.prefix_caching else 'off'}"
         + (
             ""
             if admission is None
@@ -85,13 +86,16 @@ class StatsLogger:
         self._last_active = False
 
     @staticmethod
-    def _counts(snap) -> tuple[int, int, int, int]:
+    def _counts(snap) -> tuple[int, ...]:
         c = snap.counters or {}
+        pc = getattr(snap, "prefix_cache", None) or {}
         return (
             int(c.get("prompt_tokens", 0)),
             int(c.get("generation_tokens", 0)),
             int(c.get("spec_draft_tokens", 0)),
             int(c.get("spec_accepted_tokens", 0)),
+            int(pc.get("queried_tokens", 0)),
+            int(pc.get("cached_tokens", 0)),
         )
 
     def observe_finish(self, cls: str, attained: bool, verified: int, accepted: int) -> None:
@@ -120,6 +124,7 @@ class StatsLogger:
         loud = active or self._last_active
         self._last_active = active
         acc = f"{100 * d[3] / d[2]:.1f}%" if d[2] else "-"
+        hits = f"{100 * d[5] / d[4]:.1f}%" if d[4] else "-"
         parts = []
         for c, t in tally.items():
             att = f"{100 * t.attained / t.finished:.1f}% of {t.finished}" if t.finished else "-"
@@ -130,6 +135,7 @@ class StatsLogger:
             f"Avg generation throughput: {gen_tps:.1f} tokens/s, "
             f"Running: {snap.running} reqs, Waiting: {snap.waiting} reqs, "
             f"KV cache usage: {100 * snap.kv_usage:.1f}%, "
+            f"Prefix cache hit rate: {hits}, "
             f"Draft acceptance: {acc}; SLO attainment: " + ", ".join(parts)
         )
         return text, loud

@@ -64,6 +64,7 @@ async def _events(state: ServerState, job: Job, meta: Meta, first, include_usage
             yield chunk([opening])
     left = k
     completion_tokens = 0
+    cached = 0  # prompt tokens served from the prefix cache (each prompt's first choice)
     most = 0  # the most tokens one choice generated
     ev = first
     while True:
@@ -83,6 +84,7 @@ async def _events(state: ServerState, job: Job, meta: Meta, first, include_usage
         else:
             left -= 1
             completion_tokens += final.completion_tokens
+            cached += final.cached_tokens if idx % meta.n == 0 else 0
             most = max(most, final.completion_tokens)
             err = final_error(state, final, job.handles[idx].ctx.cls)
             if err is not None:
@@ -104,7 +106,7 @@ async def _events(state: ServerState, job: Job, meta: Meta, first, include_usage
     if left == 0:
         state.metrics.observe_request(meta.n, most)
     if include_usage and left == 0:
-        yield chunk([], usage=Usage.of(meta.prompt_tokens, completion_tokens))
+        yield chunk([], usage=Usage.of(meta.prompt_tokens, completion_tokens, cached))
     yield "data: [DONE]\n\n"
 
 
