@@ -126,7 +126,9 @@ def _add_common(p: argparse.ArgumentParser, default_duration: float) -> None:
         "--dataset",
         default="stdlib",
         help="stdlib (held-out stdlib code), random, humaneval (the HumanEval problems), "
-        "or a ShareGPT .json/.jsonl file",
+        "a ShareGPT .json/.jsonl file, or a session workload whose prompts share prefixes: "
+        "multiturn[:system=N:turns=LO-HI:user=LO-HI:think=S:ctx=N] (chat histories) or "
+        "agent[:...] (tool loops); see docs/bench.md",
     )
     w.add_argument(
         "--trace",
@@ -165,6 +167,14 @@ def _add_common(p: argparse.ArgumentParser, default_duration: float) -> None:
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--profile", help="hardware profile JSON (default: cached / measured)")
     e.add_argument("--admission", action="store_true", help="enable admission control")
+    e.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="automatic prefix caching (default on; the simulator names blocks by the "
+        "workload's prompt ids)",
+    )
+    e.add_argument("--prefix-cache-eviction", choices=["lru", "slo"], default="lru")
 
     h = p.add_argument_group("HTTP")
     h.add_argument("--base-url", help="benchmark a running OpenAI-compatible server instead")
@@ -386,6 +396,8 @@ class _InProcess:
             max_num_seqs=args.max_num_seqs,
             profile=args.profile,
             admission=args.admission,
+            enable_prefix_caching=args.enable_prefix_caching,
+            prefix_cache_eviction=args.prefix_cache_eviction,
         )
         self.classes = self.cfg.classes
         self.factory = EngineFactory(self.cfg)
@@ -426,6 +438,7 @@ class _InProcess:
             "dtype": str(eng.dtype).removeprefix("torch."),
             "kv_pool_bytes": eng.allocator.num_blocks * self.cfg.block_size * eng.kv_bytes_per_slot,
             "max_num_seqs": self.cfg.max_num_seqs,
+            "prefix_caching": self.cfg.enable_prefix_caching,
             "admission": self.cfg.admission,
             "unloaded_tpot_ms": eng.unloaded_tpot_ms(),
             # where the class targets and the profile come from, and the threads

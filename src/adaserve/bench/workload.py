@@ -8,7 +8,9 @@ items on every run and every policy sees the identical workload.
 What a workload is made of lives beside this module: the spec and its parsers in
 ``adaserve.bench.workload_spec``, arrival processes and trace files in
 ``adaserve.bench.arrivals``, prompt sources (``dataset``: ``stdlib``, ``random``,
-``humaneval`` or a ShareGPT file) in ``adaserve.bench.datasets``.
+``humaneval`` or a ShareGPT file) in ``adaserve.bench.datasets``, and the session
+workloads whose prompts share prefixes (``multiturn``, ``agent``) in
+``adaserve.bench.sessions``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from adaserve.bench.datasets import (
     load_humaneval,
     load_sharegpt,
 )
+from adaserve.bench.sessions import build_sessions, is_session_dataset
 from adaserve.bench.workload_spec import (
     FALLBACK_INPUT,
     FALLBACK_OUTPUT,
@@ -69,6 +72,8 @@ def build_workload(spec: WorkloadSpec, tokenizer=None, vocab_size: int | None = 
     ``prompt`` is None. With neither, only ``prompt`` is set (text cut to about four
     characters per token).
     """
+    if is_session_dataset(spec.dataset):
+        return build_sessions(spec, tokenizer, vocab_size)
     ss = np.random.SeedSequence(spec.seed)
     r_arr, r_cls, r_len, r_prompt = (np.random.default_rng(s) for s in ss.spawn(4))
     rate_changes = [(s.at_s, float(s.value)) for s in spec.shifts if s.kind == "rate"]
