@@ -13,8 +13,9 @@ the recorded ones, not the model's output, so a request's own output is never fo
 the cache, while everything its predecessor sent is. Turns of one session are open-loop:
 turn k + 1 arrives ``think`` seconds (exponential, mean ``think``) plus its reply's
 nominal duration (``reply_s`` per output token) after turn k. Sessions start as a
-Poisson process at ``request_rate / mean turns`` per second, so the request rate is the
-spec's. A session ends at its turn count, or before a prompt would pass ``ctx`` tokens.
+Poisson process at ``request_rate / mean turns`` per second, from the longest session span
+before 0 (only requests from 0 on are kept), so the request rate is the spec's from
+the start. A session ends at its turn count, or before a prompt would pass ``ctx`` tokens.
 
 Keys (defaults for multiturn / agent): ``system`` shared prefix tokens (384 / 768),
 ``turns`` LO-HI turns or steps a session (2-6 / 3-8), ``user`` LO-HI tokens a user
@@ -27,6 +28,7 @@ simulator (``prompt_ids`` name its KV blocks) and the engine see the same worklo
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -144,37 +146,49 @@ def build_sessions(spec: WorkloadSpec, tokenizer=None, vocab_size: int | None = 
     if spec.duration_s is None:
         raise WorkloadError("a session workload needs a duration")
     ss = np.random.SeedSequence(spec.seed)
-    r_arr, r_cls, r_len, r_txt = (np.random.default_rng(s) for s in ss.spawn(4))
+    r_arr, r_len, r_txt = (np.random.default_rng(s) for s in ss.spawn(3))
     text = _Text(r_txt, tokenizer, vocab_size)
     system = text.ids(shape.system)
-    mean_turns = (shape.turns[0] + shape.turns[1]) / 2
-    rate = spec.request_rate / mean_turns
-    starts, t = [], 0.0
-    while True:
-        t += float(r_arr.exponential(1.0 / rate)) if math.isfinite(rate) else 0.0
-        if t > spec.duration_s or (spec.num_prompts and len(starts) >= spec.num_prompts):
-            break
-        starts.append(t)
     names = [c for c, _ in spec.class_mix]
     shares = np.array([w for _, w in spec.class_mix], dtype=float)
+    shares = shares / shares.sum()
     out_len = dict(spec.output_len)
-    raw: list[tuple[float, str, list[int], int, dict]] = []
-    for s, t0 in enumerate(starts):
-        cls = names[int(r_cls.choice(len(names), p=shares / shares.sum()))]
+
+    def session(rng: np.random.Generator, ids) -> tuple[str, list[tuple[float, list, int]]]:
+        """One session's class and turns: (seconds after its start, prompt, reply)."""
+        cls = names[int(rng.choice(len(names), p=shares))]
         reply_d: LengthDist = out_len.get(cls, out_len.get("*", FALLBACK_OUTPUT))
-        turns = int(r_len.integers(shape.turns[0], shape.turns[1] + 1))
-        history = list(system)
-        at = t0
-        for k in range(turns):
-            user = text.ids(int(r_len.integers(shape.user[0], shape.user[1] + 1)))
-            reply = max(1, int(reply_d.sample(r_len, 1)[0]))
+        history, at, turns = list(system), 0.0, []
+        for _ in range(int(rng.integers(shape.turns[0], shape.turns[1] + 1))):
+            user = ids(int(rng.integers(shape.user[0], shape.user[1] + 1)))
+            reply = max(1, int(reply_d.sample(rng, 1)[0]))
             prompt = history + user
-            if len(prompt) + reply > shape.ctx or at > spec.duration_s:
+            if len(prompt) + reply > shape.ctx:
                 break
-            raw.append((at, cls, prompt, reply, {"session": s, "turn": k}))
-            history = prompt + text.ids(reply)  # the recorded reply
-            at += float(r_len.exponential(shape.think)) if shape.think else 0.0
+            turns.append((at, prompt, reply))
+            history = prompt + ids(reply)  # the recorded reply
+            at += float(rng.exponential(shape.think)) if shape.think else 0.0
             at += reply * shape.reply_s
+        return cls, turns
+
+    # the mean turns a session really has (its context cuts it) and its mean span, from
+    # sessions drawn on a stream of their own: sessions start at request_rate / turns
+    # per second, from the longest span before 0, so the request rate is steady from 0
+    probe = np.random.default_rng(ss.spawn(1)[0])
+    drawn = [session(probe, lambda n: [0] * n)[1] for _ in range(64)]
+    mean_turns = max(1.0, float(np.mean([len(t) for t in drawn])))
+    span = max(t[-1][0] if t else 0.0 for t in drawn)
+    rate = spec.request_rate / mean_turns
+    finite = math.isfinite(rate)
+    t, raw = (-span if finite else 0.0), []
+    for s in itertools.count():
+        t += float(r_arr.exponential(1.0 / rate)) if finite else 0.0
+        if t > spec.duration_s or (spec.num_prompts and len(raw) >= spec.num_prompts):
+            break
+        cls, turns = session(r_len, text.ids)
+        for k, (dt, prompt, reply) in enumerate(turns):
+            if 0 <= t + dt <= spec.duration_s:
+                raw.append((t + dt, cls, prompt, reply, {"session": s, "turn": k}))
     raw.sort(key=lambda x: x[0])
     items = []
     for i, (at, cls, prompt, reply, meta) in enumerate(raw):
