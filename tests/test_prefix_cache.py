@@ -294,3 +294,70 @@ def test_cache_off_names_nothing(tiny_pair):
     llm.generate([p, p], SamplingParams(max_tokens=2))
     assert llm.engine.allocator.num_cached == 0
     assert llm.generate(p, SamplingParams(max_tokens=2))[0].num_cached_tokens == 0
+
+
+# ---------------------------------------------------------------------- workloads, simulator
+@pytest.mark.parametrize("kind", ["multiturn", "agent"])
+def test_session_workloads_share_prefixes_and_are_seeded(kind):
+    from adaserve.bench.workload import build_workload
+    from adaserve.bench.workload_spec import WorkloadSpec
+
+    spec = WorkloadSpec(dataset=f"{kind}:ctx=1200", request_rate=3.0, duration_s=60, seed=4)
+    items = build_workload(spec, vocab_size=VOCAB)
+    again = build_workload(spec, vocab_size=VOCAB)
+    assert [i.prompt_ids for i in items] == [i.prompt_ids for i in again]
+    assert 2.0 <= len(items) / 60 <= 4.0  # about the spec's rate
+    system = {tuple(i.prompt_ids[:300]) for i in items}
+    assert len(system) == 1  # one shared system prompt / tool preamble
+    last: dict = {}
+    for it in sorted(items, key=lambda i: (i.meta["session"], i.meta["turn"])):
+        assert it.prompt_len + it.max_tokens <= 1200
+        prev = last.get(it.meta["session"])
+        if prev is not None:  # the history: the previous prompt, its reply, a new message
+            assert it.prompt_ids[: len(prev.prompt_ids)] == prev.prompt_ids
+            assert it.prompt_len > len(prev.prompt_ids) + prev.max_tokens
+        last[it.meta["session"]] = it
+    other = build_workload(WorkloadSpec(dataset=kind, request_rate=3.0, duration_s=60, seed=5),
+                           vocab_size=VOCAB)  # fmt: skip
+    assert [i.prompt_ids for i in other] != [i.prompt_ids for i in items]
+
+
+def test_bad_session_options_are_clear_errors():
+    from adaserve.bench.sessions import parse_session
+    from adaserve.bench.workload_spec import WorkloadError
+
+    assert parse_session("agent:system=100:turns=2-3").turns == (2, 3)
+    for bad in ("multiturn:system", "multiturn:bogus=1", "agent:turns=5-2", "chatty"):
+        with pytest.raises(WorkloadError):
+            parse_session(bad)
+
+
+def test_simulator_prices_only_the_uncached_prefill():
+    """At GPU scale, the same multi-turn workload: with the cache the simulator computes
+    a fraction of the prompt tokens and the first tokens come sooner."""
+    from adaserve.bench.runner import class_slos
+    from adaserve.bench.workload import build_workload
+    from adaserve.bench.workload_spec import WorkloadSpec
+    from adaserve.sched.registry import make_policy
+    from adaserve.sim import presets
+    from adaserve.sim.acceptance import AcceptanceModel
+    from adaserve.sim.acceptance_params import AcceptanceParams
+    from adaserve.sim.loop import SimConfig, Simulator
+
+    hw = presets.deployment("A100-80GB").hardware_model()
+    spec = WorkloadSpec(dataset="multiturn:system=2000:user=50-300:ctx=8192", request_rate=3.0,
+                        duration_s=40, class_mix=(("interactive", 0.5), ("chat", 0.5)))  # fmt: skip
+    items = build_workload(spec, vocab_size=32000)
+    classes = presets.gpu_classes()
+    slos = class_slos(["chat", "interactive"], 1.0, unloaded_tpot_ms=hw.unloaded_tpot_ms(),
+                      classes=classes)  # fmt: skip
+    ttft = {}
+    for on in (True, False):
+        cfg = SimConfig(classes=classes, kv_slots=400_000, enable_prefix_caching=on)
+        sim = Simulator(hw, AcceptanceModel(AcceptanceParams()), cfg)
+        recs, tl = sim.run(make_policy("adaserve"), items, slos)
+        assert all(r.completed for r in recs)
+        ttft[on] = sorted((r.first_token_s - r.arrival_s) for r in recs)[len(recs) // 2]
+        cached = sum(r.cached_tokens for r in recs)
+        assert (cached > 0.5 * sum(r.prompt_tokens for r in recs)) if on else cached == 0
+    assert ttft[True] * 2 < ttft[False]

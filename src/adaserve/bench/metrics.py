@@ -45,6 +45,7 @@ class RequestRecord:
     finish_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
     output_tokens: int = 0
     tpot_target_ms: float | None = None
     ttft_target_ms: float | None = None
@@ -200,6 +201,10 @@ def _metrics(records: list[RequestRecord], duration_s: float, flops) -> dict:
         "request_throughput_rps": _finite(len(done) / dur),
         "request_goodput_rps": _finite(len(good) / dur),
         "input_tokens": sum(r.prompt_tokens for r in done),
+        "cached_input_tokens": sum(r.cached_tokens for r in done),
+        "prefix_hit_rate": _finite(
+            sum(r.cached_tokens for r in done) / max(1, sum(r.prompt_tokens for r in done))
+        ),
         "output_tokens": out_tok,
         "ttft_ms": dist(r.ttft_ms for r in done),
         "tpot_ms": dist(r.tpot_ms for r in done),

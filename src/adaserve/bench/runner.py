@@ -196,6 +196,7 @@ def run_in_process(
                 finish_s=rel(req.finished_at),
                 token_times_s=[t - t0 for t in req.token_times],
                 prompt_tokens=len(req.prompt_ids),
+                cached_tokens=req.cached_prompt,
                 output_tokens=req.num_output,
                 tpot_target_ms=slo.tpot_ms,
                 ttft_target_ms=slo.ttft_ms,
@@ -385,6 +386,13 @@ def _body(
     return body
 
 
+def _cached_of(usage: dict) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` (0 when a server reports none)."""
+    d = usage.get("prompt_tokens_details")
+    n = d.get("cached_tokens") if isinstance(d, dict) else None
+    return n if isinstance(n, int) and n >= 0 else 0
+
+
 def _record_from(item: WorkItem, slo: SLO, arrival: float, res: dict) -> RequestRecord:
     usage = res["usage"] or {}
     m = res["metrics"] or {}
@@ -405,6 +413,7 @@ def _record_from(item: WorkItem, slo: SLO, arrival: float, res: dict) -> Request
         finish_s=res["finish"] if err is None else None,
         token_times_s=list(res["times"]),
         prompt_tokens=usage.get("prompt_tokens") or item.prompt_len,
+        cached_tokens=_cached_of(usage),
         output_tokens=n_out if err is None else 0,
         tpot_target_ms=slo.tpot_ms,
         ttft_target_ms=slo.ttft_ms,

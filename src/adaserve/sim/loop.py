@@ -315,6 +315,7 @@ class _Run:
                 finish_s=r.finished_at,
                 token_times_s=r.token_times,
                 prompt_tokens=r.prompt_len,
+                cached_tokens=r.cached_prompt,
                 output_tokens=r.num_output,
                 tpot_target_ms=r.target.tpot_ms,
                 ttft_target_ms=r.target.ttft_ms,
