@@ -11,7 +11,7 @@ import openai
 import pytest
 from server_fixtures import LiveServer, engine_config, model_pair, scrape, server_test_env
 
-from adaserve.server import parse_config
+from adaserve.server import ServerConfig, parse_config
 from adaserve.server.cli import add_arguments, build_configs
 from adaserve.server.config import tomllib
 
@@ -154,3 +154,24 @@ def test_the_flags_switch_it(tmp_path_factory):
     assert not off.enable_prefix_caching
     slo = parse("--model", str(target), "--prefix-cache-eviction", "slo")
     assert slo.prefix_cache_eviction == "slo"
+
+
+def test_the_dashboard_shows_hits_by_class(tmp_path_factory, browser):
+    from selenium.webdriver.common.by import By
+    from server_fixtures import wait_for
+
+    target, draft = model_pair(tmp_path_factory)
+    # open mode: the dashboard needs no key
+    s = LiveServer(engine_config(target, draft), ServerConfig(model_name="tiny"))
+    try:
+        p = _prompt(9)
+        assert _cached(s, "none", p) == 0 and _cached(s, "none", p) > 0
+        browser.get(s.url + "/dashboard")
+
+        def note():
+            return browser.find_element(By.ID, "prefix-note").text
+
+        assert wait_for(lambda: "prompt tokens cached" in note(), 30), browser.page_source[:2000]
+        assert "chat" in note() and "computed" in note()
+    finally:
+        s.stop()

@@ -155,6 +155,7 @@ def report_view(
             "stalls": eng.get("stalls") or {},
             "drift": eng.get("drift") or {},
             "structured": eng.get("structured"),
+            "prefix_cache": eng.get("prefix_cache"),
         },
         accepted_per_pos=accepted_per_pos,
         spec_drafts=spec_drafts,

@@ -118,6 +118,14 @@
       so.cache_hits + " cache hit(s); " + so.masks + " node masks at " + num(so.mask_us_per_node, 1) +
       " \u00b5s each; forced tokens " + so.forced_accepted + " accepted of " + so.forced_tokens + "." :
       "Structured outputs: none served yet.";
+    var pc = e.prefix_cache || {}, pcc = pc.by_class || {};
+    $("prefix-note").textContent = !pc.enabled ? "Prefix caching: off." :
+      "Prefix caching: " + pc.cached_tokens + " of " + pc.queried_tokens + " prompt tokens cached (" +
+      num(100 * (pc.hit_rate || 0), 1) + "%)" + (Object.keys(pcc).length ? "; by class: " +
+      Object.keys(pcc).map(function (k) {
+        return k + " " + num(100 * (pcc[k].hit_rate || 0), 1) + "% (" + pcc[k].cached_tokens +
+          " cached, " + pcc[k].computed_tokens + " computed)";
+      }).join(", ") : "") + "; " + pc.cached_blocks + " blocks cached, " + pc.evictions + " evicted.";
     $("classes-note").textContent =
       "Percentiles and attainment: finished requests since start (\u2713 meets / \u2717 misses the class target). " +
       "Per-iteration columns: means over the last " + v.recent_iterations + " iterations." + from +
