@@ -52,6 +52,8 @@ def sim(args) -> dict:
     """SLO capacity at GPU scale, cache on and off, per workload and policy."""
     out: dict = {}
     for name, ds in (("multiturn", GPU_MULTITURN), ("agent", GPU_AGENT)):
+        if name not in args.workloads.split(","):
+            continue
         for cache in ("enable", "no-enable"):
             d = Path(args.out) / f"sim-{name}-{cache}"
             argv = [PY, "-m", "adaserve", "simulate", "--dataset", ds, "--output-len", GPU_OUT]
@@ -61,7 +63,7 @@ def sim(args) -> dict:
             out[f"{name}/{cache}"] = _capacity(_run(argv, d))
     lines = ["| workload | policy | capacity, cache on (req/s) | cache off | on / off |"]
     lines.append("|---|---|---|---|---|")
-    for name in ("multiturn", "agent"):
+    for name in args.workloads.split(","):
         on, off = out[f"{name}/enable"], out[f"{name}/no-enable"]
         for p in on:
             r = on[p] / off[p] if on[p] and off[p] else None
@@ -209,9 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("what", choices=["sim", "cpu", "peer", "eviction"])
     p.add_argument("--out", default="bench-results/prefix-cache")
     p.add_argument("--seeds", default="1-3")
+    p.add_argument("--workloads", default="multiturn,agent", help="sim: which of multiturn,agent")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--duration", type=float, default=180.0, help="simulated seconds per point")
-    p.add_argument("--sim-rates", default="0.25,0.5,1,1.5,2,3,4,6,8")
+    p.add_argument("--sim-rates", default="0.2,0.3,0.5,1,1.5,2,3,4")
     p.add_argument("--policies", default="adaserve,ar-chunked,spec-chain:4,dyn-tree,smartspec")
     p.add_argument("--cpu-rates", default="1,2,3,4,6")
     p.add_argument("--cpu-duration", type=float, default=40.0)
