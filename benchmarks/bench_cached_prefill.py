@@ -4,7 +4,8 @@
 
 One sequence, a chunk of ``n`` new tokens attending ``ctx`` cached ones, timed with the
 engine's forward (the shipped target, the engine's KV layout), against the profile's
-prediction ``verify_latency(n, ctx + n)``. Rounds interleave the shapes so the machine's
+prediction ``verify_latency(n, ctx + n, n * ctx)`` (its pair term prices the
+attention of the new tokens over the cached ones). Rounds interleave the shapes so the machine's
 drift spreads over all of them. Prints measured / predicted per shape.
 """
 
@@ -52,7 +53,7 @@ def main() -> int:
     print("|---|---|---|---|---|")
     for n, ctx in shapes:
         m = statistics.median(times[(n, ctx)])
-        p = float(hw.verify_latency(n, ctx + n))
+        p = float(hw.verify_latency(n, ctx + n, n * ctx))
         print(f"| {n} | {ctx} | {m:.2f} | {p:.2f} | {m / p:.2f} |")
     return 0
 

@@ -37,7 +37,7 @@ def hf_tokens_per_s(hf, tok, prompts, new_tokens):
 
 
 def ours_tokens_per_s(llm, prompts, new_tokens):
-    sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     with Timer() as t:
         outs = llm.generate(prompts, sp)
     return sum(len(o.outputs[0].token_ids) for o in outs) / t.s

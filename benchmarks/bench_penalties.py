@@ -43,9 +43,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     args = ap.parse_args()
     prompts = heldout_code_prompts(args.prompts, 150, 800)
-    sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, **PEN)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True, **PEN)
     ref, _ = run("ar", prompts, sp)
-    plain, _ = run("ar", prompts, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True))
+    plain, _ = run(
+        "ar", prompts, SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    )
     res: dict = {"penalties": PEN, "changed_by_penalties": sum(a != b for a, b in zip(ref, plain))}
     shipped = draft_mod._penalised
     for policy in ("spec-chain:4", "spec-tree:4x2"):

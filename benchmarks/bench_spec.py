@@ -22,7 +22,7 @@ STATIC = ["spec-chain:4", "spec-chain:6", "spec-tree:4x2", "spec-tree:5x3", "spe
 
 
 def rate(llm, prompts, n):
-    sp = SamplingParams(max_tokens=n, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     with Timer() as t:
         outs = llm.generate(prompts, sp)
     toks = sum(len(o.outputs[0].token_ids) for o in outs)

@@ -103,14 +103,16 @@ def mask_overhead(llm, rounds: int) -> dict:
     llm.engine.set_policy("ar")
     prompts = (PROMPTS * 2)[:16]
     s = llm.engine.structured
-    con = SamplingParams(max_tokens=160, structured_outputs={"json": LONG})
+    con = SamplingParams(temperature=0.0, max_tokens=160, structured_outputs={"json": LONG})
     rows = []
     for _ in range(rounds):
         m0, n0 = s.mask_s, s.masks
         st_c, tok_c, _ = _steps_at(llm, prompts, con, 16)
         mask_s, masks = s.mask_s - m0, s.masks - n0
         per = max(1, tok_c // len(prompts))
-        st_u, _, _ = _steps_at(llm, prompts, SamplingParams(max_tokens=per, ignore_eos=True), 16)
+        st_u, _, _ = _steps_at(
+            llm, prompts, SamplingParams(temperature=0.0, max_tokens=per, ignore_eos=True), 16
+        )
         c, u = statistics.median(st_c), statistics.median(st_u)
         rows.append(
             {
@@ -139,8 +141,10 @@ def speculation(llm, rounds: int, concurrency=(1, 4, 16)) -> dict:
         ("dyn-tree", 32),
     ]
     workloads = {
-        "json_schema": SamplingParams(max_tokens=200, structured_outputs={"json": RECORD}),
-        "unconstrained": SamplingParams(max_tokens=120, ignore_eos=True),
+        "json_schema": SamplingParams(
+            temperature=0.0, max_tokens=200, structured_outputs={"json": RECORD}
+        ),
+        "unconstrained": SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True),
     }
     s = llm.engine.structured
     per: dict[str, list] = {}
@@ -214,7 +218,7 @@ def backends(profile: str | None) -> dict:
             times.append(time.perf_counter() - t0)
         llm.engine.set_policy("adaserve")
         m0, n0 = s.mask_s, s.masks
-        sp = SamplingParams(max_tokens=200, structured_outputs={"json": RECORD})
+        sp = SamplingParams(temperature=0.0, max_tokens=200, structured_outputs={"json": RECORD})
         dt, toks = _run(llm, (PROMPTS * 2)[:16], sp)
         out[be] = {
             "init_s": init_s,

@@ -44,7 +44,7 @@ def main() -> None:
                 random_weights=a.shapes is not None,
             )
         )
-    sp = SamplingParams(max_tokens=10 * a.steps + 20, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=10 * a.steps + 20, ignore_eos=True)
     r = eng.add_request(list(range(1, 33)), sp)
     for _ in range(6):
         eng.step()

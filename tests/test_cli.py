@@ -47,7 +47,7 @@ def test_generate_json_with_token_ids(tiny_pair, tmp_path):
     assert out["stats"]["accepted_tokens"] > 0  # the target drafts for itself
     assert out["logprobs"] is None  # not asked
     ref = LLM(model=str(target), no_draft=True, policy="ar").generate(
-        [[5, 6, 7, 8]], SamplingParams(max_tokens=9)
+        [[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=9)
     )
     assert out["token_ids"] == ref[0].outputs[0].token_ids
 
@@ -81,7 +81,7 @@ def test_bfloat16_runs(tiny_pair):
     llm = LLM(
         model=str(target), no_draft=True, policy="ar", dtype="bfloat16", kv_cache_bytes=8 << 20
     )
-    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5))[0]
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=5))[0]
     assert len(out.outputs[0].token_ids) == 5
     assert llm.engine.kv_target.layers[0][0].dtype.is_floating_point
     assert str(llm.engine.kv_target.layers[0][0].dtype) == "torch.bfloat16"

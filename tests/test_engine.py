@@ -27,7 +27,7 @@ def ar_llm(tiny_pair):
 def test_greedy_batch_equals_transformers(tiny_pair, ar_llm):
     _, _, hf = tiny_pair
     prompts = random_prompts(24, seed=1, lo=2, hi=120)
-    outs = ar_llm.generate(prompts, SamplingParams(max_tokens=16))
+    outs = ar_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
     ref = hf_greedy(hf, prompts, 16)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert all(o.outputs[0].text is None for o in outs)  # no tokenizer in the tiny model
@@ -44,7 +44,8 @@ def test_chunked_prefill_gives_same_greedy_output(tiny_pair):
     )
     prompts = random_prompts(8, seed=2, lo=30, hi=100)
     assert [
-        o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8))
+        o.outputs[0].token_ids
+        for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
     ] == hf_greedy(hf, prompts, 8)
 
 
@@ -59,7 +60,7 @@ def test_preemption_under_tiny_pool_completes_with_same_output(tiny_pair):
         max_prefill_tokens=64,
     )
     prompts = random_prompts(12, seed=3, lo=40, hi=80)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=24))
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
     assert llm.engine.counters.preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, prompts, 24)
     alloc = llm.engine.allocator
@@ -83,12 +84,14 @@ def test_seeded_sampling_is_reproducible(ar_llm):
 
 def test_stop_token_and_max_tokens(ar_llm):
     p = random_prompts(1, seed=5)[0]
-    full = ar_llm.generate([p], SamplingParams(max_tokens=10))[0].token_ids
+    full = ar_llm.generate([p], SamplingParams(temperature=0.0, max_tokens=10))[0].token_ids
     stop_at = full[4]
     first = full.index(stop_at)
-    out = ar_llm.generate([p], SamplingParams(max_tokens=10, stop_token_ids=(stop_at,)))[0]
+    out = ar_llm.generate(
+        [p], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=(stop_at,))
+    )[0]
     assert out.outputs[0].token_ids == full[: first + 1] and out.outputs[0].finish_reason == "stop"
-    out = ar_llm.generate([p], SamplingParams(max_tokens=3))[0]
+    out = ar_llm.generate([p], SamplingParams(temperature=0.0, max_tokens=3))[0]
     assert out.outputs[0].token_ids == full[:3] and out.outputs[0].finish_reason == "length"
 
 

@@ -43,13 +43,13 @@ def _ids(llm, policy, sp):
 
 def test_greedy_with_logit_bias_is_identical_for_every_policy(shipped):
     tok = shipped.engine.tokenizer
-    plain = _ids(shipped, "ar", SamplingParams(max_tokens=32))
+    plain = _ids(shipped, "ar", SamplingParams(temperature=0.0, max_tokens=32))
     # ban the most frequent tokens of the plain outputs, favour two others a little
     counts = np.bincount(np.concatenate(plain), minlength=4096)
     banned = [int(t) for t in np.argsort(-counts)[:6]]
     favoured = [tok.encode(" return", add_special_tokens=False)[0], 17]
     bias = {**{t: -100.0 for t in banned}, **{t: 4.0 for t in favoured}}
-    sp = SamplingParams(max_tokens=32, logit_bias=bias)
+    sp = SamplingParams(temperature=0.0, max_tokens=32, logit_bias=bias)
     ref = _ids(shipped, "ar", sp)
     assert ref != plain and not set(banned) & {t for out in ref for t in out}
     for pol in ("spec-chain:4", "spec-tree:3x2", "adaserve", "dyn-tree"):
@@ -65,6 +65,7 @@ def test_a_bias_never_revives_a_token_the_grammar_forbids(shipped):
         outs = shipped.generate(
             PROMPTS,
             SamplingParams(
+                temperature=0.0,
                 max_tokens=8,
                 logit_bias={outside: 100.0, no: 50.0},
                 structured_outputs={"choice": ["yes", "no"]},
@@ -79,12 +80,12 @@ def test_a_bias_never_revives_a_token_the_grammar_forbids(shipped):
 )
 def test_bad_logit_bias_is_an_invalid_request(bias, what):
     with pytest.raises(InvalidRequestError, match=what.replace("[", r"\[")):
-        SamplingParams(logit_bias=bias)
+        SamplingParams(temperature=0.0, logit_bias=bias)
 
 
 def test_logit_bias_past_the_vocabulary_is_refused(shipped):
     with pytest.raises(InvalidRequestError, match="vocabulary size"):
-        shipped.generate("x", SamplingParams(logit_bias={10**6: 1.0}))
+        shipped.generate("x", SamplingParams(temperature=0.0, logit_bias={10**6: 1.0}))
 
 
 BIAS = {0: 2.0, 3: -1.5, 5: 1.0, 9: -100.0}

@@ -26,11 +26,16 @@ def engines(tiny_pair):
 
 def test_min_tokens_holds_back_stop_tokens_and_stays_lossless(engines):
     prompts = random_prompts(4, seed=5)
-    base = engines["ar"].generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    base = engines["ar"].generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    )
     # each prompt's stop id: the token its greedy output has at index 2
     stops = [o.token_ids[2] for o in base]
-    early = [SamplingParams(max_tokens=12, stop_token_ids=(s,)) for s in stops]
-    held = [SamplingParams(max_tokens=12, stop_token_ids=(s,), min_tokens=6) for s in stops]
+    early = [SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(s,)) for s in stops]
+    held = [
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(s,), min_tokens=6)
+        for s in stops
+    ]
     for name in ("ar", "self"):
         outs = engines[name].generate(prompts, early)
         for o, s in zip(outs, stops):
@@ -60,6 +65,6 @@ def test_min_tokens_holds_back_stop_tokens_and_stays_lossless(engines):
 
 def test_min_tokens_is_validated():
     with pytest.raises(InvalidRequestError, match="min_tokens"):
-        SamplingParams(max_tokens=4, min_tokens=5)
+        SamplingParams(temperature=0.0, max_tokens=4, min_tokens=5)
     with pytest.raises(InvalidRequestError, match="min_tokens"):
-        SamplingParams(min_tokens=-1)
+        SamplingParams(temperature=0.0, min_tokens=-1)

@@ -39,6 +39,7 @@ def test_apply_penalties_follows_the_definition():
     got = apply_penalties(logits, mask, counts, rep, freq, pres)
     for m in range(M):
         sp = SamplingParams(
+            temperature=0.0,
             repetition_penalty=rep[m].item(),
             frequency_penalty=freq[m].item(),
             presence_penalty=pres[m].item(),
@@ -116,7 +117,7 @@ def test_plain_decoding_with_penalties_is_the_transformers_loop(tiny_pair):
     transformers model's logits penalised by the definition over prompt + output."""
     target, _, hf = tiny_pair
     prompts = random_prompts(5, seed=31, lo=3, hi=20)
-    sp = SamplingParams(max_tokens=14, ignore_eos=True, **PEN)
+    sp = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, **PEN)
     got = _ids(_llm(target), prompts, sp)
     for p, g in zip(prompts, got):
         out: list[int] = []
@@ -125,7 +126,9 @@ def test_plain_decoding_with_penalties_is_the_transformers_loop(tiny_pair):
                 row = hf(torch.tensor([p + out])).logits[0, -1].float()
                 out.append(int(ref_penalize(row, p, out, sp).argmax()))
         assert g == out
-    plain = _ids(_llm(target), prompts, SamplingParams(max_tokens=14, ignore_eos=True))
+    plain = _ids(
+        _llm(target), prompts, SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    )
     assert sum(a != b for a, b in zip(got, plain)) >= 4  # the penalties do change it
 
 
@@ -140,7 +143,9 @@ def test_greedy_with_penalties_equals_plain_decoding_under_speculation(
     draft = target if which == "self" else draft
     prompts = random_prompts(16, seed=32, lo=2, hi=40)
     params = [
-        SamplingParams(max_tokens=18, **PEN) if i % 4 else SamplingParams(max_tokens=18)
+        SamplingParams(temperature=0.0, max_tokens=18, **PEN)
+        if i % 4
+        else SamplingParams(temperature=0.0, max_tokens=18)
         for i in range(len(prompts))
     ]
     ref = _ids(_llm(target), prompts, params)
@@ -161,7 +166,7 @@ def test_the_draft_proposes_from_the_penalised_distribution(tiny_pair, monkeypat
 
     target, _, _ = tiny_pair
     prompts = random_prompts(8, seed=33, lo=2, hi=30)
-    sp = SamplingParams(max_tokens=18, **PEN)
+    sp = SamplingParams(temperature=0.0, max_tokens=18, **PEN)
     llm = _llm(target, target, "spec-chain:4")
     with_pen = _ids(llm, prompts, sp)
     acc = llm.engine.counters.spec_accepted_tokens / llm.engine.counters.spec_draft_tokens
@@ -209,7 +214,7 @@ def test_n_samples_are_seeded_choices_in_vllms_shape(tiny_pair):
     assert len(unseeded) == 1 and len(unseeded[0].outputs) == 2
     assert llm.engine.has_work() is False
     with pytest.raises(InvalidRequestError, match="one sample"):  # the engine: no silent n
-        llm.engine.add_request(prompts[0], SamplingParams(n=2))
+        llm.engine.add_request(prompts[0], SamplingParams(temperature=0.0, n=2))
 
 
 def test_use_tqdm_counts_finished_prompts(tiny_pair):
@@ -227,7 +232,7 @@ def test_use_tqdm_counts_finished_prompts(tiny_pair):
     target, _, _ = tiny_pair
     llm = _llm(target)
     prompts = random_prompts(5, seed=36)
-    llm.generate(prompts, SamplingParams(max_tokens=4, n=2), use_tqdm=Recording)
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, n=2), use_tqdm=Recording)
     (bar,) = bars
     bar.fp.close()
     assert bar.total == 5 and bar.n == 5 and bar.desc == "Processed prompts"
@@ -237,13 +242,19 @@ def test_stop_reason_names_the_stop_token_or_string(tmp_path_factory):
     target, _ = model_pair(tmp_path_factory)
     llm = _llm(target)
     prompt = "def add(a, b):"
-    full = llm.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))[0].outputs[0]
+    full = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[
+        0
+    ].outputs[0]
     assert full.stop_reason is None and full.finish_reason == "length"
     tok = full.token_ids[5]
-    o = llm.generate(prompt, SamplingParams(max_tokens=12, stop_token_ids=[tok]))[0].outputs[0]
+    o = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[tok]))[
+        0
+    ].outputs[0]
     assert o.finish_reason == "stop" and o.stop_reason == tok
     stop = full.text[len(full.text) // 2 :][:3]
-    o = llm.generate(prompt, SamplingParams(max_tokens=12, stop=[stop]))[0].outputs[0]
+    o = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]))[
+        0
+    ].outputs[0]
     assert o.finish_reason == "stop" and o.stop_reason == stop and stop not in o.text
 
 
@@ -257,7 +268,7 @@ def test_chat_uses_the_servers_template(tmp_path_factory):
     llm = _llm(target)
     tok = llm.tokenizer
     conv = [{"role": "user", "content": "hello"}]
-    sp = SamplingParams(max_tokens=3)
+    sp = SamplingParams(temperature=0.0, max_tokens=3)
     (o,) = llm.chat(conv, sp, use_tqdm=False)
     assert o.prompt == "<user>hello</user><assistant>"
     assert o.prompt_token_ids == tok.encode(tok.apply_chat_template(conv))

@@ -39,7 +39,7 @@ def shared_prompts(seed: int, n: int, prefix_len: int = 70) -> list[list[int]]:
 
 def waves(llm: LLM, prompts, max_tokens: int = 10):
     """The prompts in three waves (later waves find the earlier ones' blocks)."""
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     k = len(prompts) // 3
     outs = []
     for part in (prompts[:k], prompts[k : 2 * k], prompts[2 * k :]):
@@ -102,7 +102,7 @@ def test_the_draft_skips_a_cached_prefix_it_computed(tiny_pair, profile_file):
         )  # fmt: skip
     )
     p = shared_prompts(3, 2, prefix_len=64)[0]
-    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     a = eng.add_request(p, sp)
     eng.run_until_done()
     b = eng.add_request(p, sp)
@@ -126,7 +126,7 @@ def test_planner_and_admission_see_only_the_uncached_part(tiny_pair, profile_fil
         )  # fmt: skip
     )
     p = shared_prompts(4, 2, prefix_len=96)[0]
-    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     sched = eng.scheduler
     cold = eng.new_request(p, sp)
     cold_ttft = sched.admission.predicted_ttft_ms(cold, sched.now)
@@ -148,7 +148,7 @@ def test_salts_keep_prefixes_apart(tiny_pair):
     target, _, _ = tiny_pair
     llm = LLM(model=str(target), no_draft=True, policy="ar")
     p = shared_prompts(5, 2, prefix_len=64)[0]
-    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     first = llm.generate({"prompt_token_ids": p, "cache_salt": "tenant-a"}, sp)[0]
     other = llm.generate({"prompt_token_ids": p, "cache_salt": "tenant-b"}, sp)[0]
     unsalted = llm.generate(p, sp)[0]
@@ -166,8 +166,8 @@ def test_prompt_logprobs_requests_compute_their_whole_prompt(tiny_pair):
     target, _, _ = tiny_pair
     llm = LLM(model=str(target), no_draft=True, policy="ar")
     p = shared_prompts(6, 2, prefix_len=48)[0]
-    llm.generate(p, SamplingParams(max_tokens=2))
-    out = llm.generate(p, SamplingParams(max_tokens=2, prompt_logprobs=1))[0]
+    llm.generate(p, SamplingParams(temperature=0.0, max_tokens=2))
+    out = llm.generate(p, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1))[0]
     assert out.num_cached_tokens == 0
     assert len(out.prompt_logprobs) == len(p) and out.prompt_logprobs[1] is not None
 
@@ -184,7 +184,7 @@ def test_simulator_finds_the_engines_hits(tiny_pair, cheap_profile):
     slo = SLO(tpot_ms=30.0, ttft_ms=400.0, cls="chat")
     prompts = shared_prompts(7, 12, prefix_len=48)
     for k, p in enumerate(prompts):
-        sp = SamplingParams(max_tokens=6 + k % 5, ignore_eos=True)
+        sp = SamplingParams(temperature=0.0, max_tokens=6 + k % 5, ignore_eos=True)
         r = eng.add_request(p, sp, slo)
         live[r.rid] = r
         requests.append(RecordedRequest(r.rid, r.arrival, len(p), sp.max_tokens, slo))
@@ -291,9 +291,9 @@ def test_cache_off_names_nothing(tiny_pair):
     target, _, _ = tiny_pair
     llm = LLM(model=str(target), no_draft=True, policy="ar", enable_prefix_caching=False)
     p = random_prompts(1, seed=3, lo=60, hi=61)[0]
-    llm.generate([p, p], SamplingParams(max_tokens=2))
+    llm.generate([p, p], SamplingParams(temperature=0.0, max_tokens=2))
     assert llm.engine.allocator.num_cached == 0
-    assert llm.generate(p, SamplingParams(max_tokens=2))[0].num_cached_tokens == 0
+    assert llm.generate(p, SamplingParams(temperature=0.0, max_tokens=2))[0].num_cached_tokens == 0
 
 
 # ---------------------------------------------------------------------- workloads, simulator

@@ -211,7 +211,7 @@ def test_drift_is_reported_and_nothing_is_measured_in_the_loop(
     eng = Engine(cfg, clock=TickClock(0.5))
     eng.set_hardware(HardwareModel.load(cheap_profile))
     before = eng.class_slo("interactive").tpot_ms
-    eng.add_request([1, 2, 3, 4], SamplingParams(max_tokens=8, ignore_eos=True))
+    eng.add_request([1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     eng.run_until_done()
     assert eng.drift.drifted and eng.drift.events == 1
     err = capsys.readouterr().err

@@ -161,7 +161,7 @@ def test_stalls_are_counted_with_their_cause(tiny_pair, cheap_profile):
         return forward(*a, **k)
 
     eng.runner.verify_forward = fake_forward
-    eng.add_request([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    eng.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     eng.run_until_done()
     st = eng.counters.stalls
     assert st == {"gc": 2, "compile": 2, "slowed_machine": 2, "unknown": 2}
@@ -172,3 +172,46 @@ def test_stalls_are_counted_with_their_cause(tiny_pair, cheap_profile):
     assert d.end(d.begin(), 10.0, 29.0) is None and d.end(d.begin(), 10.0, 31.0) == "unknown"
     with pytest.raises(ValueError):
         StallDetector(factor=1.0)
+
+
+def test_a_busy_measurement_records_no_targets(eng, monkeypatch, capsys):
+    """A profile measured while the machine was busy (its threads got < 80% of their
+    cores) serves the run, but never records the class targets, nor replaces a
+    record with --reprofile / --record-targets."""
+    assert profile.cpu_share(0.5, 1.0, 1) == 0.5 and profile.cpu_share(0.1, 0.1, 1) is None
+    assert profile.cpu_share(1.8, 1.0, 2) == 0.9
+    record, cached = profile.targets_path(eng), profile.cached_profile_path(eng)
+    # the real forward passes (the tiny pair's: quick), the share they got injected
+    monkeypatch.setattr(profile, "cpu_share", lambda cpu, wall, threads: 0.55)
+    busy = profile.load_or_profile(eng, auto=True)
+    assert not record.exists() and not cached.exists()  # neither targets nor the profile
+    assert "not recorded: the machine was busy" in busy.provenance()["targets_from"]
+    err = capsys.readouterr().err
+    assert "class targets not recorded" in err and "not cached: the machine was busy" in err
+    # quiet: recorded
+    monkeypatch.setattr(profile, "cpu_share", lambda cpu, wall, threads: 0.97)
+    quiet = profile.load_or_profile(eng, auto=True)
+    stored = json.loads(record.read_text())["unloaded_tpot_ms"]
+    assert quiet.unloaded_tpot_ms() == pytest.approx(stored) and cached.exists()
+    # busy again, asked to record anew: the quiet record stays
+    monkeypatch.setattr(profile, "cpu_share", lambda cpu, wall, threads: 0.4)
+    again = profile.load_or_profile(eng, auto=True, reprofile=True)
+    assert json.loads(record.read_text())["unloaded_tpot_ms"] == stored
+    assert again.unloaded_tpot_ms() == pytest.approx(stored)
+    assert "kept the targets record" in capsys.readouterr().err
+
+
+def test_engines_profiling_at_once_take_the_first_record(tmp_path, capsys):
+    """Engines of one pair that measure their profiles at once (``--replicas N`` on a
+    fresh machine) each record targets; the first record stands and the later ones
+    take it, so every replica judges a class alike. ``--reprofile`` replaces it."""
+    path = tmp_path / "targets" / "pair.json"
+    a = {"unloaded_tpot_ms": 10.0, "from": "replica 0"}
+    b = {"unloaded_tpot_ms": 13.0, "from": "replica 1"}
+    assert profile._record_targets(a, path, replace=False) == a
+    assert profile._record_targets(b, path, replace=False) == a
+    assert "another engine recorded the class targets first" in capsys.readouterr().err
+    assert json.loads(path.read_text()) == a
+    assert profile._record_targets(b, path, replace=True) == b
+    assert json.loads(path.read_text()) == b
+    assert not list(path.parent.glob("*.tmp"))

@@ -40,7 +40,7 @@ def record_run(target: str, policy: str, profile: str):
 
     def add(i: int) -> None:
         slo = CLASSES[i % 3]
-        sp = SamplingParams(max_tokens=8 + 3 * (i % 4), ignore_eos=True)
+        sp = SamplingParams(temperature=0.0, max_tokens=8 + 3 * (i % 4), ignore_eos=True)
         r = eng.add_request(prompts[i], sp, slo)
         live[r.rid] = r
         requests.append(RecordedRequest(r.rid, r.arrival, len(r.prompt_ids), sp.max_tokens, slo))

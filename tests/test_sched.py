@@ -157,11 +157,11 @@ def test_no_profile_falls_back_and_counts(tiny_pair, tmp_path, monkeypatch):
         kv_cache_bytes=16 << 20,
     )
     assert llm.engine.hw is None
-    outs = llm.generate(prompts, SamplingParams(max_tokens=8))
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
     assert llm.engine.counters.fallback_iterations.get("no_profile", 0) > 0
     assert llm.engine.counters.spec_draft_tokens == 0
     ref = LLM(model=str(target), no_draft=True, policy="ar").generate(
-        prompts, SamplingParams(max_tokens=8)
+        prompts, SamplingParams(temperature=0.0, max_tokens=8)
     )
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
 
@@ -244,7 +244,7 @@ def test_mixed_batch_end_to_end_per_request_trees_output_unchanged(tiny_pair, ch
         SLO(tpot_ms=0.05, cls="interactive") if i % 2 == 0 else SLO(tpot_ms=1e6, cls="batch")
         for i in range(16)
     ]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     ref = LLM(model=str(target), no_draft=True, policy="ar").generate(prompts, params)
 
     def spec_llm():
@@ -298,7 +298,7 @@ def test_strict_burst_does_not_starve_relaxed_request(tiny_pair, cheap_profile):
         clock=clock,
     )
     eng = llm.engine
-    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     strict = [
         eng.add_request(p, sp, SLO(tpot_ms=5.0, ttft_ms=100.0, cls="interactive"))
         for p in random_prompts(24, seed=33)
@@ -334,7 +334,7 @@ def test_selection_log_explains_decisions_without_text(tiny_pair, cheap_profile,
     )
     llm.generate(
         prompts,
-        SamplingParams(max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
         slo=SLO(tpot_ms=8.0, cls="interactive"),
     )
     llm.engine.close()
@@ -524,7 +524,7 @@ def test_adaserve_takes_the_cheapest_shape_within_the_rate_tolerance(monkeypatch
         2: ([5.0, 7.0, 7.0, 6.0], [1.00, 1.55, 1.62, 1.90]),
     }
 
-    def fake(self, view, arr, ds_, w, P, kv, acc):
+    def fake(self, view, arr, ds_, w, P, kv, acc, pairs=0.0):
         met, rate = table[w]
         D, n = len(ds_), len(arr.rid)
         return {

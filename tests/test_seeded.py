@@ -65,7 +65,7 @@ def test_seeded_output_alone_equals_output_in_a_loaded_batch(tiny_pair, profile_
     alone = [generate(llm, [p], [sp])[0] for p, sp in zip(mine, mine_p)]
     others = random_prompts(60, seed=33, lo=2, hi=70)
     others_p = [
-        SamplingParams(max_tokens=20)
+        SamplingParams(temperature=0.0, max_tokens=20)
         if i % 3 == 0
         else SamplingParams(temperature=1.0, max_tokens=8 + i % 20, seed=None if i % 3 == 1 else i)
         for i in range(len(others))

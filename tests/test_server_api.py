@@ -450,7 +450,7 @@ def test_penalties_reach_the_engine(srv, tmp_path_factory):
     llm = LLM(model=str(target), no_draft=True, policy="ar", kv_cache_bytes=8 << 20)
 
     def offline(**kw) -> str:
-        sp = SamplingParams(max_tokens=12, ignore_eos=True, **kw)
+        sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, **kw)
         return llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].text
 
     want = offline(repetition_penalty=1.5, **pen)
@@ -624,7 +624,9 @@ def test_logprobs_through_the_openai_client(srv, tok, tmp_path_factory):
         assert v >= max(top.values()) - 1e-6
     target, _ = model_pair(tmp_path_factory)
     llm = LLM(model=str(target), no_draft=True, policy="ar", kv_cache_bytes=16 << 20)
-    ref = llm.generate([tok.encode(prompt)], SamplingParams(max_tokens=8, logprobs=3))[0]
+    ref = llm.generate(
+        [tok.encode(prompt)], SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)
+    )[0]
     ref = ref.outputs[0]  # vLLM's shape: per position, token id -> Logprob
     assert [tok.decode([t]) for t in ref.token_ids] == lp.tokens
     taken = [pos[t].logprob for t, pos in zip(ref.token_ids, ref.logprobs)]
@@ -639,7 +641,7 @@ def test_logprobs_through_the_openai_client(srv, tok, tmp_path_factory):
     ids = tok.encode(prompt)
     assert len(slp.tokens) == len(ids) + 1 and slp.token_logprobs[0] is None
     assert slp.top_logprobs[0] is None
-    pref = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    pref = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))[0]
     want = [pos[t].logprob for t, pos in zip(ids[1:], pref.prompt_logprobs[1:])]
     assert np.allclose(slp.token_logprobs[1 : len(ids)], want, atol=1e-4)
     assert slp.text_offset == sorted(slp.text_offset)

@@ -200,7 +200,11 @@ def test_engine_refuses_what_its_kv_cache_can_never_hold(tmp_path_factory):
     llm = LLM(model=str(target), no_draft=True, policy="ar", kv_cache_bytes=KV_BYTES)
     ids = [5, 6, 7, 8]
     with pytest.raises(InvalidRequestError) as ei:
-        llm.generate([ids], SamplingParams(max_tokens=382, ignore_eos=True), use_tqdm=False)
+        llm.generate(
+            [ids], SamplingParams(temperature=0.0, max_tokens=382, ignore_eos=True), use_tqdm=False
+        )
     assert ei.value.param == "max_tokens"
-    out = llm.generate([ids], SamplingParams(max_tokens=381, ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        [ids], SamplingParams(temperature=0.0, max_tokens=381, ignore_eos=True), use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 381

@@ -289,6 +289,45 @@ def test_unknown_fields_are_ignored_with_one_warning_unless_strict(srv, client, 
         st.cfg = old
 
 
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("use_beam_search", True),
+        ("length_penalty", 0.5),
+        ("allowed_token_ids", [1, 2, 3]),
+        ("truncate_prompt_tokens", 4),
+        ("prompt_logprobs", 1),
+        ("return_tokens_as_token_ids", True),
+        ("spaces_between_special_tokens", False),
+    ],
+)
+def test_vllm_fields_that_would_change_the_output_are_refused(srv, client, field, value):
+    """Never ignored silently: a 400 naming the field, on both endpoints, strict or
+    not; the field's no-op value is accepted (vLLM clients send the defaults)."""
+    from adaserve.server.validation import UNSUPPORTED_VLLM_FIELDS
+
+    msgs = [{"role": "user", "content": "hi"}]
+    for call in (
+        lambda eb: client.completions.create(model=NAME, prompt="x", max_tokens=1, extra_body=eb),
+        lambda eb: client.chat.completions.create(
+            model=NAME, messages=msgs, max_tokens=1, extra_body=eb
+        ),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            call({field: value})
+        assert e.value.body["param"] == field
+        assert e.value.body["code"] == "unsupported_parameter"
+        assert field in e.value.body["message"]
+        r = call({field: UNSUPPORTED_VLLM_FIELDS[field]})
+        assert r.usage.completion_tokens == 1
+    old = srv.state.cfg
+    srv.state.cfg = dataclasses.replace(old, strict_fields=True)
+    try:  # the no-op value is not an unknown field either
+        call({field: UNSUPPORTED_VLLM_FIELDS[field]})
+    finally:
+        srv.state.cfg = old
+
+
 # ---------------------------------------------------------------------- endpoints
 
 

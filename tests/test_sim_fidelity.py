@@ -103,7 +103,7 @@ def test_tokens_per_step_match_the_engine(fid_pair, policy):
         profile=str(root / "profile.json"),
         kv_cache_bytes=64 << 20,
     )
-    outs = llm.generate(prompts, SamplingParams(max_tokens=n_out, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True))
     real_steps = sum(o.metrics["steps"] for o in outs)
     real_acc = sum(o.metrics["accepted_tokens"] for o in outs)
 

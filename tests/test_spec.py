@@ -44,7 +44,7 @@ def test_greedy_equivalence_all_policies(tiny_pair, profile_file, which):
     target, draft, _ = tiny_pair
     draft = target if which == "self" else draft
     prompts = random_prompts(56, seed=11, lo=2, hi=60)
-    sp = SamplingParams(max_tokens=20)
+    sp = SamplingParams(temperature=0.0, max_tokens=20)
     ref, _ = run(target, None, "ar", prompts, sp)
     for pol in POLICIES:
         got, llm = run(target, draft, pol, prompts, sp, profile=profile_file)
@@ -66,7 +66,7 @@ def test_greedy_equivalence_shipped_pair(tmp_path):
     tok = LLM(model=str(DEFAULT_TARGET), no_draft=True, policy="ar").tokenizer
     texts = [tok.decode(p) for p in prompts]
     ids = [tok.encode(t) or [1] for t in texts]
-    sp = SamplingParams(max_tokens=24)
+    sp = SamplingParams(temperature=0.0, max_tokens=24)
     ref, _ = run(DEFAULT_TARGET, None, "ar", ids, sp)
     for pol in POLICIES:
         got, llm = run(DEFAULT_TARGET, DEFAULT_DRAFT, pol, ids, sp)
@@ -76,10 +76,10 @@ def test_greedy_equivalence_shipped_pair(tmp_path):
 def test_eos_inside_accepted_path_cuts_it(tiny_pair, profile_file):
     target, _, _ = tiny_pair
     prompts = random_prompts(10, seed=13)
-    sp = SamplingParams(max_tokens=12)
+    sp = SamplingParams(temperature=0.0, max_tokens=12)
     full, _ = run(target, None, "ar", prompts, sp)
     stop_tok = full[0][3]
-    sp2 = SamplingParams(max_tokens=12, stop_token_ids=(stop_tok,))
+    sp2 = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(stop_tok,))
     ref, _ = run(target, None, "ar", prompts, sp2)
     got, llm = run(target, target, "spec-chain:6", prompts, sp2)
     assert got == ref
@@ -94,8 +94,10 @@ def test_eos_inside_accepted_path_cuts_it(tiny_pair, profile_file):
 def test_request_finishing_mid_tree(tiny_pair):
     target, _, _ = tiny_pair
     prompts = random_prompts(8, seed=14)
-    ref, _ = run(target, None, "ar", prompts, SamplingParams(max_tokens=3))
-    got, llm = run(target, target, "spec-chain:8", prompts, SamplingParams(max_tokens=3))
+    ref, _ = run(target, None, "ar", prompts, SamplingParams(temperature=0.0, max_tokens=3))
+    got, llm = run(
+        target, target, "spec-chain:8", prompts, SamplingParams(temperature=0.0, max_tokens=3)
+    )
     assert got == ref and all(len(g) == 3 for g in got)
     a = llm.engine.allocator
     assert a.num_free == a.num_blocks
@@ -104,7 +106,7 @@ def test_request_finishing_mid_tree(tiny_pair):
 def test_kv_pool_full_after_random_workload_with_preemption(tiny_pair):
     target, draft, _ = tiny_pair
     prompts = random_prompts(20, seed=15, lo=20, hi=90)
-    sp = SamplingParams(max_tokens=30)
+    sp = SamplingParams(temperature=0.0, max_tokens=30)
     ref, _ = run(target, None, "ar", prompts, sp)
     # target (512 B/token) + draft (1 layer, 1 kv head x 16: 128 B/token); ~20 blocks
     got, llm = run(
@@ -293,7 +295,7 @@ def test_draft_of_another_vocabulary_size_is_lossless(tiny_pair, profile_file, t
     draft = resized_copy(target, tmp_path / "d", VOCAB + delta)
     prompts = random_prompts(24, seed=5, lo=2, hi=40)
     prompts += [[VOCAB - 3, 5, VOCAB - 2, 7], [9, VOCAB - 1 - 1, 3]]  # ids past a small draft's
-    sp = SamplingParams(max_tokens=16)
+    sp = SamplingParams(temperature=0.0, max_tokens=16)
     ref, _ = run(target, None, "ar", prompts, sp)
     for pol in ("spec-tree:3x2", "adaserve"):
         got, llm = run(target, draft, pol, prompts, sp, profile=profile_file)
@@ -331,14 +333,14 @@ def test_a_draft_with_another_tokenizer_is_refused():
 
 
 def test_logprobs_are_the_targets_and_unchanged_by_speculation(tiny_pair, profile_file):
-    """``SamplingParams(logprobs=k)``: each generated token's log-probability under the
+    """``SamplingParams(temperature=0.0, logprobs=k)``: each generated token's log-probability under the
     target (raw logits) and the k most likely alternatives, the same whether the token
     came from a verified tree or a one-token step, and equal to transformers'."""
     from adaserve.errors import InvalidRequestError
 
     target, _, hf = tiny_pair
     prompts = random_prompts(10, seed=9, lo=3, hi=30)
-    greedy = SamplingParams(max_tokens=12, logprobs=3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3)
     sampled = SamplingParams(max_tokens=9, logprobs=0, temperature=1.0, seed=4)
     params = [greedy] * 8 + [sampled] * 2
     runs = {}
@@ -381,19 +383,19 @@ def test_logprobs_are_the_targets_and_unchanged_by_speculation(tiny_pair, profil
                     assert top_ids(a) == top_ids(b), pol
     first = runs["ar"][0].outputs[0]
     assert first.logprobs[0][first.token_ids[0]].rank == 1  # greedy = top 1
-    assert SamplingParams().logprobs is None
+    assert SamplingParams(temperature=0.0).logprobs is None
     with pytest.raises(InvalidRequestError, match="logprobs"):
-        SamplingParams(logprobs=21)
+        SamplingParams(temperature=0.0, logprobs=21)
 
 
 def test_prompt_logprobs_score_every_prompt_token_across_prefill_chunks(tiny_pair):
-    """``SamplingParams(prompt_logprobs=k)``: each prompt token's log-probability given
+    """``SamplingParams(temperature=0.0, prompt_logprobs=k)``: each prompt token's log-probability given
     the tokens before it (the first has none), over chunked prefills, next to requests
     that did not ask (whose outputs are unchanged)."""
     target, _, hf = tiny_pair
     prompts = random_prompts(5, seed=13, lo=20, hi=70)
-    asked = SamplingParams(max_tokens=4, prompt_logprobs=2, logprobs=1)
-    plain = SamplingParams(max_tokens=4)
+    asked = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2, logprobs=1)
+    plain = SamplingParams(temperature=0.0, max_tokens=4)
     params = [asked, plain, asked, plain, asked]
     llm = LLM(model=str(target), no_draft=True, policy="ar", max_prefill_tokens=16)
     outs = llm.generate(prompts, params)
@@ -430,7 +432,7 @@ def test_min_p_keeps_tokens_at_least_min_p_times_the_likeliest():
         target_probs(logits, SamplingParams(temperature=1.0, min_p=1.0)).argmax(), torch.tensor(0)
     )
     with pytest.raises(Exception, match="min_p"):
-        SamplingParams(min_p=1.5)
+        SamplingParams(temperature=0.0, min_p=1.5)
 
 
 def test_pass_composition_keeps_greedy_output(tiny_pair, profile_file):
@@ -439,7 +441,7 @@ def test_pass_composition_keeps_greedy_output(tiny_pair, profile_file):
     mix of strict and relaxed requests."""
     target, draft, _ = tiny_pair
     prompts = random_prompts(24, seed=5, lo=20, hi=120)
-    sp = SamplingParams(max_tokens=24)
+    sp = SamplingParams(temperature=0.0, max_tokens=24)
     # strict targets the tiny engine runs just behind (under this tick clock), relaxed
     # ones it runs far inside: the case in which relaxed decoders sit passes out
     strict = SLO(tpot_ms=5.0, ttft_ms=2000.0, cls="interactive")

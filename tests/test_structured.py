@@ -92,7 +92,7 @@ def _texts(llm, policy, sp, prompts=PROMPTS):
 @pytest.mark.skipif(not DEFAULT_TARGET.is_dir(), reason="shipped pair not present")
 @pytest.mark.parametrize("c", CONSTRAINTS, ids=lambda c: next(iter(c)))
 def test_greedy_constrained_output_is_identical_for_every_policy(shipped, c):
-    sp = SamplingParams(max_tokens=400, structured_outputs=c)
+    sp = SamplingParams(temperature=0.0, max_tokens=400, structured_outputs=c)
     ref = _texts(shipped, "ar", sp)
     done = [o for o in ref if o.finish_reason == "stop"]
     assert all(valid(o.text, c) for o in done), [o.text for o in done]
@@ -114,7 +114,7 @@ def test_forced_tokens_enter_the_tree_without_drafting(shipped, monkeypatch):
     import adaserve.engine.engine as eng_mod
 
     c = {"json": PERSON, "disable_any_whitespace": True}
-    sp = SamplingParams(max_tokens=120, structured_outputs=c)
+    sp = SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=c)
     ref = [o.token_ids for o in _texts(shipped, "ar", sp)]
     s = shipped.engine.structured
     s.forced_tokens = s.forced_accepted = 0
@@ -152,7 +152,11 @@ def test_seeded_constrained_sampling_reproduces_under_load(shipped):
 def test_penalties_and_min_tokens_compose_with_the_mask(shipped):
     c = {"regex": r"[a-z]{1,8}( [a-z]{1,8}){0,5}"}
     sp = SamplingParams(
-        max_tokens=60, repetition_penalty=1.3, presence_penalty=0.5, structured_outputs=c
+        temperature=0.0,
+        max_tokens=60,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        structured_outputs=c,
     )
     ref = _texts(shipped, "ar", sp)
     assert all(valid(o.text, c) for o in ref)
@@ -162,7 +166,9 @@ def test_penalties_and_min_tokens_compose_with_the_mask(shipped):
     choice = {"choice": ["yes", "no"]}
     for pol in ("ar", "spec-chain:4"):
         outs = _texts(
-            shipped, pol, SamplingParams(max_tokens=8, min_tokens=6, structured_outputs=choice)
+            shipped,
+            pol,
+            SamplingParams(temperature=0.0, max_tokens=8, min_tokens=6, structured_outputs=choice),
         )
         assert all(o.text in ("yes", "no") for o in outs), pol
 
@@ -181,7 +187,7 @@ def test_penalties_and_min_tokens_compose_with_the_mask(shipped):
 )
 def test_bad_constraints_are_invalid_requests(shipped, c, what):
     with pytest.raises(InvalidRequestError, match=what):
-        shipped.generate("x", SamplingParams(max_tokens=4, structured_outputs=c))
+        shipped.generate("x", SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=c))
 
 
 def test_constraints_are_compiled_once_by_content(shipped):
@@ -343,7 +349,7 @@ def test_forced_chains_stop_at_max_tokens_and_the_context(profile_file):
     literal = {"regex": "(the same fixed literal text, forced token after token, ){3}"}
     prompt = list(range(100, 140))  # 40 token ids
     for max_tokens, n_prompt in ((3, 8), (40, 40)):
-        sp = SamplingParams(max_tokens=max_tokens, structured_outputs=literal)
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=literal)
         ref = None
         for pol in ("ar", "spec-chain:4", "adaserve"):
             llm.engine.set_policy(pol)

@@ -40,7 +40,7 @@ def verify_greedy(tokens, children: list[list[int]], argmax: list[int]) -> tuple
         node = nxt
 
 
-GREEDY = SamplingParams()
+GREEDY = SamplingParams(temperature=0.0)
 HOT = SamplingParams(temperature=1.0)
 
 

@@ -35,10 +35,10 @@ def _contains(ids: list[int], seq: list[int]) -> bool:
 
 
 def test_bad_words_are_never_generated_and_speculation_stays_lossless(shipped):
-    plain = _outs(shipped, "ar", SamplingParams(max_tokens=40))
+    plain = _outs(shipped, "ar", SamplingParams(temperature=0.0, max_tokens=40))
     words = [w for w in " ".join(o.text for o in plain).split() if len(w) > 2][:3]
     assert words, [o.text for o in plain]
-    sp = SamplingParams(max_tokens=40, bad_words=words)
+    sp = SamplingParams(temperature=0.0, max_tokens=40, bad_words=words)
     ref = _outs(shipped, "ar", sp)
     seqs = shipped.engine._bad_words_ids(words)
     for o in ref:
@@ -49,16 +49,20 @@ def test_bad_words_are_never_generated_and_speculation_stays_lossless(shipped):
 
 
 def test_include_stop_str_in_output_and_skip_special_tokens(shipped):
-    plain = _outs(shipped, "ar", SamplingParams(max_tokens=24))
+    plain = _outs(shipped, "ar", SamplingParams(temperature=0.0, max_tokens=24))
     stop = plain[0].text[6:9]
-    cut = _outs(shipped, "ar", SamplingParams(max_tokens=24, stop=[stop]))[0].text
+    cut = _outs(shipped, "ar", SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]))[0].text
     kept = _outs(
-        shipped, "ar", SamplingParams(max_tokens=24, stop=[stop], include_stop_str_in_output=True)
+        shipped,
+        "ar",
+        SamplingParams(
+            temperature=0.0, max_tokens=24, stop=[stop], include_stop_str_in_output=True
+        ),
     )[0].text
     assert not cut.endswith(stop) and kept == cut + stop
     eos = next(iter(shipped.engine.eos_ids))
     eos_text = shipped.engine.tokenizer.id_to_token(eos)
-    forced = dict(max_tokens=3, ignore_eos=True, logit_bias={eos: 100.0})
+    forced = dict(temperature=0.0, max_tokens=3, ignore_eos=True, logit_bias={eos: 100.0})
     hidden = _outs(shipped, "ar", SamplingParams(**forced))[0]
     shown = _outs(shipped, "ar", SamplingParams(**forced, skip_special_tokens=False))[0]
     assert hidden.token_ids == shown.token_ids == [eos] * 3
@@ -106,8 +110,10 @@ def test_offline_chat_passes_tools_and_template_kwargs(shipped):
     )
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
     msgs = [{"role": "user", "content": "hi"}]
-    out = shipped.chat(msgs, SamplingParams(max_tokens=2), chat_template=template, tools=tools,
+    out = shipped.chat(msgs, SamplingParams(temperature=0.0, max_tokens=2), chat_template=template, tools=tools,
                        chat_template_kwargs={"shout": True}, use_tqdm=False)[0]  # fmt: skip
     assert shipped.get_tokenizer().decode(out.prompt_token_ids) == "[tool get_weather]!hi"
-    plain = shipped.chat(msgs, SamplingParams(max_tokens=2), chat_template=template)[0]
+    plain = shipped.chat(
+        msgs, SamplingParams(temperature=0.0, max_tokens=2), chat_template=template
+    )[0]
     assert shipped.get_tokenizer().decode(plain.prompt_token_ids) == "hi"

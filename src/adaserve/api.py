@@ -14,6 +14,7 @@ from adaserve.config import EngineConfig
 from adaserve.core.clock import Clock
 from adaserve.engine import Engine, build_engine
 from adaserve.errors import InvalidRequestError, ModelLoadError
+from adaserve.generation_config import sampling_defaults
 from adaserve.request import Request
 from adaserve.sampling import SamplingParams
 from adaserve.slo import SLO
@@ -183,6 +184,7 @@ class LLM:
         clock: Clock | None = None,
         tensor_parallel_size: int = 1,
         trust_remote_code: bool = False,
+        generation_config: str = "auto",
         **engine_kwargs,
     ):
         # vLLM's arguments that scripts pass: tensor parallelism does not exist here
@@ -205,6 +207,9 @@ class LLM:
             **engine_kwargs,
         )
         self.engine = build_engine(cfg, clock)
+        # vLLM's generation_config="auto": the checkpoint's recommended sampling fields
+        # are the defaults of a call that passes no SamplingParams
+        self._sampling_defaults = sampling_defaults(self.engine.model_dir, generation_config)
 
     @property
     def tokenizer(self):
@@ -214,6 +219,13 @@ class LLM:
         """The model's tokenizer (vLLM's ``LLM.get_tokenizer``): ``encode``, ``decode``,
         ``apply_chat_template``."""
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use when given no ``sampling_params``, as
+        vLLM's: ``SamplingParams()`` (temperature 1) with the model's
+        ``generation_config.json`` sampling fields over it (``generation_config=
+        "vllm"``: none)."""
+        return SamplingParams(**self._sampling_defaults)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block (vLLM's ``LLM.reset_prefix_cache``)."""
@@ -239,7 +251,9 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         n = len(prompts)
-        params = _per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
+        params = _per_prompt(
+            sampling_params or self.get_default_sampling_params(), n, "sampling_params"
+        )
         slos = _per_prompt(slo, n, "slo")
         eng = self.engine
         groups: list[tuple[str | None, list[Request]]] = []
@@ -351,11 +365,12 @@ class LLM:
         eng, tok = self.engine, self.tokenizer
         outs = []
         for j, r in enumerate(reqs):
-            lps = token_logprobs(r, tok)
+            detok = r.params.detokenize  # vLLM's detokenize=False: ids only, text ""
+            lps = token_logprobs(r, tok if detok else None)
             outs.append(
                 CompletionOutput(
                     index=j,
-                    text=eng.output_text(r),
+                    text=eng.output_text(r) if detok else "",
                     token_ids=r.output_ids,
                     cumulative_logprob=None if lps is None else sum(lp for lp, _ in r.logprobs),
                     logprobs=lps,

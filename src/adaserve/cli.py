@@ -44,6 +44,7 @@ def _sampling_from_args(args) -> SamplingParams:
     model_dir = args.model or paths.DEFAULT_TARGET
     kw = sampling_defaults(model_dir, args.generation_config)
     kw.pop("max_tokens", None)  # --max-tokens has its own default
+    kw.setdefault("temperature", 0.0)  # this command is greedy unless told otherwise
     for name in ("temperature", "top_p", "top_k"):
         v = getattr(args, name)
         if v is not None:
@@ -394,6 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--out", metavar="DIR", help="where the full report goes (default: a new temporary folder)"
+    )
+    d.add_argument(
+        "--record-targets",
+        action="store_true",
+        help="measure the pair's hardware profile anew and record the class targets from "
+        "it (refused when the machine is measured as busy; docs/caches.md)",
     )
     d.set_defaults(func=lambda a: _delegate("adaserve.bench.demo", "run")(a))
     return p

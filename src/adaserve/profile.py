@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import platform
 import statistics
 import sys
@@ -28,9 +29,13 @@ from adaserve.sched.profile_stats import (
 VERIFY_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DRAFT_TOKENS = (1, 4, 16, 64, 256)
 KV_LENS = (64, 512)
+# one sequence's prefill chunk of N new tokens over C cached ones: the attention of every
+# new token over the cached context (N x C pairs), which a prefix-cache hit leaves to pay
+PREFILL_CHUNKS = (64, 256)
+PREFILL_CTX = (0, 1024)
 # Part of the cache key: bump when the forward code's speed changes (e.g. the paged
 # attention kernel), so that cached profiles measured with the old code are not reused.
-FORWARD_VERSION = 3
+FORWARD_VERSION = 4
 
 
 def fingerprint(path: str | Path | None) -> str:
@@ -84,6 +89,41 @@ def _forward_timer(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int):
     return once
 
 
+def _prefill_timer(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int):
+    """A function timing (ms) one paged forward of a single sequence: a prefill chunk
+    of ``n_tokens`` new tokens attending ``ctx`` cached ones."""
+    device = model.embed_tokens.weight.device
+    if ctx + n_tokens > kv.num_slots:
+        raise ValueError("profile cache too small")
+    seq = SeqSpec(
+        list(range(ctx)), list(range(ctx, ctx + n_tokens)), list(range(ctx, ctx + n_tokens))
+    )
+    ids = torch.randint(0, model.cfg.vocab_size, (n_tokens,), device=device)
+
+    def once() -> float:
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            meta = AttnMetadata.build([seq], device, model.cfg.sliding_window)
+            h = model(ids, meta, kv.layers)
+            model.logits(h[-1:]).argmax(-1).tolist()
+            return (time.perf_counter() - t0) * 1000
+
+    return once
+
+
+def fit_prefill_pairs(points: dict[tuple[int, int], float], per_kv: float) -> float:
+    """ms per (new token x cached token) pair of a prefill chunk over a cached prefix,
+    from ``points`` {(new, cached): ms}: what a chunk over ``cached`` tokens costs beyond
+    the same chunk over none and the per-sequence KV term, per pair (median over the
+    measured shapes, >= 0)."""
+    fits = []
+    for (n, ctx), ms in points.items():
+        base = points.get((n, 0))
+        if ctx > 0 and n > 0 and base is not None:
+            fits.append((ms - base - per_kv * ctx) / (n * ctx))
+    return max(0.0, statistics.median(fits)) if fits else 0.0
+
+
 def _time_forwards(
     model: LlamaModel, kv: KVCache, sizes, ctx: int, reps: int, progress=None, timer=None
 ) -> PointStats:
@@ -94,11 +134,29 @@ def _time_forwards(
     larger pass never costs less), which removes the remaining spikes. ``timer``
     (default ``_forward_timer``) makes the timing function of one size."""
     timer = timer or _forward_timer
-    stats = summarize(time_points([timer(model, kv, n, ctx) for n in sizes], reps))
-    if progress:
-        for _ in sizes:
-            progress()
-    return stats
+    return summarize(
+        time_points([_ticking(timer(model, kv, n, ctx), progress) for n in sizes], reps)
+    )
+
+
+def _ticking(fn, progress):
+    """``fn`` (a timing function), calling ``progress()`` after each call when given."""
+    if progress is None:
+        return fn
+
+    def once() -> float:
+        ms = fn()
+        progress()
+        return ms
+
+    return once
+
+
+def profile_calls(reps: int, has_draft: bool) -> int:
+    """Timed forward passes of one ``measure`` (warm-ups included): a progress bar's total."""
+    points = len(KV_LENS) * len(VERIFY_TOKENS) + len(PREFILL_CHUNKS) * len(PREFILL_CTX)
+    points += len(DRAFT_TOKENS) if has_draft else 0
+    return points * (reps + 1)
 
 
 def measure(
@@ -110,10 +168,13 @@ def measure(
     kv_lens=KV_LENS,
     progress=None,
     timer=None,
+    prefill_timer=None,
 ) -> dict:
-    """Measure verification and draft-step latencies; returns a profile dict with each
-    curve's spread (raw medians, p10, p90) and the roofline check's findings under
-    ``"sanity"``. ``timer`` replaces the forward timer (tests inject fake timings)."""
+    """Measure verification and draft-step latencies and the cost of a prefill chunk
+    over a cached prefix; returns a profile dict with each curve's spread (raw
+    medians, p10, p90) and the roofline check's findings under ``"sanity"``.
+    ``timer`` / ``prefill_timer`` replace the forward timers (tests inject fake
+    timings; ``timer`` alone stands for both)."""
     dtype = target.embed_tokens.weight.dtype
     device = target.embed_tokens.weight.device
     slots = 8 * (max(kv_lens) + max(verify_tokens) + max(draft_tokens)) + 64
@@ -131,6 +192,13 @@ def measure(
             (b - a) / (s * (k1 - k0)) for a, b, s in zip(lat[k0], lat[k1], n_seqs)
         )
     per_kv = max(0.0, per_kv)
+    shapes = [(n, c) for n in PREFILL_CHUNKS for c in PREFILL_CTX]
+    ptimer = prefill_timer or timer or _prefill_timer
+    pst = summarize(
+        time_points([_ticking(ptimer(target, kv_t, n, c), progress) for n, c in shapes], reps)
+    )
+    prefill_points = dict(zip(shapes, (float(v) for v in pst.raw_median)))
+    per_pair = fit_prefill_pairs(prefill_points, per_kv)
     esize = torch.tensor([], dtype=dtype).element_size()
     out = {
         "schema": SCHEMA,
@@ -153,6 +221,9 @@ def measure(
             # the measurement behind each curve: medians before the monotone
             # correction, the 10th / 90th percentiles, repeats per point
             "spread_by_kv": {str(k): stats[k].spread() for k in kv_lens},
+            # a prefill chunk's new tokens attending a cached prefix: ms per pair
+            "prefill_ms_per_pair": per_pair,
+            "prefill_by_ctx": {f"{n}x{c}": round(ms, 4) for (n, c), ms in prefill_points.items()},
         },
         "overhead_ms": 0.3,  # replaced by a measured value in profile_engine
         "kv_bytes_per_token": {"target": target.cfg.kv_bytes_per_token(esize), "draft": 0},
@@ -185,7 +256,7 @@ def measure_step_overhead(engine, new_tokens: int = 24) -> list[float]:
     try:
         prompt = [i % engine.target.cfg.vocab_size for i in range(1, 33)]
         r = engine.add_request(
-            prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True), SLO()
+            prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True), SLO()
         )
         times = []
         while not r.finished:
@@ -210,7 +281,9 @@ def measure_draft_host(engine, requests: int = 8, depth: int = 4, width: int = 2
         return 0.0
     V = engine.target.cfg.vocab_size
     reqs = [  # not queued: as if prefilled, with blocks of their own
-        engine.new_request([(7 * i + j) % V for j in range(24)], SamplingParams(), SLO())
+        engine.new_request(
+            [(7 * i + j) % V for j in range(24)], SamplingParams(temperature=0.0), SLO()
+        )
         for i in range(requests)
     ]
     for r in reqs:
@@ -274,10 +347,45 @@ def measure_mask(engine, n: int = 300) -> float | None:
     return statistics.median(times)
 
 
-def profile_engine(engine, reps: int = 5, timer=None) -> dict:
-    """Profile the engine's loaded pair and annotate it with paths and fingerprints."""
-    prof = measure(engine.target, engine.draft, reps=reps, timer=timer)
+# a profile whose measurement got less than this share of its threads' cores was taken
+# on a busy machine: it may serve the run, but it does not record the class targets
+BUSY_CPU_SHARE = 0.8
+# too short a measurement says nothing about the machine (injected timers in tests)
+_SHARE_MIN_WALL_S = 0.5
+
+
+def cpu_share(cpu_s: float, wall_s: float, threads: int) -> float | None:
+    """The share of its ``threads`` cores a measurement got: process CPU seconds over
+    wall seconds x threads (None for a measurement too short to tell)."""
+    if wall_s < _SHARE_MIN_WALL_S:
+        return None
+    return round(min(1.0, cpu_s / (wall_s * max(1, threads))), 3)
+
+
+def busy_reason(prof: dict) -> str | None:
+    """Why ``prof`` was measured on a busy machine (None: it was not, or not known)."""
+    share = prof.get("cpu_share")
+    if share is not None and share < BUSY_CPU_SHARE:
+        return (
+            f"the machine was busy while it was measured (it got {100 * share:.0f}% of "
+            f"its {prof.get('threads', 1)} core{'s' if prof.get('threads', 1) != 1 else ''})"
+        )
+    return None
+
+
+def profile_engine(engine, reps: int = 5, timer=None, progress=None) -> dict:
+    """Profile the engine's loaded pair and annotate it with paths and fingerprints,
+    and with the share of its cores the measurement got (``cpu_share``). ``progress``
+    is called after each timed forward pass (``profile_calls`` in all)."""
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    prof = measure(engine.target, engine.draft, reps=reps, timer=timer, progress=progress)
     steps = measure_step_overhead(engine)
+    # (injected timers measure nothing of the machine: no share)
+    prof["cpu_share"] = (
+        cpu_share(time.process_time() - cpu0, time.perf_counter() - wall0, torch.get_num_threads())
+        if timer is None
+        else None
+    )
     step = statistics.median(steps)
     one = float(HardwareModel.from_dict(prof).verify_latency(1, 40))
     prof["overhead_ms"] = round(max(0.0, step - one), 3)
@@ -351,8 +459,13 @@ def _flags(prof: dict) -> list[str]:
 def measure_checked(engine, reps: int = 3, timer=None) -> dict:
     """``profile_engine``, measured once more with twice the repeats when the first
     result fails the sanity check (``profile_stats.check_profile``); the one with
-    fewer findings is returned, its findings said on stderr."""
-    prof = profile_engine(engine, reps=reps, timer=timer)
+    fewer findings is returned, its findings said on stderr. A progress bar of the
+    timed passes goes to stderr when it is a terminal."""
+    from tqdm.auto import tqdm
+
+    total = profile_calls(reps, engine.draft is not None)
+    with tqdm(total=total, desc="adaserve: profile", unit="pass", disable=None) as bar:
+        prof = profile_engine(engine, reps=reps, timer=timer, progress=bar.update)
     if _flags(prof):
         for f in _flags(prof):
             _say(f"profile check: {f}")
@@ -363,6 +476,40 @@ def measure_checked(engine, reps: int = 3, timer=None) -> dict:
         for f in _flags(prof):
             _say(f"profile check (kept): {f}")
     return prof
+
+
+def _record_targets(rec: dict, path: Path, replace: bool) -> dict:
+    """Write the targets record ``rec`` at ``path`` and return the record in force: with
+    ``replace`` (``--reprofile``) this one; else the first writer's, so that engines
+    that profile at once (``--replicas N`` on a fresh machine) all take one record."""
+    if replace:
+        _write(rec, path)
+        return rec
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(rec, indent=1) + "\n")
+        try:
+            os.link(tmp, path)  # atomic, and fails where another process recorded first
+        except FileExistsError:
+            raise
+        except OSError:  # no hard links on this filesystem: the last writer wins
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return rec
+    except FileExistsError:
+        try:
+            first = json.loads(path.read_text())
+            float(first["unloaded_tpot_ms"])
+        except (OSError, ValueError, KeyError, TypeError):
+            _write(rec, path)
+            return rec
+        _say(f"another engine recorded the class targets first ({path}); using them")
+        return first
+    except OSError as e:
+        _say(f"cannot write the targets record {path} ({e}); it serves this run only")
+        return rec
 
 
 def _write(obj: dict, path: Path) -> bool:
@@ -445,13 +592,16 @@ def attach_targets(engine, prof: dict, reprofile: bool = False) -> dict:
 
     path = targets_path(engine)
     rec = None
-    if path.is_file() and not reprofile:
+    busy = busy_reason(prof)
+    if path.is_file() and (not reprofile or busy):
         try:
             rec = json.loads(path.read_text())
             float(rec["unloaded_tpot_ms"])
         except (OSError, ValueError, KeyError, TypeError):
             _say(f"the targets record {path} is unreadable; recording new targets")
             rec = None
+        if rec is not None and reprofile:
+            _say(f"kept the targets record {path}: {busy}; record them on a quiet machine")
     if rec is None:
         own = measured_unloaded_tpot_ms(HardwareModel.from_dict({**prof, "targets": None}))
         rec = {
@@ -464,8 +614,11 @@ def attach_targets(engine, prof: dict, reprofile: bool = False) -> dict:
             f"on {prof.get('machine')}",
             "record": str(path),
         }
-        if not (prof.get("sanity") or {}).get("impossible"):
-            _write(rec, path)
+        if busy:
+            rec["from"] += f" (not recorded: {busy})"
+            _say(f"class targets not recorded: {busy}; a start on a quiet machine records them")
+        elif not (prof.get("sanity") or {}).get("impossible"):
+            rec = _record_targets(rec, path, replace=reprofile)
     prof["targets"] = rec
     return rec
 
@@ -497,8 +650,12 @@ def adopt(engine, new: dict, path: Path, reprofile: bool = False) -> tuple[dict,
         if slow:
             return old, f"kept the stored profile: {slow[0]} (--reprofile adopts it)"
     rec = attach_targets(engine, new, reprofile)
-    saved = _save(new, path)
-    why = f"cached in {path} (later starts load it)" if saved else "not cached"
+    busy = busy_reason(new)
+    saved = not busy and _save(new, path)
+    if busy:  # serves this run; a later start on a quiet machine measures again
+        why = f"not cached: {busy}"
+    else:
+        why = f"cached in {path} (later starts load it)" if saved else "not cached"
     from adaserve.sched.hardware import measured_unloaded_tpot_ms
 
     own = measured_unloaded_tpot_ms(HardwareModel.from_dict({**new, "targets": None}))

@@ -14,9 +14,11 @@ MAX_TOKENS_LIMIT = 1 << 20
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings (vLLM-style). ``temperature == 0`` means greedy."""
+    """Per-request sampling settings, with vLLM's fields and defaults (so
+    ``SamplingParams()`` samples at temperature 1, as vLLM's does). ``temperature == 0``
+    means greedy."""
 
-    temperature: float = 0.0
+    temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely (0 = off)
@@ -61,6 +63,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # vLLM's: special tokens are left out of the output text (False: kept)
     skip_special_tokens: bool = True
+    # vLLM's: False leaves the output text empty (token ids only: no decoding work);
+    # stop strings need the text, so they are refused with it
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -128,6 +133,12 @@ class SamplingParams:
             raise InvalidRequestError("seed must be a non-negative integer", "seed")
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop must be non-empty strings", "stop")
+        if not isinstance(self.detokenize, bool):
+            raise InvalidRequestError("detokenize must be true or false", "detokenize")
+        if not self.detokenize and self.stop:
+            raise InvalidRequestError(
+                "stop strings are matched on the text: they need detokenize=True", "detokenize"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             lp = getattr(self, name)
             if lp is not None and (

@@ -160,6 +160,35 @@ def sample_prompt(tokenizer, vocab_size: int | None):
     return _ids_from_text(text, min(96, len(text)), vocab_size), text
 
 
+def prepare(model: str | None, draft: str | None, record_targets: bool = False) -> None:
+    """The first run's slow steps, here in the foreground, where the user is looking:
+    compile the planner's kernels and measure the pair's hardware profile (a progress
+    bar on a terminal), both into the caches the servers then load. With
+    ``record_targets``, measure anew and record the pair's class targets from it
+    (unless the machine is measured as busy: ``adaserve.profile.busy_reason``)."""
+    from adaserve.config import EngineConfig
+    from adaserve.engine import build_engine
+    from adaserve.engine.warmup import warm_up
+
+    t0 = time.perf_counter()
+    print(
+        "demo: preparing (first run: compiles the planner and measures a hardware profile, "
+        "about 1-2 min; later runs load both from the cache)",
+        file=sys.stderr,
+        flush=True,
+    )
+    kw = {"model": model, "draft": draft} if model else {}
+    eng = build_engine(EngineConfig(policy="adaserve", reprofile=record_targets, **kw))
+    warm_up(eng, say=False)
+    t = eng.hw.provenance() if eng.hw is not None else {}
+    print(
+        f"demo: ready in {time.perf_counter() - t0:.1f} s; class targets from "
+        f"{t.get('targets_from', 'no profile')}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def run(args) -> int:
     from adaserve import paths
     from adaserve.bench.cli import _vocab_of
@@ -184,6 +213,7 @@ def run(args) -> int:
     tok = load_tokenizer(mdir) if mdir.is_dir() else None
     vocab = _vocab_of(mdir)
     sample_in, sample_text = sample_prompt(tok, vocab)
+    prepare(model, draft, bool(getattr(args, "record_targets", False)))
     results, records, samples, config = {}, {}, {}, None
     load_notes = []
     for policy in policies:

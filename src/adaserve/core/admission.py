@@ -154,7 +154,7 @@ class AdmissionControl:
             self.context = _mix(self.context, tr.kv_tokens / n)
         hw = self.sched.hw
         if hw is not None and tr.tokens > 0:
-            pred = float(hw.iteration_ms(tr.tokens, tr.kv_tokens))
+            pred = float(hw.iteration_ms(tr.tokens, tr.kv_tokens, prefill_pairs=tr.prefill_pairs))
             if pred > 0:
                 self._speeds.append(dur_ms / pred)
 
@@ -196,9 +196,10 @@ class AdmissionControl:
         return out
 
     # ------------------------------------------------------------------ predictions
-    def prefill_ms(self, tokens: int) -> float | None:
+    def prefill_ms(self, tokens: int, context: int = 0) -> float | None:
         """Predicted ms to prefill ``tokens`` prompt tokens at a chunk per pass beside the
-        running decodes: the hardware model's passes scaled by the measured speed (the
+        running decodes, each chunk attending ``context`` tokens already in the KV (a
+        cached prefix): the hardware model's passes scaled by the measured speed (the
         measured pass time itself, without a model; None with neither)."""
         s = self.sched
         chunk = s.cfg.max_prefill_tokens
@@ -210,10 +211,11 @@ class AdmissionControl:
         decoders = sum(1 for r in s.running if not r.in_prefill)
         kv = decoders * (self.context if self.context is not None else _DEFAULT_CONTEXT)
         speed = self.speed()
-        t = full * float(s.hw.iteration_ms(chunk + decoders, kv)) * speed
+        ctx = max(int(context), 0)
+        t = full * float(s.hw.iteration_ms(chunk + decoders, kv, prefill_pairs=chunk * ctx))
         if rest:
-            t += float(s.hw.iteration_ms(rest + decoders, kv)) * speed
-        return t
+            t += float(s.hw.iteration_ms(rest + decoders, kv, prefill_pairs=rest * ctx))
+        return t * speed
 
     def speed(self) -> float:
         """Measured over predicted pass time: the median of the recent passes (robust to
@@ -236,7 +238,7 @@ class AdmissionControl:
     def alone_ms(self, seq: SeqState) -> float:
         """Predicted ms of ``seq``'s prefill with nothing ahead of it (0 without a model
         of the pass time)."""
-        return self.prefill_ms(seq.to_prefill) or 0.0
+        return self.prefill_ms(seq.to_prefill, _in_kv(seq)) or 0.0
 
     def predicted_ttft_ms(self, seq: SeqState, now: float) -> float | None:
         """Predicted ms from ``now`` to ``seq``'s first token (None without a model of
@@ -269,6 +271,8 @@ class AdmissionControl:
                 tokens += rate * window * prompt
                 seats_ahead += rate * window
         t = self.prefill_ms(math.ceil(tokens))
+        if s.hw is not None:  # its own chunks attend its cached prefix
+            t += s.hw.prefill_ms_per_pair * seq.to_prefill * _in_kv(seq) * self.speed()
         free = s.cfg.max_num_seqs - len(s.running)
         short = seats_ahead + 1 - free
         if short > 0:
@@ -385,3 +389,9 @@ class AdmissionControl:
             s.counters.count_shed(TTFT_DEADLINE)
             s.finish(r, TTFT_DEADLINE, now)
         return late
+
+
+def _in_kv(seq: SeqState) -> int:
+    """Prompt tokens of ``seq`` that need no prefill (a cached prefix, earlier chunks):
+    its prefill attends them."""
+    return max(seq.num_tokens - seq.to_prefill, 0)

@@ -69,6 +69,12 @@ class Batch:
             r.num_tokens for r in self.decode
         )
 
+    @property
+    def prefill_pairs(self) -> int:
+        """New x context token pairs of the prefill chunks: each chunk's new tokens
+        attend what its KV already holds (a cached prefix, earlier chunks)."""
+        return sum(n * r.num_cached for r, n in self.prefill)
+
 
 class Scheduler:
     """Queues, KV blocks, admission, reservation, preemption and degradation.
@@ -406,6 +412,7 @@ class Scheduler:
             b.decode = [r for r in b.decode if r.running]
             b.spec = [(r, s) for r, s in b.spec if r.running]
         self._trace.kv_tokens = b.kv_tokens  # before commit moves the counts on
+        self._trace.prefill_pairs = b.prefill_pairs
         return b
 
     def reserve_tree(self, r: SeqState, nodes: int) -> bool:

@@ -28,6 +28,7 @@ class StepTrace:
     accepted:    rid -> candidates accepted
     tokens:      tokens in the verification pass (prefill + roots + candidates)
     kv_tokens:   context tokens the pass attends (cached + new, per request)
+    prefill_pairs: new x context token pairs of its prefill chunks (``Batch.prefill_pairs``)
     draft_tokens / draft_passes: tokens the draft processed and its forward passes
     draft_catchup: tokens the draft cached before drafting (its first pass)
     drafted:     candidate nodes the draft produced (before selection)
@@ -50,6 +51,7 @@ class StepTrace:
     accepted: dict[int, int] = field(default_factory=dict)
     tokens: int = 0
     kv_tokens: int = 0
+    prefill_pairs: int = 0
     draft_tokens: int = 0
     draft_passes: int = 0
     draft_catchup: int = 0
@@ -289,5 +291,6 @@ def sample(tr: StepTrace, t: float) -> dict:
         # the work of the pass, for pricing it afterwards (benchmarks/fidelity.py):
         # context tokens of the batch and the (depth, width) of each drafted tree
         "kv_tokens": tr.kv_tokens,
+        "prefill_pairs": tr.prefill_pairs,
         "shapes": [list(tr.spec[rid]) for rid in nodes if rid in tr.spec],
     }

@@ -333,7 +333,8 @@ class Engine:
         the engine thread); None: compiled here when the params have a constraint.
         ``cache_salt``: its prefix-cache blocks are shared only with requests of the
         same salt (vLLM's field; None: with every unsalted request)."""
-        params = params or SamplingParams()
+        # the engine's own callers (profile, warm-up) pass theirs; a bare request is greedy
+        params = params or SamplingParams(temperature=0.0)
         if params.n != 1:
             raise InvalidRequestError(
                 "an engine request is one sample: n > 1 is for LLM.generate and the server",

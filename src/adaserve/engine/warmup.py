@@ -132,7 +132,12 @@ def _requests(engine, mixed: bool) -> list[tuple[list[int], SamplingParams]]:
         (
             _prompt(engine, 24, 0),
             SamplingParams(
-                max_tokens=n, ignore_eos=True, logprobs=2, prompt_logprobs=1, min_tokens=2
+                temperature=0.0,
+                max_tokens=n,
+                ignore_eos=True,
+                logprobs=2,
+                prompt_logprobs=1,
+                min_tokens=2,
             ),
         ),
         (

@@ -37,7 +37,15 @@ import numpy as np
 
 from adaserve.core.tree import CandidateTree
 from adaserve.sched import composition, plan_kernel
-from adaserve.sched.base import BatchView, Plan, PlannerState, Policy, ReqView, chunk_prefills
+from adaserve.sched.base import (
+    BatchView,
+    Plan,
+    PlannerState,
+    Policy,
+    ReqView,
+    chunk_prefills,
+    prefill_pairs,
+)
 from adaserve.sched.correction import OnlineCorrection
 from adaserve.sched.typical_tree import curve_rows, depth_curve, gain_curve
 
@@ -95,6 +103,11 @@ class AdaptiveConfig:
     # experiment it cost 0.9 / 1.3 points at 2 / 3 req/s (the relaxed requests stay
     # longer; docs/results/pass-composition.md)
     sit_out: bool = False
+    # ... and automatically where a pass's cost grows steeply with its tokens: when the
+    # profile's 64-token verification costs at least this many one-token ones (the CPU
+    # pair: 3.3x; the A100 70B preset: 1.5x); there a relaxed decoder's token is dear
+    # to the strict ones. 0 = never automatically (docs/results/engine-issue30.md)
+    sit_out_steepness: float = 2.5
     min_slack_tokens: int = 0  # soft prefill smaller than this waits (0: any slack is used)
     # power as a constraint (sched/power.py; needs the view's PowerModel): shapes whose
     # predicted power (W, the deployment's) exceeds power_cap_w, or whose predicted
@@ -117,6 +130,8 @@ class AdaptiveConfig:
             raise ValueError("need 0 <= margin_floor <= margin_max < 0.9 and margin_warmup >= 1")
         if not 0.0 <= self.rate_tolerance < 1.0:
             raise ValueError("rate_tolerance must be in [0, 1)")
+        if not (math.isfinite(self.sit_out_steepness) and self.sit_out_steepness >= 0):
+            raise ValueError("sit_out_steepness must be >= 0 (0 = never automatically)")
         if self.node_cap < 1 or self.prefill_chunk < 1 or self.max_budget < 1:
             raise ValueError("node_cap, prefill_chunk and max_budget must be positive")
         if self.explore_every < 0:
@@ -232,6 +247,7 @@ class BudgetedPolicy(Policy):
         self._plans = 0  # plans made with decoding requests (exploration's clock)
         # measured / predicted pass time - 1: count, running mean and mean square
         self._err_n, self._err_mean, self._err_sq = 0, 0.0, 0.0
+        self._steep_hw, self._steep_is = None, False  # ``_steep``'s hardware and verdict
         _warm_up()
 
     # ------------------------------------------------------------------ helpers
@@ -352,12 +368,15 @@ class BudgetedPolicy(Policy):
             widths = (min(2, c.max_width),)  # an exploration plan (see explore_every)
 
         def shape(prefill: dict[int, int]) -> ShapeChoice:
-            return self._best_shape(view, arr, depths, widths, sum(prefill.values()), kv, acc)
+            pairs = prefill_pairs(view, prefill)
+            return self._best_shape(
+                view, arr, depths, widths, sum(prefill.values()), kv, acc, pairs
+            )
 
         skip: set[int] = set()
         if self._composes():
             prefill, best = self._compose(view, arr, widths, acc, shape)
-            skip = self._sit_out(dec, arr, best, widths, acc)
+            skip = self._sit_out(dec, arr, best, widths, acc, hw)
             if skip:  # re-plan the pass without them (``shape`` sees the new arr, kv)
                 dec = [r for r in dec if r.rid not in skip]
                 kv -= sum(r.context_len for r in view.decoding if r.rid in skip)
@@ -400,14 +419,15 @@ class BudgetedPolicy(Policy):
         (``explore_every``). Default: no."""
         return False
 
-    def _sit_out(self, dec, arr: _Arrays, best: ShapeChoice, widths, acc) -> set[int]:
+    def _sit_out(self, dec, arr: _Arrays, best: ShapeChoice, widths, acc, hw) -> set[int]:
         """Relaxed decoders (rank >= ``defer_rank``) that sit this pass out so that strict
         ones behind their requirement get a shorter pass: only while some strict decoder
         the plan leaves short can still be helped, and only a relaxed decoder that stays
         within its aim even after this pass and the next give it one token
-        (``decode_ms + 2 * t_iter <= aim * n_out``). Off with ``sit_out`` False."""
+        (``decode_ms + 2 * t_iter <= aim * n_out``). On with ``sit_out``, or on hardware
+        whose pass cost is steep (``sit_out_steepness``)."""
         c = self.cfg
-        if not c.sit_out:
+        if not (c.sit_out or self._steep(hw)):
             return set()
         g = gain_curve(best.depth, best.width, acc)
         gain = g[np.minimum(best.alloc, len(g) - 1)]
@@ -420,6 +440,17 @@ class BudgetedPolicy(Policy):
         fine = arr.decode_ms + 2.0 * best.t_iter <= aim * arr.n_out
         out = arr.has_tpot & (ranks >= c.defer_rank) & fine
         return set(arr.rid[out].tolist())
+
+    def _steep(self, hw) -> bool:
+        """Whether ``hw``'s verification cost grows steeply with the pass's tokens
+        (``sit_out_steepness``; judged once per hardware model)."""
+        k = self.cfg.sit_out_steepness
+        if k <= 0 or hw is None:
+            return False
+        if self._steep_hw is not hw:
+            self._steep_hw = hw
+            self._steep_is = float(hw.verify_latency(64)) >= k * float(hw.verify_latency(1))
+        return self._steep_is
 
     def _reach(self, widths, acc) -> float:
         """Expected accepted candidates of the largest tree any request may get."""
@@ -477,11 +508,12 @@ class BudgetedPolicy(Policy):
         return prefill, shape(prefill)
 
     def _best_shape(
-        self, view, arr: _Arrays, ds: tuple[int, ...], widths, P, kv, acc
+        self, view, arr: _Arrays, ds: tuple[int, ...], widths, P, kv, acc, pairs=0.0
     ) -> ShapeChoice:
         """The tree shape (depth in ``ds``, width in ``widths``) whose predicted outcome
-        scores best (``_pick``), with that outcome; ``need`` only when ``slo_phase``."""
-        evs = [self._evaluate_depths(view, arr, ds, w, P, kv, acc) for w in widths]
+        scores best (``_pick``), with that outcome; ``need`` only when ``slo_phase``.
+        ``pairs``: the prefill chunks' new x cached token pairs (``prefill_pairs``)."""
+        evs = [self._evaluate_depths(view, arr, ds, w, P, kv, acc, pairs) for w in widths]
         for ev in evs:  # a depth the power constraints leave no option at (rate -1)
             if "met_w" in ev:
                 ev["met_w"] = np.where(ev["rate"] < 0, -1.0, ev["met_w"])
@@ -540,7 +572,7 @@ class BudgetedPolicy(Policy):
         cand = [(0.0, float(ev["rate"][i]), i, j) for j, ev in enumerate(evs) for i in range(D)]
         return max(cand, key=lambda c: (c[1], -c[3], -c[2]))
 
-    def _evaluate_depths(self, view, arr: _Arrays, ds, w, P, kv, acc) -> dict:
+    def _evaluate_depths(self, view, arr: _Arrays, ds, w, P, kv, acc, pairs=0.0) -> dict:
         """Predicted outcome of drafting each depth of ``ds`` (0 = no speculation) at
         width w for this batch: per-batch constants here, the per-depth, per-request
         work in compiled loops (``plan_kernel.evaluate_depths``).
@@ -568,7 +600,9 @@ class BudgetedPolicy(Policy):
         draft = (draft + hw.overhead_ms)[:, None]
         th = self.correction.theta
         fixed = (th[0] + (th[3] + th[4] * n) * di)[:, None] + th[2] * tok0
-        base = hw.kv_ms_per_token * kv + draft  # [D, 1]
+        # the prefill chunks' attention over their cached prefixes (prefix-cache hits)
+        pair_ms = hw.prefill_ms_per_pair * pairs
+        base = hw.kv_ms_per_token * kv + pair_ms + draft  # [D, 1]
         V = hw.verify_table(tok0 + n * int(kmax.max()))  # every token count planned for
         masked = arr.constrained_share * view.mask_ms_per_node
         if masked > 0:
@@ -579,7 +613,7 @@ class BudgetedPolicy(Policy):
         # or it makes every extra draft step and candidate look cheap next to it (a
         # 60 ms prefill iteration "gains" rate from a depth-8 tree whose marginal
         # tokens per ms are below what a decode-only iteration achieves)
-        t_pre = max(0.0, (V[tok0] - V[n]) * (1.0 + th[1]) + th[2] * P) if P else 0.0
+        t_pre = max(0.0, (V[tok0] - V[n]) * (1.0 + th[1]) + th[2] * P + pair_ms) if P else 0.0
         slope, base_r = self._coef(arr) if strict else (_EMPTY, _EMPTY)
         e0, e_tok = (
             pm.depth_coefficients(di, tok0, kv) if pm is not None else (np.zeros(D), np.zeros(D))

@@ -176,6 +176,21 @@ def chunk_prefills(view: BatchView, token_budget: int, order_key=None) -> dict[i
     return chunk_in_order(reqs, token_budget)
 
 
+def prefill_pairs(view: BatchView, prefill: dict[int, int]) -> float:
+    """The (new token x context token) pairs of the prefill chunks ``prefill`` (rid ->
+    tokens): each chunk's new tokens attend what is already in its KV (a cached prefix
+    and its earlier chunks), ``HardwareModel.prefill_ms_per_pair`` each."""
+    if not prefill:
+        return 0.0
+    return float(
+        sum(
+            prefill[r.rid] * (r.context_len - r.prefill_left)
+            for r in view.prefilling
+            if r.rid in prefill
+        )
+    )
+
+
 def chunk_in_order(reqs, budget: int) -> dict[int, int]:
     """rid -> prefill tokens: ``budget`` tokens given out in the order of ``reqs``."""
     out: dict[int, int] = {}

@@ -108,7 +108,8 @@ def predicted_step_ms(hw, trace) -> float:
     ``StepTrace`` describes, priced as the planner prices it: the verification pass
     and its KV, ``depth`` draft steps (the engine's trace records ``draft_passes`` as depth + 1) with the drafted candidates
     spread over them, host overhead."""
-    ms = float(hw.verify_latency(max(trace.tokens, 1), trace.kv_tokens)) + hw.overhead_ms
+    ms = float(hw.verify_latency(max(trace.tokens, 1), trace.kv_tokens, trace.prefill_pairs))
+    ms += hw.overhead_ms
     depth = trace.draft_passes - 1
     if depth > 0:
         ms += hw.drafting_ms(depth, trace.drafted / depth, trace.draft_catchup, len(trace.spec))

@@ -8,7 +8,8 @@ Profile JSON schema (``adaserve.profile/1``; written by ``adaserve profile``)::
       "target": {"path": "...", "params": int, "fingerprint": "..."},
       "draft":  {"path": "...", "params": int, "fingerprint": "..."} | null,
       "verify": {"tokens": [t...], "latency_ms": [ms...],          # at kv_len[0]
-                 "kv_len": [k...], "kv_ms_per_token": float},      # extra ms per KV token
+                 "kv_len": [k...], "kv_ms_per_token": float,       # extra ms per KV token
+                 "prefill_ms_per_pair": float},   # a prefill chunk's new x cached tokens
       "draft_step": {"tokens": [t...], "latency_ms": [ms...]},
       "draft_step_ms": float,                                      # one step, few tokens
       "overhead_ms": float,                                        # host work per iteration
@@ -86,6 +87,9 @@ class HardwareModel:
     draft_tokens: tuple[float, ...]
     draft_ms: tuple[float, ...]
     kv_ms_per_token: float = 0.0
+    # a prefill chunk over a cached prefix: ms per (new token x cached token) pair, the
+    # attention a prefix-cache hit still pays (``Batch.prefill_pairs``)
+    prefill_ms_per_pair: float = 0.0
     overhead_ms: float = 0.0
     draft_host_ms: float = 0.0  # host work per speculating request per draft step
     mask_ms_per_node: float = 0.0  # host time of one constrained tree node's grammar mask
@@ -111,12 +115,17 @@ class HardwareModel:
         object.__setattr__(self, "_vdense", np.zeros(0))  # verify ms at 0, 1, 2, ... tokens
 
     # ------------------------------------------------------------------ predictions
-    def verify_latency(self, tokens, kv_tokens=0.0):
+    def verify_latency(self, tokens, kv_tokens=0.0, prefill_pairs=0.0):
         """Predicted ms of a target pass over ``tokens`` new tokens attending ``kv_tokens``
-        cached ones."""
+        cached ones, whose prefill chunks pair ``prefill_pairs`` new tokens with cached
+        context tokens (the sum over chunks of new x cached)."""
         kv = self.kv_ms_per_token * (
             kv_tokens if np.ndim(kv_tokens) == 0 else np.asarray(kv_tokens)
         )
+        if self.prefill_ms_per_pair:
+            kv = kv + self.prefill_ms_per_pair * (
+                prefill_pairs if np.ndim(prefill_pairs) == 0 else np.asarray(prefill_pairs)
+            )
         return self._vtab(tokens) + kv
 
     def verify_table(self, top: int) -> np.ndarray:
@@ -142,10 +151,12 @@ class HardwareModel:
         draft_tokens_per_step: float = 0.0,
         catchup_tokens: float = 0.0,
         draft_requests: float = 0.0,
+        prefill_pairs: float = 0.0,
     ):
         """Predicted ms of an iteration: draft steps + verification + host overhead."""
         draft = self.drafting_ms(draft_depth, draft_tokens_per_step, catchup_tokens, draft_requests)
-        return self.verify_latency(verify_tokens, kv_tokens) + draft + self.overhead_ms
+        verify = self.verify_latency(verify_tokens, kv_tokens, prefill_pairs)
+        return verify + draft + self.overhead_ms
 
     def drafting_ms(
         self,
@@ -185,6 +196,7 @@ class HardwareModel:
             draft_tokens=tuple(float(x) for x in dt),
             draft_ms=tuple(float(x) for x in dm),
             kv_ms_per_token=float(v.get("kv_ms_per_token", 0.0)),
+            prefill_ms_per_pair=float(v.get("prefill_ms_per_pair", 0.0)),
             overhead_ms=float(d.get("overhead_ms", 0.0)),
             draft_host_ms=float(d.get("draft_host_ms", 0.0)),
             mask_ms_per_node=float(d.get("mask_ms_per_node", 0.0)),

@@ -4,6 +4,8 @@ sampling parameters."""
 
 from __future__ import annotations
 
+import json
+
 from adaserve.errors import InvalidRequestError
 from adaserve.sampling import SamplingParams
 from adaserve.server.errors import ApiError, context_error
@@ -22,9 +24,37 @@ def check_body(state: ServerState, body) -> None:
         raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
 
 
+# vLLM's request fields that this server does not implement, each with its no-op value
+# (what vLLM does without it). Any other value would change the output, so it is refused
+# (400 ``unsupported_parameter``), never ignored; the no-op value is accepted silently.
+# Fields without an effect on the output stay ordinary unknown fields (a warning).
+UNSUPPORTED_VLLM_FIELDS: dict[str, object] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "allowed_token_ids": None,
+    "logits_processors": None,
+    "prompt_embeds": None,
+    "truncate_prompt_tokens": None,
+    "prompt_logprobs": None,
+    "return_tokens_as_token_ids": False,
+    "spaces_between_special_tokens": True,
+}
+
+
 def check_body_model(state: ServerState, body) -> None:
-    """Unknown fields (400 when strict, else ignored with a warning) and the model."""
-    extra = sorted((body.model_extra or {}).keys())
+    """vLLM fields that would change the output and are not implemented (400), unknown
+    fields (400 when strict, else ignored with a warning) and the model."""
+    given = body.model_extra or {}
+    for name, noop in UNSUPPORTED_VLLM_FIELDS.items():
+        if name in given and given[name] != noop:
+            raise ApiError(
+                400,
+                f"{name} is not supported by this server (it would change the output; "
+                f"leave it out or send {json_literal(noop)})",
+                param=name,
+                code="unsupported_parameter",
+            )
+    extra = sorted(k for k in given if k not in UNSUPPORTED_VLLM_FIELDS)
     if extra and state.cfg.strict_fields:
         raise ApiError(
             400,
@@ -41,6 +71,11 @@ def check_body_model(state: ServerState, body) -> None:
             param="model",
             code="model_not_found",
         )
+
+
+def json_literal(v: object) -> str:
+    """``v`` as it is spelled in a JSON body (``null``, ``false``, ``1.0``)."""
+    return json.dumps(v)
 
 
 def check_choices(state: ServerState, prompts: int, n: int) -> None:

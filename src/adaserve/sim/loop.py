@@ -496,7 +496,9 @@ class _Run:
             sizes[r.rid] = k
             v_tokens += k
         kv_tokens = batch.kv_tokens
-        ms = forward_ms(hw, v_tokens, kv_tokens, catchup, steps if batches else None)
+        ms = forward_ms(
+            hw, v_tokens, kv_tokens, catchup, steps if batches else None, batch.prefill_pairs
+        )
         ho = cfg.host_overhead
         if ho is not None:
             ms += ho.ms(

@@ -63,12 +63,15 @@ class HostOverhead:
         return cls(*vals)
 
 
-def forward_ms(hw: HardwareModel, v_tokens, kv_tokens, catchup, steps) -> float:
+def forward_ms(
+    hw: HardwareModel, v_tokens, kv_tokens, catchup, steps, prefill_pairs: float = 0.0
+) -> float:
     """The profile's forward time of one iteration (ms): verification of ``v_tokens``
-    attending ``kv_tokens``, the per-iteration overhead and, when ``steps`` is not None
+    attending ``kv_tokens`` (its prefill chunks' ``prefill_pairs`` new x cached token
+    pairs priced too), the per-iteration overhead and, when ``steps`` is not None
     (something was drafted), the draft's catch-up pass over ``catchup`` tokens plus one
     pass per entry of ``steps`` (tokens fed at each later draft step)."""
-    ms = float(hw.verify_latency(v_tokens, kv_tokens)) + hw.overhead_ms
+    ms = float(hw.verify_latency(v_tokens, kv_tokens, prefill_pairs)) + hw.overhead_ms
     if steps is not None:
         ms += float(hw.draft_latency(np.array([max(catchup, 1)] + list(steps), dtype=float)).sum())
     return ms

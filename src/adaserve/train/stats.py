@@ -181,7 +181,7 @@ def engine_calibration(
         auto_profile=False,
         kv_cache_bytes=256 << 20,
     )
-    llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
     cal = llm.engine.calibrator
     rank_tried = np.maximum(cal.rank_tried, 1.0)
     return {
