@@ -165,7 +165,7 @@ def main() -> None:
     ap.add_argument("--rows", help="also write every iteration's features and time here")
     args = ap.parse_args()
 
-    from adaserve.bench.cli import _bytes
+    from adaserve.cli_args import byte_size as _bytes
     from adaserve.bench.runner import EngineFactory, run_in_process
     from adaserve.bench.workload import build_workload
     from adaserve.bench.workload_spec import WorkloadSpec
