@@ -165,10 +165,10 @@ def main() -> None:
     ap.add_argument("--rows", help="also write every iteration's features and time here")
     args = ap.parse_args()
 
-    from adaserve.cli_args import byte_size as _bytes
     from adaserve.bench.runner import EngineFactory, run_in_process
     from adaserve.bench.workload import build_workload
     from adaserve.bench.workload_spec import WorkloadSpec
+    from adaserve.cli_args import byte_size as _bytes
     from adaserve.config import EngineConfig
 
     kv = _bytes(args.kv_cache_bytes) if args.kv_cache_bytes else None

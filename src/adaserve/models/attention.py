@@ -94,7 +94,7 @@ class AttnMetadata:
         batched = [i for i, s in enumerate(seqs) if len(s.new_slots) <= _SOLO_QUERY_LEN]
         groups = [
             _make_group([seqs[i] for i in idx], [starts[i] for i in idx], device, sliding_window)
-            for idx in ([[i] for i in solo] + ([batched] if batched else []))
+            for idx in [[i] for i in solo] + _partition(seqs, batched)
         ]
         if len(groups) == 1 and groups[0].valid.numel() == groups[0].tok_idx.numel():
             groups[0].whole = True  # one group, all of seqs in order, no padding
@@ -103,6 +103,38 @@ class AttnMetadata:
             slot_mapping=torch.from_numpy(slots).to(device),
             groups=groups,
         )
+
+
+# a group's fixed cost (gathers and one attention call per layer) in padded (query x
+# context) pairs: splitting a batch is worth it when it saves more padding than this
+GROUP_COST_PAIRS = 512
+
+
+def _partition(seqs: list[SeqSpec], idx: list[int]) -> list[list[int]]:
+    """``idx`` (sequences of short query runs: decodes, trees) in attention groups. One
+    group pads every sequence to the longest query run and the longest context of the
+    group, so requests of very different tree sizes and histories in one group pay for
+    the largest: sorted by query length, a sequence starts a new group when the padding
+    it would add to the current one costs more than a group (``GROUP_COST_PAIRS``)."""
+    if len(idx) <= 1:
+        return [idx] if idx else []
+    q = {i: len(seqs[i].new_slots) for i in idx}
+    ctx = {i: len(seqs[i].prefix_slots) + q[i] for i in idx}
+    order = sorted(idx, key=lambda i: (q[i], ctx[i]))
+    out, cur = [], [order[0]]
+    qmax, lmax, real = q[order[0]], ctx[order[0]], q[order[0]] * ctx[order[0]]
+    for i in order[1:]:
+        nq, nl = max(qmax, q[i]), max(lmax, ctx[i])
+        grown = (len(cur) + 1) * nq * nl - (real + q[i] * ctx[i])  # padding if it joins
+        now = len(cur) * qmax * lmax - real  # padding as it is
+        if grown - now > GROUP_COST_PAIRS:
+            out.append(cur)
+            cur, qmax, lmax, real = [i], q[i], ctx[i], q[i] * ctx[i]
+        else:
+            cur.append(i)
+            qmax, lmax, real = nq, nl, real + q[i] * ctx[i]
+    out.append(cur)
+    return [sorted(g) for g in out]  # each group in batch order (``whole`` relies on it)
 
 
 def _make_group(
