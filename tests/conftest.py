@@ -59,6 +59,17 @@ def save_tiny(path, arch: str = "llama", seed: int = 0, **overrides):
     return model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_cache_folder(tmp_path_factory):
+    """The suite's profiles, targets records and compiled kernels go to a folder of its
+    own, never the user's ``~/.cache/adaserve`` (a module that wants an empty one sets
+    ``ADASERVE_CACHE`` itself, as ``server_test_env`` does)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ADASERVE_CACHE", str(tmp_path_factory.mktemp("adaserve_cache_session")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     """(target_dir, draft_dir, hf_target): a 2-layer target and a 1-layer random draft."""

@@ -128,15 +128,21 @@ def test_planner_and_admission_see_only_the_uncached_part(tiny_pair, profile_fil
     p = shared_prompts(4, 2, prefix_len=96)[0]
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     sched = eng.scheduler
-    cold = eng.new_request(p, sp)
-    cold_ttft = sched.admission.predicted_ttft_ms(cold, sched.now)
     eng.add_request(p, sp)
     eng.run_until_done()
-    warm = eng.add_request(p, sp)
+    # the same prompt and one of its length that shares no block with it, judged alike
+    # at the same moment (the predictions scale by the measured pass speed, which the
+    # run moved), before either is queued
+    warm, cold = eng.new_request(p, sp), eng.new_request(list(reversed(p)), sp)
+    for r in (warm, cold):
+        r.prefix_hint = sched.cached_prefix(r)  # as Scheduler.add does
     assert warm.prefix_hint == 96 and warm.to_prefill == len(p) - 96
+    assert cold.prefix_hint == 0 and cold.to_prefill == len(p)
+    cold_ttft = sched.admission.predicted_ttft_ms(cold, sched.now)
     warm_ttft = sched.admission.predicted_ttft_ms(warm, sched.now)
     assert sched.admission.prefill_ms(len(p) - 96) < sched.admission.prefill_ms(len(p))
     assert warm_ttft < cold_ttft
+    eng.scheduler.add(warm)
     sched.begin_step()
     sched.admit()
     view = sched.view()
