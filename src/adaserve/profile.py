@@ -58,12 +58,11 @@ def profile_key(target: str | Path, draft: str | Path | None, device: str, dtype
     return f"{fp}-{device}-{dtype}-{machine}-f{FORWARD_VERSION}"
 
 
-def _forward_timer(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int, max_seqs: int = 8):
+def _forward_timer(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int):
     """A function timing (ms) one paged forward: ``n_tokens`` new tokens split over up
-    to ``max_seqs`` sequences (tree-shaped: each attends ``ctx`` cached tokens + causal
-    new tokens)."""
+    to 8 sequences (tree-shaped: each attends ``ctx`` cached tokens + causal new tokens)."""
     device = model.embed_tokens.weight.device
-    n_seq = min(max_seqs, n_tokens)
+    n_seq = min(8, n_tokens)
     per = [n_tokens // n_seq + (1 if i < n_tokens % n_seq else 0) for i in range(n_seq)]
     seqs, base = [], 0
     for q in per:
@@ -93,7 +92,23 @@ def _forward_timer(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int, max_
 def _prefill_timer(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int):
     """A function timing (ms) one paged forward of a single sequence: a prefill chunk
     of ``n_tokens`` new tokens attending ``ctx`` cached ones."""
-    return _forward_timer(model, kv, n_tokens, ctx, max_seqs=1)
+    device = model.embed_tokens.weight.device
+    if ctx + n_tokens > kv.num_slots:
+        raise ValueError("profile cache too small")
+    seq = SeqSpec(
+        list(range(ctx)), list(range(ctx, ctx + n_tokens)), list(range(ctx, ctx + n_tokens))
+    )
+    ids = torch.randint(0, model.cfg.vocab_size, (n_tokens,), device=device)
+
+    def once() -> float:
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            meta = AttnMetadata.build([seq], device, model.cfg.sliding_window)
+            h = model(ids, meta, kv.layers)
+            model.logits(h[-1:]).argmax(-1).tolist()
+            return (time.perf_counter() - t0) * 1000
+
+    return once
 
 
 def fit_prefill_pairs(points: dict[tuple[int, int], float], per_kv: float) -> float:
