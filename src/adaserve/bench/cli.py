@@ -352,6 +352,7 @@ def _extra(tl, records, spec, strict: str, energy, window: float) -> dict:
         "fallback_iterations",
         "fallback_iterations_total",
         "shed_by_reason",
+        "admission",
         "degraded_total",
         "preemptions",
         "spec_drafts",

@@ -4,24 +4,30 @@ kept, and never let a queued request wait past its TTFT deadline unanswered.
 Every class gets its own decision (not only the strictest):
 
 * **queue**: the waiting queue is bounded (``max_waiting``);
+* **KV memory**: the KV the admitted work will hold (every running and queued
+  request's context now, plus the output it is expected to still produce: its class's
+  measured mean output, capped by its ``max_tokens``, plus its measured tree) and the
+  new request's must fit the pool; else it is refused (``kv``), not admitted into a
+  preemption storm;
 * **decode pace**: with the new request the batch holds ``N`` requests (every running
-  and queued one, up to ``max_num_seqs``); a pass over them is predicted from the
-  hardware model at the measured tree size per request and prefill per pass, scaled
-  by the measured/predicted pass time. Each class ``c`` at or above the new one's
-  strictness must still be on pace: ``pass_ms(N) / tokens_per_pass(c) <= tpot(c)``,
-  with ``tokens_per_pass(c)`` the accepted tokens per pass measured for the class (1
-  until measured), within ``PACE_TOLERANCE``. A relaxed request is thus judged
-  against what the stricter classes leave (those in the batch and those seen lately),
-  and never admitted at the expense of a stricter class's TPOT. A class whose target
-  the hardware misses by far (``HOPELESS`` times) even for a request alone is not kept
-  on pace (shedding cannot fix a target the machine cannot reach), nor is a class
-  whose pace was last measured more than ``PACE_FRESH_S`` ago (admitting is how it
-  gets measured again);
-* **TTFT**: the predicted time to its first token must be within its TTFT target,
-  less ``TTFT_MARGIN`` for the prediction's error
-  (when its own prefill alone fits it: a target nothing could meet is served as
-  best it can, behind the others, and not refused). The
-  prediction is earliest-deadline-first, as the planner prefills: the prompt tokens of
+  and queued one, up to ``max_num_seqs``); over the new request's life it holds ``N'``
+  on average (``load_over_life``: the batch relaxes toward its steady size, the
+  measured admission rate times the measured time in the engine, Little's law). Each
+  class ``c`` at or above the new one's strictness gets a predicted ms per token at
+  ``N'``: its measured pace scaled by the hardware model's pass time at ``N'`` over the
+  pass time it was measured at (the measured tree size and prefill per pass, the
+  measured/predicted speed). A relaxed request is thus judged against what the
+  stricter classes leave (those in the batch and those seen lately), and never
+  admitted at the expense of a stricter class's TPOT. Whether the class is off pace
+  there is what its own admitted requests say: of those admitted at that load (the
+  predicted pace over the target) or above, the share that met their TPOT must reach
+  the class's ``promise``; with too few of them, ``PACE_TOLERANCE`` over the target is
+  off pace. A class whose target the hardware misses by far (``HOPELESS`` times) even
+  for a request alone is not kept on pace (shedding cannot fix a target the machine
+  cannot reach), nor is a class whose pace was last measured more than
+  ``PACE_FRESH_S`` ago (admitting is how it gets measured again);
+* **TTFT**: the predicted time to its first token.
+  The prediction is earliest-deadline-first, as the planner prefills: the prompt tokens of
   every queued or prefilling request whose TTFT deadline falls before the new one's
   (and has not passed: a request that is already late goes last) plus its own, at one
   prefill chunk per pass of the measured pass time; and, when every seat is taken, the
@@ -30,11 +36,27 @@ Every class gets its own decision (not only the strictest):
   other class's measured admission rate, those arriving while their deadline would
   still fall before its own.
 
+**Promises, not means.** A prediction is a point; a request's realised TPOT and TTFT
+spread around it (acceptance is random, passes are not all alike, load moves). TTFT is
+a prediction proper: per class, admission fits what its admitted requests realised on
+what was predicted (``Calibration``) and counts the chance of a prediction from the
+fit's recent errors (before a few finishes, a normal law of the spread of measured over
+predicted pass time). The measured pace is not: the planner holds every request near
+its target while the load is feasible, so the pace says how loaded the batch is, and
+the chance at a load is the share of the class's requests admitted that loaded that
+met their TPOT (above). A request is admitted when every class it is judged against
+keeps its ``promise`` (``SLOClass.promise``, e.g. 95% for the strictest) and its own
+chance of meeting its TTFT reaches it (a target its prefill alone misses is served as
+best it can, behind the others, and not refused). The product of its own chances is
+its promise, recorded on the request, counted per class at its finish against whether
+it met its SLO (predicted against realised attainment).
+
 An idle engine (nothing running or waiting) admits every request: it is served alone
 and at once, so no prediction of load applies.
 
 A refusal is ``AdmissionRejected`` with a Retry-After near the time the promise could
-be kept again. A queued request that was never started and is past its TTFT deadline is
+be kept again: the time, at the measured finish rate, until enough requests leave the
+batch (pace, KV) or the queue ahead drains by the excess (TTFT). A queued request that was never started and is past its TTFT deadline is
 ended with reason ``ttft_deadline`` (the server answers 429) as soon as it can no longer
 make its deadline: under a burst the prediction can be wrong, and the answer must
 still come by the deadline.
@@ -54,12 +76,6 @@ from typing import TYPE_CHECKING
 from adaserve.core.config import CAPACITY_RETRY_S, QUEUE_FULL_RETRY_S
 from adaserve.errors import AdmissionRejected
 
-# a class may run this much over its TPOT target per pass before new work is refused
-# (a request's TPOT is its mean over its life: the planner makes up short stretches)
-PACE_TOLERANCE = 0.05
-# a request is admitted only when its predicted first token leaves this share of its
-# TTFT target spare (seat waits and queues ahead are estimates)
-TTFT_MARGIN = 0.2
 # a class's measured pace counts for this long after it last decoded (a stale one,
 # say from a burst long gone, would refuse work forever: nothing would re-measure it)
 PACE_FRESH_S = 5.0
@@ -74,10 +90,18 @@ if TYPE_CHECKING:
     from adaserve.core.seq import SeqState
     from adaserve.core.trace import StepTrace
 
+# a class may run this much over its TPOT target per pass before new work is refused
+# (a request's TPOT is its mean over its life: the planner makes up short stretches).
+# Not a chance: the measured pace is the planner's steering (it holds every request near
+# its target while the load is feasible), so it predicts no request's realised TPOT
+PACE_TOLERANCE = 0.05
+
 # reason of a queued request ended at its TTFT deadline
 TTFT_DEADLINE = "ttft_deadline"
 # refusals a looser class can avoid (a full queue is full for every class)
 DEGRADABLE = ("capacity", "ttft")
+# reason of a request refused because the admitted work's KV would overflow the pool
+KV_FULL = "kv"
 # a pass counts as a prefill pass for the measured pass time when it carries at least
 # this share of the chunk
 _PREFILL_PASS_SHARE = 0.5
@@ -87,10 +111,101 @@ _SPEED_PASSES = 32  # passes the measured speed is the median of  # the same for
 _SEEN_WINDOW_S = 60.0  # a stricter class decoding this recently keeps its room
 _FINISH_WINDOW_S = 30.0  # finishes counted for the finish rate
 _MIN_FINISHES = 4  # below this many finishes in the window the rate is unknown
+# pseudo-finishes that hold a class's calibration to the model's own word (realised =
+# predicted) until its own finishes outweigh them
+_PRIOR_WEIGHT = 0.1
+_CAL_WINDOW = 64  # the errors a class's chances are counted over (1.5% steps)
 
 
 def _mix(old: float | None, new: float, w: float = _EWMA) -> float:
     return new if old is None else (1.0 - w) * old + w * new
+
+
+def _phi(z: float) -> float:
+    """The standard normal distribution function."""
+    return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+
+
+class Calibration:
+    """What one class's admitted requests realised against what was predicted at their
+    admission (TPOT or TTFT): a fit of ``y = log(realised / target)`` on ``u =
+    log(predicted / target)``, ``y = a + b u + e``, by exponentially weighted least
+    squares (about the last ``1 / _CLASS_EWMA`` finishes), shrunk toward the model's
+    own word (``a = 0, b = 1``: a request realises what was predicted) by
+    ``_PRIOR_WEIGHT`` pseudo-finishes. ``e`` is each finish's error, taken before the
+    fit learns from it; the chance of a prediction is the share of the last
+    ``_CAL_WINDOW`` errors that keep it within target (their own law, which is skewed:
+    the planner holds a request near its target from both sides), or a normal law of the
+    prior spread until ``_MIN_FINISHES``. The planner steers every request toward its target, so
+    what is realised depends less on the prediction than the model alone says while
+    the load is feasible (``b`` below 1), and more past it: the fit learns both."""
+
+    __slots__ = ("n", "s", "b", "errs")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.s = [0.0, 0.0, 0.0]  # weighted sums of 1, u, u*u
+        self.b = [0.0, 0.0]  # weighted sums of y, u*y
+        self.errs: deque[float] = deque(maxlen=_CAL_WINDOW)  # errors, out of sample
+
+    def coef(self) -> tuple[float, float]:
+        """(a, b) of the fit (the model's own word before any finish)."""
+        lam = _PRIOR_WEIGHT
+        s0, s1, s2 = self.s[0] + lam, self.s[1], self.s[2] + lam
+        b0, b1 = self.b[0], self.b[1] + lam  # the prior: a = 0, b = 1
+        det = s0 * s2 - s1 * s1
+        if det <= 1e-12:
+            return 0.0, 1.0
+        return (s2 * b0 - s1 * b1) / det, (s0 * b1 - s1 * b0) / det
+
+    def add(self, realised: float, predicted: float, target: float) -> None:
+        if realised <= 0 or predicted <= 0 or target <= 0:
+            return
+        u, y = math.log(predicted / target), math.log(realised / target)
+        a, b = self.coef()
+        self.errs.append(y - a - b * u)
+        self.n += 1
+        keep = 1.0 - _CLASS_EWMA
+        for i, v in enumerate((1.0, u, u * u)):
+            self.s[i] = keep * self.s[i] + v
+        self.b[0] = keep * self.b[0] + y
+        self.b[1] = keep * self.b[1] + u * y
+
+    @property
+    def ready(self) -> bool:
+        """Enough finishes to stand for the class (else the prior applies)."""
+        return self.n >= _MIN_FINISHES
+
+    def chance(self, target: float, predicted: float, prior_spread: float) -> float:
+        """The chance that a request predicted at ``predicted`` realises at most
+        ``target`` (both ms): the fit's normal law of ``y`` at ``u``."""
+        if target <= 0:
+            return 0.0
+        if predicted <= 0:
+            return 1.0
+        a, b = self.coef()
+        mean = a + b * math.log(predicted / target)
+        if self.ready:
+            return sum(1 for e in self.errs if mean + e <= 0) / len(self.errs)
+        if prior_spread < 1e-9:
+            return 1.0 if mean <= 0 else 0.0
+        return _phi(-mean / prior_spread)
+
+    def needed(self, target: float, bar: float, prior_spread: float) -> float:
+        """The prediction (ms) at which the chance of meeting ``target`` is ``bar``."""
+        a, b = self.coef()
+        if self.ready:  # the error a share ``bar`` of the recent ones stay within
+            es = sorted(self.errs)
+            q = es[min(len(es) - 1, max(0, math.ceil(bar * len(es)) - 1))]
+        else:
+            q = _z(bar) * prior_spread
+        # a + b u + q = 0 at the bar (b > 0: a longer prediction, a later realisation)
+        return target * math.exp((-q - a) / max(b, 1e-3))
+
+
+def _z(p: float) -> float:
+    """The standard normal quantile of ``p`` (0 < p < 1)."""
+    return statistics.NormalDist().inv_cdf(p)
 
 
 class AdmissionControl:
@@ -112,6 +227,14 @@ class AdmissionControl:
         self._seen: dict[str, float] = {}  # class -> when it last decoded
         # class -> (time, prompt tokens, ttft) of the requests admitted lately
         self._admits: dict[str, deque] = {}
+        # class -> log(realised / predicted) of its admitted requests' TPOT and TTFT
+        # class -> (predicted pace / target at admission, TPOT met) of its admitted requests
+        self.tpot_met: dict[str, deque[tuple[float, bool]]] = {}
+        self.ttft_cal: dict[str, Calibration] = {}
+        self.out_len: dict[str, float] = {}  # class -> output tokens of its finished requests
+        self.stay_s: float | None = None  # arrival to finish of the requests that finished
+        # the last verdict's predictions for the request judged (promise, TPOT, TTFT)
+        self._pred: tuple[float | None, float | None, float | None] = (None, None, None)
 
     def reset(self) -> None:
         """Forget every measurement (after a profile run, whose passes are not load)."""
@@ -158,11 +281,37 @@ class AdmissionControl:
             if pred > 0:
                 self._speeds.append(dur_ms / pred)
 
-    def observe_finish(self, t: float) -> None:
-        """A request left the running batch at ``t`` (s)."""
+    def observe_finish(self, t: float, seq: SeqState | None = None) -> None:
+        """A request (``seq``) left the running batch at ``t`` (s): the finish rate, its
+        class's output length and the calibration of its predictions; its promise is
+        counted against whether it met its SLO."""
         self._finishes.append(t)
         while self._finishes and self._finishes[0] < t - _FINISH_WINDOW_S:
             self._finishes.popleft()
+        if seq is None or seq.cancelled or seq.first_token_at is None:
+            return
+        cls, slo = seq.slo.cls, seq.slo
+        if seq.finish_reason in ("stop", "length"):
+            self.out_len[cls] = _mix(self.out_len.get(cls), float(seq.num_output), _CLASS_EWMA)
+            self.stay_s = _mix(self.stay_s, t - seq.arrival, _CLASS_EWMA)
+        ttft = (seq.first_token_at - seq.arrival) * 1000.0
+        tpot = (
+            (t - seq.first_token_at) * 1000.0 / (seq.num_output - 1)
+            if seq.num_output >= 2
+            else None
+        )
+        if seq.pred_ttft_ms is not None:
+            self.ttft_cal.setdefault(cls, Calibration()).add(
+                ttft, seq.pred_ttft_ms, slo.ttft_ms or seq.pred_ttft_ms
+            )
+        if seq.pred_tpot_ms is not None and tpot is not None and slo.tpot_ms is not None:
+            q = self.tpot_met.setdefault(cls, deque(maxlen=_CAL_WINDOW))
+            q.append((seq.pred_tpot_ms / slo.tpot_ms, tpot <= slo.tpot_ms))
+        if seq.promise is not None:
+            met = (slo.ttft_ms is None or ttft <= slo.ttft_ms) and (
+                slo.tpot_ms is None or tpot is None or tpot <= slo.tpot_ms
+            )
+            self.sched.counters.count_promise(cls, seq.promise, met)
 
     def finish_rate(self, now: float) -> float | None:
         """Running requests finishing per second over the recent window (None: too few
@@ -176,7 +325,9 @@ class AdmissionControl:
         return len(f) / span
 
     def admitted(self, seq: SeqState, now: float) -> None:
-        """``seq`` passed the checks and was queued at ``now``."""
+        """``seq`` passed the checks and was queued at ``now``: it keeps the last
+        verdict's promise and predictions."""
+        seq.promise, seq.pred_tpot_ms, seq.pred_ttft_ms = self._pred
         q = self._admits.setdefault(seq.slo.cls, deque())
         q.append((now, seq.to_prefill, seq.slo.ttft_ms))
         while q and q[0][0] < now - _FINISH_WINDOW_S:
@@ -287,12 +438,54 @@ class AdmissionControl:
         ms = self.class_pass_ms.get(cls)
         return None if ms is None else ms / self.tokens_per_pass[cls]
 
-    def off_pace(self, seq: SeqState, rank: int, now: float) -> tuple[str, float, float] | None:
+    def pace_at(self, cls: str, n: float, target: float, now: float) -> float | None:
+        """The predicted ms per token of class ``cls`` with ``n`` requests in the batch:
+        its measured pace scaled by the predicted pass time at ``n`` over that of the
+        batch the pace was measured at. None when it is not to be kept on pace: not
+        measured lately (admitting is how it is measured again), or hopeless (its
+        ``target`` missed ``HOPELESS`` times over even for a request alone: load is not
+        the cause, and refusing work cannot meet it; the class runs best effort)."""
+        pace = self.pace_ms(cls)
+        if pace is None or now - self._seen.get(cls, -math.inf) > PACE_FRESH_S:
+            return None
+        was_ms = self.decode_pass_ms(self.class_batch[cls])
+        then_ms = self.decode_pass_ms(min(n, self.sched.cfg.max_num_seqs))
+        if not was_ms or then_ms is None:
+            return None
+        if pace * self.decode_pass_ms(1) / was_ms > HOPELESS * target:
+            return None
+        return pace * then_ms / was_ms
+
+    def prior_spread(self) -> float:
+        """The spread of log(measured / predicted) pass time over the recent passes: a
+        class's prior spread of realised over predicted until its own is measured."""
+        xs = [math.log(x) for x in self._speeds if x > 0]
+        return statistics.pstdev(xs) if len(xs) >= 2 else 0.0
+
+    def tpot_chance(self, cls: str, load: float | None = None) -> float | None:
+        """The chance a request of ``cls`` admitted at ``load`` (its class's predicted
+        pace over its target) meets its TPOT: of the class's last ``_CAL_WINDOW``
+        admitted requests predicted at that load or above (all of them without
+        ``load``), the share that met it, counting one more that did (a few finishes
+        are weak evidence of a miss: the chance is not judged below the bar on one
+        unlucky request); None with fewer than ``_MIN_FINISHES`` such."""
+        q = self.tpot_met.get(cls) or ()
+        got = [met for x, met in q if load is None or x >= load]
+        return (sum(got) + 1) / (len(got) + 1) if len(got) >= _MIN_FINISHES else None
+
+    def ttft_chance(self, cls: str, target: float, predicted: float) -> float:
+        """The chance a request of ``cls`` predicted at ``predicted`` ms from arrival to
+        its first token meets its ``target`` TTFT."""
+        cal = self.ttft_cal.get(cls) or Calibration()
+        return cal.chance(target, predicted, self.prior_spread())
+
+    def off_pace(
+        self, seq: SeqState, rank: int, now: float
+    ) -> tuple[str, float, float, float] | None:
         """The first class at or above ``rank``'s strictness that would fall off its TPOT
-        pace with ``seq`` in the batch, as (class, predicted ms per token, target), or
-        None when every one keeps pace (or nothing is measured yet). The predicted pace
-        is the measured one scaled by the predicted pass time of the batch with ``seq``
-        over that of the batch the pace was measured at."""
+        pace (``PACE_TOLERANCE``) with ``seq`` in the batch, as (class, predicted ms per
+        token, target, Retry-After s), or None when every one keeps pace (or nothing is
+        measured). Sets ``seq``'s own predicted TPOT (``_own_tpot``) on the way."""
         s = self.sched
         if not s.running:  # nothing decodes: no load to be off pace because of
             return None
@@ -301,7 +494,7 @@ class AdmissionControl:
         targets: dict[str, float] = {}
         for cls, seen in self._seen.items():
             if s.rank_of(cls) < rank and now - seen <= _SEEN_WINDOW_S:
-                t = s.class_slo(cls).tpot_ms if cls in s._classes else None
+                t = s.class_slo(cls).tpot_ms if s.knows_class(cls) else None
                 if t:
                     targets[cls] = t
         n = 1
@@ -311,33 +504,110 @@ class AdmissionControl:
             t = r.slo.tpot_ms
             if t and s.rank_of(r.slo.cls) <= rank:
                 targets[r.slo.cls] = min(t, targets.get(r.slo.cls, t))
-        then_ms = self.decode_pass_ms(min(n, s.cfg.max_num_seqs))
-        if then_ms is None:
-            return None
+        n_life = self.load_over_life(n, seq, now)
         for cls in sorted(targets, key=s.rank_of):
-            pace = self.pace_ms(cls)
-            if pace is None or now - self._seen.get(cls, -math.inf) > PACE_FRESH_S:
-                continue  # not measured lately: admitting it is how it is measured again
-            # scaled from the batch its pace was measured at to the batch with seq
-            was_ms = self.decode_pass_ms(self.class_batch[cls])
-            if not was_ms:
+            pred = self.pace_at(cls, n_life, targets[cls], now)
+            if pred is None:
                 continue
-            pred = pace * then_ms / was_ms
-            # a target this hardware misses even for a request alone is not load's
-            # doing, and refusing work cannot meet it: the class runs best effort
-            if pace * self.decode_pass_ms(1) / was_ms > HOPELESS * targets[cls]:
-                continue
-            if pred > targets[cls] * (1.0 + PACE_TOLERANCE):
-                return cls, pred, targets[cls]
+            if cls == seq.slo.cls:
+                self._own_tpot = pred
+            if self._off_pace(cls, pred, targets[cls]):
+                return cls, pred, targets[cls], self._retry_pace(cls, n, targets[cls], now)
         return None
+
+    def load_over_life(self, n: float, seq: SeqState, now: float) -> float:
+        """The mean batch size over ``seq``'s decode, from ``n`` now: a request's TPOT
+        is its mean over its life, and the batch relaxes toward its steady size, the
+        measured admission rate times the measured time a request spends in the
+        engine (Little's law), with that time as its time constant. ``n`` itself when
+        either is unmeasured or ``seq``'s class has no measured output length."""
+        rate, stay = self.admission_rate(now), self.stay_s
+        out = self.out_len.get(seq.slo.cls)
+        tpot = seq.slo.tpot_ms
+        if rate is None or stay is None or not out or not tpot or stay <= 0:
+            return n
+        steady = rate * stay
+        life = out * tpot / 1000.0  # its decode at its target pace (s)
+        share = stay / life * (1.0 - math.exp(-life / stay))  # mean of exp(-t / stay)
+        return max(1.0, steady + (n - steady) * share)
+
+    def admission_rate(self, now: float) -> float | None:
+        """Requests admitted per second over the recent window, every class (None:
+        too few to tell)."""
+        first, count = math.inf, 0
+        for q in self._admits.values():
+            while q and q[0][0] < now - _FINISH_WINDOW_S:
+                q.popleft()
+            if q:
+                first, count = min(first, q[0][0]), count + len(q)
+        if count < _MIN_FINISHES:
+            return None
+        return count / max(now - first, 1.0)
+
+    def _off_pace(self, cls: str, pred: float, target: float) -> bool:
+        """Whether a request of ``cls`` predicted at ``pred`` ms per token against its
+        ``target`` is off pace: the class's requests admitted at this load or above met
+        their TPOT less often than the class promises; with too few of them to tell,
+        beyond ``PACE_TOLERANCE`` over the target."""
+        chance = self.tpot_chance(cls, pred / target)
+        if chance is None:
+            return pred > target * (1.0 + PACE_TOLERANCE)
+        return chance < self.sched.promise_of(cls)
+
+    def _retry_pace(self, cls: str, n: int, target: float, now: float) -> float:
+        """Seconds until class ``cls`` would keep pace again: the requests that must
+        leave the batch of ``n`` for its predicted pace to, at the measured finish rate
+        (``CAPACITY_RETRY_S`` while the rate is unknown)."""
+        rate = self.finish_rate(now)
+        if rate is None:
+            return CAPACITY_RETRY_S
+        m = n - 1
+        while m > 1:
+            pred = self.pace_at(cls, m, target, now)
+            if pred is None or not self._off_pace(cls, pred, target):
+                break
+            m -= 1
+        return max(1.0, (n - m) / rate)
+
+    # ------------------------------------------------------------------ memory
+    def kv_need(self, r: SeqState) -> float:
+        """KV slots ``r`` is expected to hold at its longest: its context now, the
+        output still expected (its class's measured mean output, capped by its
+        ``max_tokens``; none until measured) and its measured tree."""
+        mean = self.out_len.get(r.slo.cls)
+        left = max(r.max_new_tokens - r.num_output, 0)
+        more = min(left, max(mean - r.num_output, 0.0)) if mean is not None else 0.0
+        return r.num_tokens + more + (self.nodes_per_decode or 0.0)
+
+    def kv_verdict(self, seq: SeqState, now: float) -> AdmissionRejected | None:
+        """A refusal when the KV that the admitted work and ``seq`` are expected to hold
+        exceeds the pool (cached prefix blocks ``seq`` would share do not count)."""
+        s = self.sched
+        pool = s.allocator.num_blocks * s.cfg.block_size
+        held = [self.kv_need(r) for r in itertools.chain(s.running, s.waiting)]
+        need = sum(held) + self.kv_need(seq) - seq.prefix_hint
+        if need <= pool:
+            return None
+        rate = self.finish_rate(now)
+        per = sum(held) / max(len(held), 1)
+        retry = math.ceil((need - pool) / max(per, 1.0)) / rate if rate else CAPACITY_RETRY_S
+        return AdmissionRejected(
+            f"the admitted requests are expected to hold {need - seq.num_tokens:.0f} KV "
+            f"slots and this one {seq.num_tokens}; the KV cache holds {pool}",
+            KV_FULL,
+            max(1.0, retry),
+        )
 
     # ------------------------------------------------------------------ decisions
     def verdict(self, seq: SeqState, now: float) -> AdmissionRejected | None:
         """Why ``seq``, with its SLO as it stands, cannot be admitted at ``now`` (the
-        refusal, not raised nor counted), or None when it can; records nothing (the
-        scheduler's ``check_admission`` counts, degrades and records the admission;
-        see the module docstring)."""
+        refusal, not raised nor counted), or None when it can; records nothing but the
+        predictions ``admitted`` gives the request (the scheduler's
+        ``check_admission`` counts, degrades and records the admission; see the module
+        docstring)."""
         s = self.sched
+        self._pred = (None, None, None)
+        self._own_tpot: float | None = None
         if len(s.waiting) >= s.cfg.max_waiting:
             return AdmissionRejected("server queue is full", "queue_full", QUEUE_FULL_RETRY_S)
         slo = seq.slo
@@ -347,28 +617,43 @@ class AdmissionControl:
             # this machine can serve it; what predictions say of load (recent arrivals,
             # a pace measured in a burst now gone) does not apply to an idle engine
             return None
+        kv = self.kv_verdict(seq, now)
+        if kv is not None:
+            return kv
         if slo.tpot_ms is not None:
             late = self.off_pace(seq, rank, now)
             if late is not None:
-                cls, pred, target = late
+                cls, pred, target, retry = late
                 return AdmissionRejected(
                     f"with this request class {cls!r} would run at {pred:.1f} ms per token "
                     f"against its {target:.1f} ms target",
                     "capacity",
-                    CAPACITY_RETRY_S,
+                    retry,
                 )
+        pred_tpot, pred_ttft = self._own_tpot, None
+        chance = 1.0
+        if slo.tpot_ms is not None and pred_tpot is not None:
+            chance = self.tpot_chance(slo.cls, pred_tpot / slo.tpot_ms) or 1.0
         if slo.ttft_ms:
             t = self.predicted_ttft_ms(seq, now)
-            waited = (now - seq.arrival) * 1000.0
-            budget = slo.ttft_ms * (1.0 - TTFT_MARGIN)  # the prediction's error
-            if t is not None and waited + t > budget and slo.ttft_ms >= waited + self.alone_ms(seq):
-                over_s = (waited + t - budget) / 1000.0
-                return AdmissionRejected(
-                    f"predicted time to first token {waited + t:.0f} ms exceeds the "
-                    f"{slo.ttft_ms:.0f} ms target of class {slo.cls!r}",
-                    "ttft",
-                    max(1.0, over_s),
-                )
+            if t is not None:
+                waited = (now - seq.arrival) * 1000.0
+                pred_ttft = waited + t
+                c = self.ttft_chance(slo.cls, slo.ttft_ms, pred_ttft)
+                bar = s.promise_of(slo.cls)
+                if c < bar and slo.ttft_ms >= waited + self.alone_ms(seq):
+                    cal = self.ttft_cal.get(slo.cls) or Calibration()
+                    ok_at = cal.needed(slo.ttft_ms, bar, self.prior_spread())
+                    return AdmissionRejected(
+                        f"predicted time to first token {pred_ttft:.0f} ms against the "
+                        f"{slo.ttft_ms:.0f} ms target of class {slo.cls!r} (a "
+                        f"{100 * c:.0f}% chance to meet it; the class promises "
+                        f"{100 * bar:.0f}%)",
+                        "ttft",
+                        max(1.0, (pred_ttft - ok_at) / 1000.0),
+                    )
+                chance *= c
+        self._pred = (chance, pred_tpot, pred_ttft)
         return None
 
     def expire(self, now: float) -> list[SeqState]:

@@ -42,7 +42,7 @@ from adaserve.core.trace import StepTrace
 from adaserve.core.tree import scratch_slots_needed
 from adaserve.errors import InvalidRequestError, PromptTooLongError
 from adaserve.sched.base import BatchView, Plan, Policy, ReqView
-from adaserve.slo import SLO, SLOClass
+from adaserve.slo import DEFAULT_PROMISE, SLO, SLOClass
 
 # context tokens per sequence assumed when pricing the full-batch capacity
 _CAPACITY_CONTEXT = 256.0
@@ -185,7 +185,7 @@ class Scheduler:
             self.counters.count_degraded_on_admission(refused.reason)
             refused = None
         if refused is not None:
-            self.counters.count_shed(refused.reason)
+            self.counters.count_shed(refused.reason, seq.cls)
             raise refused
         self.admission.admitted(seq, now)
 
@@ -211,6 +211,16 @@ class Scheduler:
             out.append(c.degrade_to)
             c = self._classes[c.degrade_to]
         return out
+
+    def knows_class(self, cls: str | None) -> bool:
+        """Whether ``cls`` is one of the configured classes."""
+        return cls in self._classes
+
+    def promise_of(self, cls: str | None) -> float:
+        """Admission's bar for class ``cls``: the chance of meeting its SLO an admitted
+        request must have (the class's ``promise``; 0.9 when unknown)."""
+        c = self._classes.get(cls)
+        return c.promise if c is not None else DEFAULT_PROMISE
 
     def rank_of(self, cls: str | None) -> int:
         """The strictness rank of class ``cls`` (0, the strictest, when unknown)."""
@@ -239,7 +249,7 @@ class Scheduler:
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         if seq.status is Status.RUNNING:
-            self.admission.observe_finish(seq.finished_at)
+            self.admission.observe_finish(seq.finished_at, seq)
         seq.status = Status.FINISHED
         if seq.table is not None:
             self.register_blocks(seq)

@@ -52,6 +52,9 @@ class SeqState:
         "digests",
         "prefix_hint",
         "cached_prompt",
+        "promise",
+        "pred_tpot_ms",
+        "pred_ttft_ms",
     )
 
     def __init__(self, rid: int, slo: SLO, arrival: float):
@@ -80,6 +83,11 @@ class SeqState:
         self.digests: list[bytes] = []
         self.prefix_hint = 0
         self.cached_prompt = 0
+        # admission's promise: the predicted chance it meets its SLO, and the TPOT and
+        # TTFT (ms, from arrival) predicted when it was admitted (None: not predicted)
+        self.promise: float | None = None
+        self.pred_tpot_ms: float | None = None
+        self.pred_ttft_ms: float | None = None
 
     # ------------------------------------------------------------ provided by subclasses
     @property

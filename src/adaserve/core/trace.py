@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from adaserve.core.counters import admission_summary
 from adaserve.sched.base import Plan
 
 
@@ -225,6 +226,7 @@ class RunRecorder:
             "fallback_iterations": dict(c.fallback_iterations),
             "fallback_iterations_total": sum(c.fallback_iterations.values()),
             "shed_by_reason": dict(c.shed),
+            "admission": admission_summary(c.shed_by_class, c.promised),
             "degraded_total": c.degraded,
             "preemptions": c.preemptions,
             "spec_drafts": c.spec_drafts,

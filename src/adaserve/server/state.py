@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from adaserve.chat_template import ChatTemplate
+from adaserve.core.counters import admission_summary
 from adaserve.generation_config import describe as describe_defaults
 from adaserve.server.auth import TenantRegistry
 from adaserve.server.config import ServerConfig, check_against_classes
@@ -48,6 +49,8 @@ def engine_summary(loop: EngineLoop) -> dict:
         "structured": _structured_summary(loop),
         # automatic prefix caching: queried and cached prompt tokens, hit rate by class
         "prefix_cache": snap.prefix_cache or None,
+        # admission: refusals by class and reason, promised against realised attainment
+        "admission": admission_summary(c.get("shed_by_class"), c.get("promised")),
         # the thread plan, the profile and where the class targets come from
         **getattr(loop, "provenance", {}),
     }
