@@ -49,17 +49,16 @@ def test_a_degradable_request_is_admitted_in_the_first_class_that_can_keep_its_p
     clock = ManualClock(0.0)
     sched = _sched(clock)
     _backlog(sched, clock)
-    # refused as it asks: five passes of 250 ms (its 512 tokens are two) against
-    # interactive's 1 s
+    # refused as it asks: four passes of 250 ms against interactive's 1 s
     with pytest.raises(AdmissionRejected) as ei:
-        sched.add(_Req(10, _slo("interactive"), 4.0, prompt=512))
+        sched.add(_Req(10, _slo("interactive"), 4.0, prompt=256))
     assert ei.value.reason == "ttft"
     ac = sched.admission
-    # chat would be late too (the same 1.25 s of prefill against 1.2 s), batch is not:
-    # the degradable request skips chat and is admitted in batch
-    probe = _Req(11, _slo("chat"), 4.0, prompt=512)
+    # chat would be late too (the same 1 s of prefill against 1.2 s less the
+    # prediction's margin), batch is not: the degradable request skips chat and is admitted in batch
+    probe = _Req(11, _slo("chat"), 4.0, prompt=256)
     assert ac.verdict(probe, 4.0) is not None
-    r = _Req(12, _slo("interactive", "degrade"), 4.0, prompt=512)
+    r = _Req(12, _slo("interactive", "degrade"), 4.0, prompt=256)
     sched.add(r)
     assert r in sched.waiting
     assert r.slo.cls == "batch" and r.degraded_from == "interactive"
@@ -93,7 +92,7 @@ def test_refused_when_no_class_along_the_chain_can_admit_it():
         _pass(s2, 0.0, 0.25, prefill={99: 256})
     for i in range(3):
         s2.add(_Req(i, _slo("interactive"), 4.0, prompt=256))
-    r = _Req(10, _slo("interactive", "degrade"), 4.0, prompt=512)
+    r = _Req(10, _slo("interactive", "degrade"), 4.0, prompt=256)
     with pytest.raises(AdmissionRejected) as ei:
         s2.add(r)
     # refused for its own class's reason, its SLO untouched

@@ -46,20 +46,13 @@ class SLO:
             )
 
 
-# admission's bar for a class that does not set one: nine admitted requests in ten are
-# to meet their SLO (the strictest default class asks for 95%)
-DEFAULT_PROMISE = 0.9
-
-
 @dataclass(frozen=True)
 class SLOClass:
     """A named class. TPOT is given in ms, or as a multiple of the unloaded TPOT.
 
     ``rank`` orders strictness (0 = strictest); ``degrade_to`` names the looser class a
     request moves to under overload; ``min_rate`` is the minimum progress rate
-    (tokens/s) the scheduler guarantees under overload. ``promise`` is admission's bar:
-    a request is admitted only when its predicted chance of meeting the SLO (from the
-    measured spread of realised over predicted TPOT and TTFT) is at least this.
+    (tokens/s) the scheduler guarantees under overload.
     """
 
     name: str
@@ -72,7 +65,6 @@ class SLOClass:
     min_rate: float = 0.0
     price_per_1k: float = 0.0
     priority: int = 0
-    promise: float = DEFAULT_PROMISE
 
     def __post_init__(self) -> None:
         if self.tpot_ms is not None and self.tpot_x is not None:
@@ -82,8 +74,6 @@ class SLOClass:
         _check_ms("max_queue_ms", self.max_queue_ms)
         if self.tpot_x is not None and not self.tpot_x > 0:
             raise InvalidRequestError(f"class {self.name}: tpot_x must be positive")
-        if not 0.0 < self.promise < 1.0:
-            raise InvalidRequestError(f"class {self.name}: promise must be in (0, 1)")
 
     def resolve(self, unloaded_tpot_ms: float) -> SLO:
         """The concrete SLO of this class given the measured unloaded TPOT."""
@@ -104,7 +94,6 @@ DEFAULT_CLASSES: tuple[SLOClass, ...] = (
         degrade_to="chat",
         price_per_1k=4.0,
         priority=0,
-        promise=0.95,
     ),
     SLOClass(
         "chat", tpot_x=1.8, ttft_ms=4000, rank=1, degrade_to="batch", price_per_1k=1.0, priority=1

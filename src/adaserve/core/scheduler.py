@@ -42,7 +42,7 @@ from adaserve.core.trace import StepTrace
 from adaserve.core.tree import scratch_slots_needed
 from adaserve.errors import InvalidRequestError, PromptTooLongError
 from adaserve.sched.base import BatchView, Plan, Policy, ReqView
-from adaserve.slo import DEFAULT_PROMISE, SLO, SLOClass
+from adaserve.slo import SLO, SLOClass
 
 # context tokens per sequence assumed when pricing the full-batch capacity
 _CAPACITY_CONTEXT = 256.0
@@ -215,12 +215,6 @@ class Scheduler:
     def knows_class(self, cls: str | None) -> bool:
         """Whether ``cls`` is one of the configured classes."""
         return cls in self._classes
-
-    def promise_of(self, cls: str | None) -> float:
-        """Admission's bar for class ``cls``: the chance of meeting its SLO an admitted
-        request must have (the class's ``promise``; 0.9 when unknown)."""
-        c = self._classes.get(cls)
-        return c.promise if c is not None else DEFAULT_PROMISE
 
     def rank_of(self, cls: str | None) -> int:
         """The strictness rank of class ``cls`` (0, the strictest, when unknown)."""
