@@ -90,7 +90,7 @@ def summarize(runs: list[dict]) -> dict:
         / max(sum(n for _, n in cls.values()), 1),
         "goodput": tot["goodput"],
         "reasons": reasons,
-        "admission": [r.get("admission") for r in runs],
+        "admission": [r["overall"].get("admission") for r in runs],
     }
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from adaserve.core.admission import PACE_TOLERANCE, TTFT_DEADLINE, TTFT_MARGIN
 from adaserve.core.clock import ManualClock
@@ -379,3 +381,34 @@ def test_a_burst_is_judged_at_the_load_over_the_request_s_life():
     assert ac.load_over_life(20.0, new, 30.0) == pytest.approx(want)
     assert steady < ac.load_over_life(20.0, new, 30.0) < 20.0
     assert ac.load_over_life(1.0, new, 30.0) > 1.0  # below steady: it fills while it runs
+
+
+@settings(
+    max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    seed=st.integers(1, 10_000),
+    rate=st.floats(0.4, 1.2),
+    strict=st.floats(0.3, 0.7),
+)
+def test_below_capacity_admission_refuses_little(tmp_path_factory, seed, rate, strict):
+    """Property (issue 31): on random traces below capacity in the simulator (the A100
+    70B preset at 0.4-1.2 req/s; adaserve's SLO capacity on the reference workload is
+    about 2 req/s with admission off), admission refuses at most 5% of the requests
+    (the goal is 2%: docs/results/admission-issue31.md), and the admitted ones stay on
+    target."""
+    import json
+
+    from adaserve.cli import main
+
+    out = tmp_path_factory.mktemp("below")
+    rest = (1.0 - strict) / 2
+    args = ["simulate", "--preset", "A100-80GB:llama-70b", "--dataset", "random"]
+    args += ["--class-mix", f"interactive:{strict:.3f},chat:{rest:.3f},batch:{rest:.3f}"]
+    args += ["--request-rate", f"{rate:.3f}", "--duration", "40", "--seed", str(seed)]
+    args += ["--no-plots", "--no-progress", "--policies", "adaserve", "--admission"]
+    assert main([*args, "--out", str(out)]) == 0
+    o = json.loads((out / "result.json").read_text())["results"]["adaserve"]["overall"]
+    assert o["completed"] + o["shed"] == o["requests"] and o["errors"] == 0
+    assert o["shed"] <= 0.05 * o["requests"], o["shed_by_reason"]
+    assert o["attained"] >= 0.9 * o["completed"]

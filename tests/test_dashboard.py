@@ -250,6 +250,15 @@ def test_browser_shows_a_row_per_class_matching_the_report(srv, browser, tmp_pat
         n0 = sum(rep0["classes"][cls]["shed"].values())
         assert sum(rep["classes"][cls]["shed"].values()) - n0 == result["shed"][cls]
     assert shed_page == sum(sum(c["shed"].values()) for c in rep["classes"].values())
+    # what admission did, per class, as the report's engine section says
+    note = d.find_element(By.ID, "admission-note").text
+    for cls, a in rep["engine"]["admission"].items():
+        for reason, n in a.get("refused", {}).items():
+            assert f"{reason} {n}" in note, (cls, note)
+        if a.get("promised_n"):
+            assert f"{cls}: {a['promised_n']} admitted under load" in note, note
+            assert f"met {100 * a['realised_attainment']:.1f} %" in note, note
+    assert note.startswith("Admission:")
     tenants = d.execute_script(
         "return [...document.querySelectorAll('#tenants tr[data-tenant]')]"
         ".map(tr => tr.dataset.tenant)"

@@ -156,6 +156,8 @@ def report_view(
             "drift": eng.get("drift") or {},
             "structured": eng.get("structured"),
             "prefix_cache": eng.get("prefix_cache"),
+            # refusals by class and reason, promised against realised attainment
+            "admission": eng.get("admission"),
         },
         accepted_per_pos=accepted_per_pos,
         spec_drafts=spec_drafts,

@@ -126,6 +126,19 @@
         return k + " " + num(100 * (pcc[k].hit_rate || 0), 1) + "% (" + pcc[k].cached_tokens +
           " cached, " + pcc[k].computed_tokens + " computed)";
       }).join(", ") : "") + "; " + pc.cached_blocks + " blocks cached, " + pc.evictions + " evicted.";
+    var ad = e.admission || {};
+    var adParts = Object.keys(ad).map(function (k) {
+      var a = ad[k], r = a.refused || {}, s = k + ":";
+      if (a.promised_n) {
+        s += " " + a.promised_n + " admitted under load, predicted to meet the SLO " +
+          pct(a.predicted_attainment) + ", met " + pct(a.realised_attainment);
+      }
+      var rk = Object.keys(r);
+      if (rk.length) s += (a.promised_n ? ";" : "") + " refused " + rk.map(function (x) { return x + " " + r[x]; }).join(", ");
+      return s;
+    });
+    $("admission-note").textContent = adParts.length ? "Admission: " + adParts.join("; ") + "." :
+      "Admission: nothing refused or promised yet.";
     $("classes-note").textContent =
       "Percentiles and attainment: finished requests since start (\u2713 meets / \u2717 misses the class target). " +
       "Per-iteration columns: means over the last " + v.recent_iterations + " iterations." + from +
