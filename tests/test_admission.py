@@ -412,3 +412,36 @@ def test_below_capacity_admission_refuses_little(tmp_path_factory, seed, rate, s
     assert o["completed"] + o["shed"] == o["requests"] and o["errors"] == 0
     assert o["shed"] <= 0.05 * o["requests"], o["shed_by_reason"]
     assert o["attained"] >= 0.9 * o["completed"]
+
+
+def test_a_tenant_over_its_fair_share_of_a_contended_batch_is_refused():
+    """Issue 31 item 5: one tenant filling the batch with batch-class work, within its
+    quota, got another tenant's strict requests refused. Once a tenant is refused room,
+    the other may hold no more than its fair share of the batch until it is served."""
+    clock = ManualClock(0.0)
+    sched = _sched(clock)
+    loose = SLO(cls="chat")  # no targets: nothing but the fair share can refuse it
+
+    def req(rid, tenant):
+        r = _Req(rid, loose, clock.now(), prompt=10)
+        r.tenant = tenant
+        return r
+
+    for i in range(6):  # tenant a fills the batch, uncontended: all admitted
+        sched.add(req(i, "a"))
+    sched.add(req(10, "b"))
+    assert len(sched.waiting) == 7
+    # b is refused room (say, for capacity): the batch is now contended
+    starved = req(11, "b")
+    sched.admission.refused(starved, "capacity", clock.now())
+    with pytest.raises(AdmissionRejected) as ei:
+        sched.add(req(6, "a"))  # a would hold 7 of 8; its fair share is 4
+    assert ei.value.reason == "fair_share" and "fair share is 4.0" in str(ei.value)
+    sched.add(req(12, "b"))  # b holds 2 of 8: within its share
+    sched.add(req(13, None))  # a request with no tenant is not judged by share
+    assert sched.counters.shed_by_class == {"chat": {"fair_share": 1}}
+    # a queue-full refusal is not a lack of room: it contends nothing
+    sched.admission.refused(req(14, "c"), "queue_full", clock.now())
+    assert "c" not in sched.admission._starved
+    clock.set(31.0)  # contention over (30 s): a is admitted again
+    sched.add(req(7, "a"))

@@ -9,6 +9,11 @@ Every class gets its own decision (not only the strictest):
   measured mean output, capped by its ``max_tokens``, plus its measured tree) and the
   new request's must fit the pool; else it is refused (``kv``), not admitted into a
   preemption storm;
+* **fair share**: once a tenant has been refused room (capacity, TTFT or KV) in the last
+  ``_FINISH_WINDOW_S``, the batch is contended, and a tenant that would hold more than
+  its fair share of it (its requests, running and queued, against the batch over the
+  tenants that hold or want a place) is refused (``fair_share``): within its quota it
+  still cannot keep the seats another tenant is refused;
 * **decode pace**: with the new request the batch holds ``N`` requests (every running
   and queued one, up to ``max_num_seqs``); over the new request's life it holds ``N'``
   on average (``load_over_life``: the batch relaxes toward its steady size, the
@@ -106,6 +111,11 @@ TTFT_DEADLINE = "ttft_deadline"
 DEGRADABLE = ("capacity", "ttft")
 # reason of a request refused because the admitted work's KV would overflow the pool
 KV_FULL = "kv"
+# reason of a request refused because its tenant holds more than its fair share of a
+# batch another tenant was refused a place in
+FAIR_SHARE = "fair_share"
+# refusals for lack of room (not a full queue): they make the batch contended
+_CONTENDED = ("capacity", "ttft", KV_FULL)
 # a pass counts as a prefill pass for the measured pass time when it carries at least
 # this share of the chunk
 _PREFILL_PASS_SHARE = 0.5
@@ -221,6 +231,7 @@ class AdmissionControl:
         self.ttft_cal: dict[str, Calibration] = {}
         self.out_len: dict[str, float] = {}  # class -> output tokens of its finished requests
         self._arrived: deque[float] = deque()  # arrival times of the requests judged
+        self._starved: dict[str, float] = {}  # tenant -> when it was last refused room
         self.stay_s: float | None = None  # arrival to finish of the requests that finished
         # the last verdict's predictions for the request judged (promise, TPOT, TTFT)
         self._pred: tuple[float | None, float | None, float | None] = (None, None, None)
@@ -601,6 +612,48 @@ class AdmissionControl:
             max(1.0, retry),
         )
 
+    # ------------------------------------------------------------------ fairness
+    def refused(self, seq: SeqState, reason: str, now: float) -> None:
+        """``seq`` was refused for ``reason`` at ``now``: a tenant refused room makes the
+        batch contended (``fair_share_verdict``) for ``_FINISH_WINDOW_S``."""
+        if seq.tenant is not None and reason in _CONTENDED:
+            self._starved[seq.tenant] = now
+
+    def fair_share_verdict(self, seq: SeqState, now: float) -> AdmissionRejected | None:
+        """A refusal when the batch is contended (another tenant was refused room in the
+        last ``_FINISH_WINDOW_S``) and ``seq``'s tenant would hold more than its fair
+        share of it: the batch's requests (running and queued, with ``seq``) over the
+        tenants that hold or want a place. A tenant within its quota thus cannot keep
+        the seats another tenant is refused: its own requests wait until its share
+        frees, whatever their class."""
+        me = seq.tenant
+        if me is None:
+            return None
+        for t, when in list(self._starved.items()):
+            if now - when > _FINISH_WINDOW_S:
+                del self._starved[t]
+        if not any(t != me for t in self._starved):
+            return None
+        s = self.sched
+        held: dict[str | None, int] = {}
+        for r in itertools.chain(s.running, s.waiting):
+            held[r.tenant] = held.get(r.tenant, 0) + 1
+        tenants = {t for t in held if t is not None} | set(self._starved) | {me}
+        fair = (sum(held.values()) + 1) / len(tenants)
+        mine = held.get(me, 0) + 1
+        if mine <= fair:
+            return None
+        rate = self.finish_rate(now)
+        total = max(sum(held.values()), 1)
+        # its excess must finish: at the measured finish rate, its share of finishes
+        retry = (mine - fair) / (rate * held.get(me, 0) / total) if rate and held.get(me) else None
+        return AdmissionRejected(
+            f"tenant {me!r} would hold {mine} of the {sum(held.values()) + 1} requests in a "
+            f"batch another tenant was refused room in; its fair share is {fair:.1f}",
+            FAIR_SHARE,
+            max(1.0, retry) if retry else CAPACITY_RETRY_S,
+        )
+
     # ------------------------------------------------------------------ decisions
     def verdict(self, seq: SeqState, now: float) -> AdmissionRejected | None:
         """Why ``seq``, with its SLO as it stands, cannot be admitted at ``now`` (the
@@ -621,6 +674,9 @@ class AdmissionControl:
             # this machine can serve it; what predictions say of load (recent arrivals,
             # a pace measured in a burst now gone) does not apply to an idle engine
             return None
+        unfair = self.fair_share_verdict(seq, now)
+        if unfair is not None:
+            return unfair
         kv = self.kv_verdict(seq, now)
         if kv is not None:
             return kv

@@ -186,6 +186,7 @@ class Scheduler:
             refused = None
         if refused is not None:
             self.counters.count_shed(refused.reason, seq.cls)
+            self.admission.refused(seq, refused.reason, now)
             raise refused
         self.admission.admitted(seq, now)
 

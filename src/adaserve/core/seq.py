@@ -53,6 +53,7 @@ class SeqState:
         "prefix_hint",
         "cached_prompt",
         "promise",
+        "tenant",
         "pred_tpot_ms",
         "pred_ttft_ms",
     )
@@ -85,6 +86,7 @@ class SeqState:
         self.cached_prompt = 0
         # admission's promise: the predicted chance it meets its SLO, and the TPOT and
         # TTFT (ms, from arrival) predicted when it was admitted (None: not predicted)
+        self.tenant: str | None = None  # whose request it is (fair share under contention)
         self.promise: float | None = None
         self.pred_tpot_ms: float | None = None
         self.pred_ttft_ms: float | None = None

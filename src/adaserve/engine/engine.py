@@ -327,12 +327,15 @@ class Engine:
         arrival: float | None = None,
         grammar: GrammarState | None = None,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> Request:
         """A validated request, not queued (``add_request`` queues it). ``grammar``: the
         state of ``params.structured_outputs`` made beforehand (the server compiles off
         the engine thread); None: compiled here when the params have a constraint.
         ``cache_salt``: its prefix-cache blocks are shared only with requests of the
-        same salt (vLLM's field; None: with every unsalted request)."""
+        same salt (vLLM's field; None: with every unsalted request). ``tenant``: whose
+        request it is (admission keeps each tenant to its fair share of a contended
+        batch)."""
         # the engine's own callers (profile, warm-up) pass theirs; a bare request is greedy
         params = params or SamplingParams(temperature=0.0)
         if params.n != 1:
@@ -354,6 +357,7 @@ class Engine:
         gen = self.runner.generator(params.seed)
         r = Request(next(self._ids), ids, params, slo, gen, arrival)
         r.cache_salt = cache_salt or None
+        r.tenant = tenant
         # a request scoring its prompt computes every prompt token (vLLM's choice too)
         r.cache_lookup = params.prompt_logprobs is None
         if grammar is not None:
@@ -381,10 +385,11 @@ class Engine:
         arrival: float | None = None,
         grammar: GrammarState | None = None,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> Request:
         """Validate and queue a request (admission control may shed it with
         ``AdmissionRejected``); returns its live ``Request``."""
-        r = self.new_request(prompt, params, slo, arrival, grammar, cache_salt)
+        r = self.new_request(prompt, params, slo, arrival, grammar, cache_salt, tenant)
         self.scheduler.add(r)
         return r
 

@@ -142,8 +142,10 @@ class Handle:
         drop_output: bool = False,
         grammar: Any = None,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ):
         self.prompt_ids = prompt_ids
+        self.tenant = tenant  # whose request (admission's fair share)
         self.cache_salt = cache_salt  # its prefix-cache salt (the tenant's group and its own)
         self.grammar = grammar  # the GrammarState of params.structured_outputs, or None
         self.drop_output = drop_output
@@ -424,6 +426,7 @@ class EngineLoop:
                     arrival=h.arrival,
                     grammar=h.grammar,
                     cache_salt=h.cache_salt,
+                    tenant=h.tenant,
                 )
             except Exception as exc:  # handed to the awaiting handler
                 self._rejected(h)

@@ -130,6 +130,7 @@ async def generate(
                         drop_output=score_only,
                         grammar=grammars[i * n + j],
                         cache_salt=tenant.cache_salt(body.cache_salt),
+                        tenant=tenant.name,
                     )
                 )
                 if constraint is not None:
