@@ -445,3 +445,24 @@ def test_a_tenant_over_its_fair_share_of_a_contended_batch_is_refused():
     assert "c" not in sched.admission._starved
     clock.set(31.0)  # contention over (30 s): a is admitted again
     sched.add(req(7, "a"))
+
+
+def test_simulated_clients_retry_once_at_their_retry_after(tmp_path):
+    """Issue 31 item 3's measure: with ``--retry-refused`` each refused client tries
+    once more after the Retry-After it got; the run counts the retries and how many were
+    admitted, and every request still ends once (served, or refused twice)."""
+    import json
+
+    from adaserve.cli import main
+
+    args = ["simulate", "--preset", "A100-80GB:llama-70b", "--dataset", "random"]
+    args += ["--request-rate", "6", "--duration", "20", "--seed", "1", "--no-plots"]
+    args += ["--no-progress", "--policies", "adaserve", "--admission", "--retry-refused"]
+    assert main([*args, "--out", str(tmp_path)]) == 0
+    o = json.loads((tmp_path / "result.json").read_text())["results"]["adaserve"]["overall"]
+    r = o["retries"]
+    assert r["tried"] > 0 and 0 <= r["admitted"] <= r["tried"]
+    assert o["shed"] == r["tried"] - r["admitted"]  # refused twice: shed once
+    assert o["completed"] + o["shed"] == o["requests"] and o["errors"] == 0
+    recs = [json.loads(x) for x in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert len({x["idx"] for x in recs}) == len(recs) == o["requests"]

@@ -92,6 +92,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="add the policy's measured decision time to each iteration (default none)",
     )
     s.add_argument(
+        "--retry-refused",
+        action="store_true",
+        help="with --admission: a refused client tries once more after its Retry-After "
+        "(the run reports how many retries were admitted)",
+    )
+    s.add_argument(
         "--slo-classes",
         choices=["auto", "paper", "engine"],
         default="auto",
@@ -381,6 +387,7 @@ class SimBackend:
             selection_time=args.selection_time,
             has_draft=bool(self.hw_info["has_draft"]),
             admission=args.admission,
+            retry_refused=bool(getattr(args, "retry_refused", False)),
             enable_prefix_caching=args.enable_prefix_caching,
             prefix_cache_eviction=args.prefix_cache_eviction,
             classes=self.classes,
@@ -488,7 +495,7 @@ class SimBackend:
             tl, records, spec, strict, self.energy, self.args.convergence_window
         )
         keys = ("simulated", "sim_wall_s", "selection_time_s", "selection_share")
-        for k in keys + ("replicas", "router", "requests_per_replica"):
+        for k in keys + ("replicas", "router", "requests_per_replica", "retries"):
             if k not in keys and k not in tl.info:
                 continue
             extra[k] = tl.info.get(k)

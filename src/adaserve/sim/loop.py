@@ -20,6 +20,8 @@ has the in-process benchmark's shape (``RequestRecord`` list and ``RunTimeline``
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import heapq
 import math
 import time
 from dataclasses import dataclass
@@ -64,6 +66,9 @@ class SimConfig(SchedulerConfig):
                     models' time and the host overhead of an iteration are multiplied by
                     factor (the first factor before the first t_s); empty = 1. Replays
                     a machine whose speed varied, as measured during a real run
+    retry_refused:  a refused client tries once more, after the Retry-After it was
+                    given (its record is then the retry's: a new request then); the run
+                    counts the retries and how many were admitted (``retries``)
     """
 
     default_class: str | None = None  # work items always name their class
@@ -76,6 +81,7 @@ class SimConfig(SchedulerConfig):
     weight_bytes: tuple[float, float] = (0.0, 0.0)
     host_overhead: HostOverhead | None = None
     speed_trace: tuple[tuple[float, float], ...] = ()
+    retry_refused: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -279,15 +285,29 @@ class _Run:
         self.recorder = recorder or run_recorder(sim, horizon)
         self.timeline = self.recorder.timeline
         self.uses_draft = bool(policy.uses_draft and cfg.has_draft)
+        self._retry_at: list[tuple[float, int, WorkItem]] = []  # refused clients' retries
+        self.retries = [0, 0]  # retries made, retries admitted
         if policy.uses_draft and not cfg.has_draft:
             raise ValueError(f"policy {self.name!r} needs a draft model")
 
     # ------------------------------------------------------------------ requests
-    def _arrive(self, it: WorkItem) -> None:
+    def _arrive(self, it: WorkItem, retry: bool = False) -> None:
         slo = item_slo(it, self.slos.get(it.cls))
         try:
             self.offer(it, slo)
+            self.retries[1] += retry
         except AdmissionRejected as e:
+            if self.cfg.retry_refused and not retry:  # once more, when it was told to
+                heapq.heappush(
+                    self._retry_at,
+                    (
+                        self.now + e.retry_after_s,
+                        it.idx,
+                        dataclasses.replace(it, arrival_s=self.now + e.retry_after_s),
+                    ),
+                )
+                self.retries[0] += 1
+                return None
             return self._fail(it, slo, f"shed: {e.reason}", True)
         except AdaServeError as e:
             return self._fail(it, slo, str(e), False)
@@ -355,10 +375,15 @@ class _Run:
             while i < n and items[i].arrival_s <= self.now:
                 self._arrive(items[i])
                 i += 1
+            while self._retry_at and self._retry_at[0][0] <= self.now:
+                self._arrive(heapq.heappop(self._retry_at)[2], retry=True)
             if not sched.has_work():
-                if i >= n:
+                if i >= n and not self._retry_at:
                     break
-                nxt = items[i].arrival_s
+                nxt = min(
+                    items[i].arrival_s if i < n else math.inf,
+                    self._retry_at[0][0] if self._retry_at else math.inf,
+                )
                 if self.kv_pressure:
                     nxt = min(nxt, self.kv_pressure[0][0])
                 self.now = max(self.now, nxt)
@@ -580,6 +605,11 @@ class _Run:
             "selection_time_s": self.sel_s,
             "selection_share": self.sel_s / self.busy_s if self.busy_s > 0 else None,
             "selection_time_mode": self.cfg.selection_time,
+            **(
+                {"retries": {"tried": self.retries[0], "admitted": self.retries[1]}}
+                if self.cfg.retry_refused
+                else {}
+            ),
         }
 
 
