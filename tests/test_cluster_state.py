@@ -386,3 +386,33 @@ def test_asgi_relay_whole_response_in_one_item_stream_as_it_comes():
         await asyncio.wait_for(seen_disconnect.wait(), 5)
 
     asyncio.run(run())
+
+
+def test_admission_sections_of_replicas_merge_into_one():
+    from adaserve.cluster.merge import merge_admission
+
+    a = {
+        "interactive": {
+            "refused": {"capacity": 2},
+            "promised_n": 30,
+            "predicted_attainment": 0.9,
+            "realised_attainment": 1.0,
+        }
+    }
+    b = {
+        "interactive": {
+            "refused": {"capacity": 1, "kv": 4},
+            "promised_n": 10,
+            "predicted_attainment": 0.5,
+            "realised_attainment": 0.6,
+        },
+        "batch": {"refused": {"fair_share": 3}},
+    }
+    got = merge_admission([a, b, {}])
+    assert got["interactive"] == {
+        "refused": {"capacity": 3, "kv": 4},
+        "promised_n": 40,
+        "predicted_attainment": 0.8,
+        "realised_attainment": 0.9,
+    }
+    assert got["batch"] == {"refused": {"fair_share": 3}}

@@ -149,6 +149,7 @@ def merge_report(snaps: dict, tenant: str | None, model_name: str) -> dict:
             e.get("fallback_iterations", {}) for e in replicas.values()
         ),
         "stalls": _sum_counts(e.get("stalls", {}) for e in replicas.values()),
+        "admission": merge_admission([e.get("admission") or {} for e in replicas.values()]),
         "interrupted": interrupted,
         "drift": _merge_drift([e.get("drift") or {} for e in alive]),
         # one deployment: every replica runs the same thread plan and profile
@@ -167,6 +168,24 @@ def merge_report(snaps: dict, tenant: str | None, model_name: str) -> dict:
     )
     out["model"] = model_name
     return out
+
+
+def merge_admission(parts: list[dict]) -> dict:
+    """The replicas' ``engine.admission`` sections as one: refusals summed by class and
+    reason; promised and met counts summed, the attainments weighted by them."""
+    out: dict[str, dict] = {}
+    for part in parts:
+        for cls, a in part.items():
+            o = out.setdefault(cls, {})
+            if a.get("refused"):
+                o["refused"] = _sum_counts([o.get("refused", {}), a["refused"]])
+            n = a.get("promised_n", 0)
+            if n:
+                m = o.get("promised_n", 0)
+                for k in ("predicted_attainment", "realised_attainment"):
+                    o[k] = round((o.get(k, 0.0) * m + a[k] * n) / (m + n), 4)
+                o["promised_n"] = m + n
+    return dict(sorted(out.items()))
 
 
 def merge_dashboard(snaps: dict, model_name: str, tenant_names, as_of_s: float) -> dict:
