@@ -203,10 +203,6 @@ class ChatTemplate:
             templates = find_templates(model_dir, config) or {"default": DEFAULT_CHAT_TEMPLATE}
         return cls(templates, config)
 
-    @property
-    def is_default(self) -> bool:
-        return self.templates == {"default": DEFAULT_CHAT_TEMPLATE}
-
     def pick(self, tools: list | None = None, name: str | None = None) -> str:
         """The template for a request, as transformers' ``get_chat_template``."""
         t = self.templates

@@ -712,12 +712,13 @@ class AdmissionControl:
         self._pred = (chance, pred_tpot, pred_ttft)
         return None
 
-    def expire(self, now: float) -> list[SeqState]:
-        """End (reason ``ttft_deadline``) every queued request never started that can no
-        longer make its TTFT deadline: started now, its own prefill would end past it
-        (one whose target its prefill alone misses is served as it can); returns them."""
+    def expired(self, now: float) -> list[SeqState]:
+        """The queued requests never started that can no longer make their TTFT
+        deadline: started now, their own prefill would end past it (one whose target its
+        prefill alone misses is served as it can). The scheduler ends them (reason
+        ``TTFT_DEADLINE``); admission only decides."""
         s = self.sched
-        late = [
+        return [
             r
             for r in s.waiting
             if r.num_output == 0
@@ -726,10 +727,6 @@ class AdmissionControl:
             and (now - r.arrival) * 1000.0 + (alone := self.alone_ms(r)) > r.slo.ttft_ms
             and r.slo.ttft_ms >= alone
         ]
-        for r in late:
-            s.counters.count_shed(TTFT_DEADLINE)
-            s.finish(r, TTFT_DEADLINE, now)
-        return late
 
 
 def _in_kv(seq: SeqState) -> int:

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from adaserve.core.admission import DEGRADABLE, AdmissionControl
+from adaserve.core.admission import DEGRADABLE, TTFT_DEADLINE, AdmissionControl
 from adaserve.core.blocks import BlockAllocator, BlockTable, OutOfBlocks, block_digest
 from adaserve.core.clock import Clock
 from adaserve.core.config import SchedulerConfig
@@ -269,10 +269,6 @@ class Scheduler:
         self.hw = hw
         self.admission.new_model()
 
-    def set_power(self, power) -> None:
-        """The power model (``sched.power.PowerModel`` or None) handed to policies."""
-        self.power = power
-
     def set_kv_reserved(self, fraction: float) -> None:
         """Hold back ``fraction`` of the KV pool (simulated memory pressure)."""
         self.allocator.reserved = int(fraction * self.allocator.num_blocks)
@@ -293,7 +289,10 @@ class Scheduler:
             busy = last.running + last.waiting > 0
             self.admission.observe(last, self.now - last.t_start if busy else None)
             self._last = None
-        self.expired = self.admission.expire(self.now) if self.cfg.admission else []
+        self.expired = self.admission.expired(self.now) if self.cfg.admission else []
+        for r in self.expired:
+            self.counters.count_shed(TTFT_DEADLINE, r.cls)
+            self.finish(r, TTFT_DEADLINE, self.now)
 
     def admit(self) -> None:
         """Move waiting requests to running in ``policy.admission_key`` order while

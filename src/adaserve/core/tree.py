@@ -87,15 +87,6 @@ def ancestor_mask(parents: np.ndarray) -> np.ndarray:
     return m
 
 
-def path_to(parents: np.ndarray, node: int) -> list[int]:
-    """Nodes from the root's first child down to ``node`` (root excluded)."""
-    path = []
-    while node != 0:
-        path.append(node)
-        node = int(parents[node])
-    return path[::-1]
-
-
 def scratch_slots_needed(depth: int, width: int) -> int:
     """Scratch slot indices a (depth, width) expansion uses past the committed length."""
     return max(0, depth - 1) * width

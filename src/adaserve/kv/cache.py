@@ -26,7 +26,3 @@ class KVCache:
         for k, v in self.layers:
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
-
-    @staticmethod
-    def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
-        return cfg.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
