@@ -137,6 +137,14 @@ def test_vllm_launch_flags_map_onto_ours(monkeypatch):
     assert e.policy == "adaserve"  # a draft alone keeps the adaserve policy
     _, s = _configs(["--served-model-name", "main", "alias-a", "alias-b"])
     assert s.model_name == "main" and s.model_aliases == ("alias-a", "alias-b")
+    # without it, the model id is the path as given (vLLM's), its basename an alias
+    e, s = _configs(["models/tiny-llama/", "--no-draft"])
+    assert e.model == "models/tiny-llama/"
+    assert s.model_name == "models/tiny-llama/" and s.model_aliases == ("tiny-llama",)
+    _, s = _configs(["--model", "tiny", "--no-draft"])
+    assert s.model_name == "tiny" and s.model_aliases == ()
+    _, s = _configs([])  # the shipped pair
+    assert s.model_name is None
     e, s = _configs(["--no-admission"])
     assert s.admission is False and e.admission is False
     e, s = _configs(["--admission"])

@@ -390,6 +390,15 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
             names = [names]
         repl["model_name"] = names[0]
         repl["model_aliases"] = tuple(n for n in names[1:] if n != names[0])
+    elif cfg.model_name is None and _model_of(args):
+        # vLLM's served model id: the model as given (a client that loads the tokenizer
+        # by the id, as vLLM's benchmark client does, then finds it); its directory's
+        # name is accepted too
+        given = _model_of(args)
+        repl["model_name"] = given
+        base = Path(given.rstrip("/")).name
+        if base and base != given:
+            repl["model_aliases"] = (*cfg.model_aliases, base)
 
     if args.shutdown_grace is not None:
         repl["shutdown_grace_s"] = args.shutdown_grace
