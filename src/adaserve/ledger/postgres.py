@@ -86,4 +86,4 @@ class PostgresStore(Store):
         self.pool.close()
 
     def describe(self) -> str:
-        return f"postgresql:{redact(self.url)}"
+        return redact(self.url)

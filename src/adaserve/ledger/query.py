@@ -255,3 +255,35 @@ def daily_class_report(
         }
         for d, c, n, met, pt, ct, ch, dg in rows
     ]
+
+
+def parse_time(s: str) -> float:
+    """A time as UTC seconds since the epoch: a number of seconds, an ISO 8601 date
+    (``2026-12-06``: its UTC midnight) or date and time (``2026-12-06T10:00:00Z``; no
+    zone: UTC), or ``-N[dhm]`` (that long before now). ``ValueError`` otherwise."""
+    import datetime as dt
+    import time as _time
+
+    t = s.strip()
+    if not t:
+        raise ValueError("empty time")
+    if t[0] == "-" and t[-1:] in ("d", "h", "m") and t[1:-1].replace(".", "", 1).isdigit():
+        unit = {"d": 86400, "h": 3600, "m": 60}[t[-1]]
+        return _time.time() - float(t[1:-1]) * unit
+    try:
+        v = float(t)
+    except ValueError:
+        pass
+    else:
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"bad time {s!r}")
+        return v
+    try:
+        d = dt.datetime.fromisoformat(t.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise ValueError(
+            f"bad time {s!r}: seconds since the epoch, an ISO 8601 date or date-time, or -N[dhm]"
+        ) from None
+    if d.tzinfo is None:
+        d = d.replace(tzinfo=dt.timezone.utc)
+    return d.timestamp()

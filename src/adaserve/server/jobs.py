@@ -71,6 +71,12 @@ class Job:
         self.sink: asyncio.Queue = asyncio.Queue()
         self.handles: list[Handle] = []
         self._closed = False
+        self.acc = None  # its ledger row (``accounting.RowAcc``)
+
+    async def row_committed(self) -> None:
+        """Wait for the request's ledger row (every choice has finished)."""
+        if self.acc is not None:
+            await self.acc.wait(self.state.cfg.usage.commit_timeout_s)
 
     def close(self, reason: str = DISCONNECTED) -> None:
         """Abort unfinished requests (idempotent; the tenant's concurrency slot is the
