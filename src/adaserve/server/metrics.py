@@ -420,6 +420,7 @@ class _EngineCollector:
         self.cache_info: dict | None = None
         self.threads_fn = None  # () -> the thread plan dict (``engine_provenance``)
         self.structured_fn = None  # () -> the engine's ``StructuredOutputs`` (or None)
+        self.ledger_fn = None  # () -> the usage ledger's ``LedgerWriter`` (or None)
 
     def describe(self):
         return []
@@ -440,6 +441,39 @@ class _EngineCollector:
             return f
 
         yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.running)
+        w = self.ledger_fn() if self.ledger_fn is not None else None
+        if w is not None:
+            st = w.stats
+            yield gauge(
+                "adaserve:usage_ledger_up",
+                "1 while the usage database takes writes; 0 while records are spooled.",
+                0 if st.spooling else 1,
+            )
+            yield gauge(
+                "adaserve:usage_ledger_spool_pending",
+                "Usage records in the local spool, waiting for the database.",
+                w.spool_pending,
+            )
+            yield counter(
+                "adaserve:usage_ledger_committed_records",
+                "Usage records committed to the database as they came.",
+                st.committed,
+            )
+            yield counter(
+                "adaserve:usage_ledger_spooled_records",
+                "Usage records written to the spool (the database was unreachable).",
+                st.spooled,
+            )
+            yield counter(
+                "adaserve:usage_ledger_replayed_records",
+                "Spooled usage records stored by a replay (new ones only).",
+                st.replayed,
+            )
+            yield counter(
+                "adaserve:usage_ledger_write_failures",
+                "Usage database commits or replays that failed.",
+                st.failures,
+            )
         yield gauge("vllm:num_requests_waiting", "Requests waiting for admission.", s.waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", s.kv_usage)
         yield counter("vllm:prompt_tokens", "Prefilled prompt tokens.", c.get("prompt_tokens", 0))

@@ -137,6 +137,9 @@ class ServerState:
         self.metrics._collector.structured_fn = lambda: getattr(
             self.loop.engine, "structured", None
         )
+        self.metrics._collector.ledger_fn = lambda: (
+            self.ledger.writer if self.ledger is not None else None
+        )
         # the engine's clock (``WallClock``: perf_counter) at start; iteration samples
         # are stamped in seconds from here
         self.started_at = time.perf_counter()

@@ -56,6 +56,21 @@ def scope_tenant(state: ServerState, request: Request) -> str | None:
     return tenant.name
 
 
+async def read(fn, *args, **kw):
+    """A ledger query off the event loop; an unreachable database is 503."""
+    try:
+        return await asyncio.to_thread(fn, *args, **kw)
+    except ApiError:
+        raise
+    except Exception as e:
+        raise ApiError(
+            503,
+            f"the usage database cannot be read now: {' '.join(str(e).split())[:200]}",
+            type="service_unavailable_error",
+            code="usage_db_unavailable",
+        ) from None
+
+
 def _ledger(state: ServerState):
     if state.ledger is None:
         raise ApiError(
@@ -116,7 +131,7 @@ def create_usage_routes(state: ServerState) -> APIRouter:
         ``since``, ``until`` (epoch seconds, ISO 8601, or -N[dhm]), ``group_by``
         (day|hour), ``tenant`` (admin), ``slo_class``."""
         b = usage_body(state, request)
-        rows, refusals = await asyncio.to_thread(b["run"])
+        rows, refusals = await read(b["run"])
         data = [
             {
                 "object": "usage.bucket",
@@ -159,7 +174,7 @@ def create_usage_routes(state: ServerState) -> APIRouter:
             after=request.query_params.get("after"),
             limit=_limit(request),
         )
-        rows, more = await asyncio.to_thread(query.list_requests, ledger.store, **kw)
+        rows, more = await read(query.list_requests, ledger.store, **kw)
         data = []
         for r in rows:
             r = dict(r)
@@ -182,7 +197,7 @@ async def past_report(state: ServerState, request: Request, only: str | None) ->
     """``/v1/slo/report`` of a past window, from the ledger."""
     since, until = window(request)
     ledger = _ledger(state)
-    rep = await asyncio.to_thread(query.class_report, ledger.store, since, until, only)
+    rep = await read(query.class_report, ledger.store, since, until, only)
     rep["object"] = "slo.report"
     rep["source"] = "ledger"
     rep["model"] = state.model_name
