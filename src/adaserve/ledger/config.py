@@ -86,9 +86,12 @@ def kind_of(db: str) -> tuple[str, str]:
     if low.startswith(("postgresql://", "postgres://")):
         return "postgresql", s
     if low.startswith("sqlite:///"):
-        return "sqlite", s[len("sqlite://") :]
+        # SQLAlchemy's form: sqlite:///relative.db, sqlite:////absolute/path.db
+        return "sqlite", str(Path(s[len("sqlite:///") :]).expanduser())
     if low.startswith("sqlite://"):
-        raise UsageConfigError("usage.db: a SQLite URL is sqlite:///path/to/file.db")
+        raise UsageConfigError(
+            "usage.db: a SQLite URL is sqlite:///relative.db or sqlite:////absolute/path.db"
+        )
     if "://" in s:
         raise UsageConfigError(
             f"usage.db: unknown scheme {s.split('://')[0]!r} (a path, sqlite:///path, "

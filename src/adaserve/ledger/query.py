@@ -260,16 +260,18 @@ def daily_class_report(
 def parse_time(s: str) -> float:
     """A time as UTC seconds since the epoch: a number of seconds, an ISO 8601 date
     (``2026-12-06``: its UTC midnight) or date and time (``2026-12-06T10:00:00Z``; no
-    zone: UTC), or ``-N[dhm]`` (that long before now). ``ValueError`` otherwise."""
+    zone: UTC), or ``N[dhm]`` / ``-N[dhm]`` (that long before now). ``ValueError``
+    otherwise."""
     import datetime as dt
     import time as _time
 
     t = s.strip()
     if not t:
         raise ValueError("empty time")
-    if t[0] == "-" and t[-1:] in ("d", "h", "m") and t[1:-1].replace(".", "", 1).isdigit():
-        unit = {"d": 86400, "h": 3600, "m": 60}[t[-1]]
-        return _time.time() - float(t[1:-1]) * unit
+    ago = t[1:] if t[0] == "-" else t
+    if ago[-1:] in ("d", "h", "m") and ago[:-1].replace(".", "", 1).isdigit():
+        unit = {"d": 86400, "h": 3600, "m": 60}[ago[-1]]
+        return _time.time() - float(ago[:-1]) * unit
     try:
         v = float(t)
     except ValueError:

@@ -250,7 +250,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--usage-db",
         metavar="URL",
-        help="the usage ledger: a SQLite path (or sqlite:///path), a postgresql:// URL, or "
+        help="the usage ledger: a SQLite path (or sqlite:////abs/path.db), a postgresql:// URL, or "
         "'none' (in memory only, lost on restart); default: usage.db in $ADASERVE_DATA, "
         "else $XDG_DATA_HOME/adaserve ([usage] db in the config)",
     )
