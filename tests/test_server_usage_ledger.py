@@ -169,6 +169,9 @@ def test_each_response_has_one_row_with_the_counts_the_client_saw(srv):
         assert row["arrival"] <= row["finished"] and row["replica"]
         assert row["ttft_ms"] is not None and row["charge"] >= 0
     assert by_id[[k for k in seen if k.startswith("cmpl-")][1]]["choices"] == 2
+    # each response waited for its row (the wait is measured)
+    waits = scrape(srv.url)["adaserve:usage_ledger_wait_seconds_count"]
+    assert waits[0][1] >= len(seen)
 
 
 def test_200_concurrent_requests_give_200_rows(srv):

@@ -33,6 +33,10 @@ class UsageConfig:
     commit_timeout_s:    a response waits at most this long for its row (then it is
                          finished anyway and the wait is logged)
     replica:             the name rows are stamped with (default: host:pid)
+    sqlite_synchronous:  ``full`` (default): every commit is fsync'ed, so a committed
+                         row survives kill -9 and a power cut; ``normal``: it survives
+                         kill -9 (the OS has it) but a power cut may lose the last
+                         commits (WAL mode)
     """
 
     db: str | None = None
@@ -41,8 +45,11 @@ class UsageConfig:
     report_dir: str | None = None
     commit_timeout_s: float = 10.0
     replica: str | None = None
+    sqlite_synchronous: str = "full"
 
     def __post_init__(self) -> None:
+        if self.sqlite_synchronous not in ("full", "normal"):
+            raise UsageConfigError("usage.sqlite_synchronous must be 'full' or 'normal'")
         if self.db is not None and (not isinstance(self.db, str) or not self.db.strip()):
             raise UsageConfigError("usage.db must be a path, a URL or 'none'")
         v = self.keep_days

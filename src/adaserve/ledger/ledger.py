@@ -36,7 +36,7 @@ def open_store(cfg: UsageConfig) -> Store:
     else:
         from adaserve.ledger.sqlite import SqliteStore
 
-        store = SqliteStore(where)
+        store = SqliteStore(where, cfg.sqlite_synchronous)
     try:
         store.migrate()
     except Exception:

@@ -21,8 +21,9 @@ BUSY_TIMEOUT_S = 30.0
 class SqliteStore(Store):
     dialect = "sqlite"
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, synchronous: str = "full"):
         self.path = Path(path)
+        self.synchronous = {"full": "FULL", "normal": "NORMAL"}[synchronous]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
@@ -36,7 +37,7 @@ class SqliteStore(Store):
                 self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
             )
             c.execute("PRAGMA journal_mode=WAL")
-            c.execute("PRAGMA synchronous=FULL")
+            c.execute(f"PRAGMA synchronous={self.synchronous}")
             self._local.conn = c
             with self._lock:
                 self._all.append(c)

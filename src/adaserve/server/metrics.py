@@ -184,6 +184,11 @@ class ServerMetrics:
             "Prompt + generated tokens per engine step.",
             m, buckets=ITERATION_TOKEN_BUCKETS, registry=reg,
         )  # fmt: skip
+        self.ledger_wait = Histogram(
+            "adaserve:usage_ledger_wait_seconds",
+            "What a response waited for its usage ledger row's commit before its last bytes.",
+            m, buckets=LEDGER_WAIT_BUCKETS, registry=reg,
+        )  # fmt: skip
         self.success = Counter(
             "vllm:request_success",
             "Finished requests by vLLM finish reason (stop, length, abort).",
@@ -407,6 +412,23 @@ class _OneTenant:
             out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
             out.samples = [s for s in fam.samples if s.labels.get("tenant") == self.tenant]
             yield out
+
+
+LEDGER_WAIT_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+    10.0,
+)
 
 
 class _EngineCollector:
