@@ -60,6 +60,10 @@ requests_per_day = 3
 keys = ["sk-tokcap-ledger"]
 tokens_per_day = 30
 
+[tenants.shared]
+keys = ["sk-shared-ledger"]
+requests_per_day = 4
+
 [tenants.ops]
 keys = ["sk-ops-ledger"]
 admin = true
@@ -364,6 +368,41 @@ def test_daily_budgets_are_429_and_survive_a_restart(srv, db, tmp_path_factory):
     u = get(srv, "/v1/usage", OPS, tenant="capped").json()
     assert sum(b["requests"] for b in u["data"]) == 3
     assert any(r["reason"] == "requests_per_day" for r in u["refusals"])
+
+
+def test_servers_on_one_database_share_the_budgets(db, tmp_path_factory):
+    """Replicas: two servers on the one database. Each reads the others' rows back
+    (``budget_refresh_s``), so a tenant does not get its daily budget once per server."""
+    target = templated_target(tmp_path_factory)
+    servers = [
+        LiveServer(
+            engine_config(target),
+            server_config(
+                db,
+                str(tmp_path_factory.mktemp(f"spool_r{i}") / "spool.jsonl"),
+                extra=f'budget_refresh_s = 0.1\nreplica = "r{i}"\n',
+            ),
+        )
+        for i in range(2)
+    ]
+    key = "sk-shared-ledger"
+    try:
+        for s in servers:
+            for _ in range(2):
+                s.client(key).completions.create(model="tiny", prompt="x", max_tokens=1)
+        from server_fixtures import wait_for
+
+        for s in servers:  # each has read the other's two rows back
+            assert wait_for(lambda s=s: s.state.budgets.spent("shared")["requests_today"] >= 4, 30)
+        for s in servers:
+            with pytest.raises(openai.RateLimitError) as ei:
+                s.client(key).completions.create(model="tiny", prompt="x", max_tokens=1)
+            assert ei.value.body["reason"] == "requests_per_day"
+        rows = rows_of(servers[0], tenant="shared")
+        assert len(rows) == 4 and {r["replica"] for r in rows} == {"r0", "r1"}
+    finally:
+        for s in servers:
+            s.stop()
 
 
 def test_monthly_charge_budget_window():

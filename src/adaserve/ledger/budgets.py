@@ -81,14 +81,24 @@ class BudgetBook:
         self.clock = clock
         self._lock = threading.Lock()
         self._s: dict[str, _Spent] = {}
+        # this server's rows not known to be committed: (tenant, tokens, charge,
+        # future, day, month)
+        self._pending: list = []
 
     def __bool__(self) -> bool:
         return bool(self.budgets)
 
     def load(self, store) -> None:
-        """Start from the ledger's hourly totals of the current day and month."""
+        """Start from the ledger's hourly totals of the current day and month; called
+        again every few seconds (``Ledger``: ``budget_refresh_s``), it takes in what
+        other servers on the same database (replicas) have spent. This server's rows
+        not yet committed are added to the database's totals (a row committed while
+        the totals are read may count twice until the next refresh: never less)."""
         if not self.budgets:
             return
+        with self._lock:
+            self._pending = [p for p in self._pending if not p[3].done()]
+            pending = list(self._pending)
         now = self.clock()
         day0_h = day_of(now) * DAY_S // 3600
         month0_h = int(month_start(now) // 3600)
@@ -101,12 +111,19 @@ class BudgetBook:
             f"FROM usage_hourly WHERE hour >= ? AND tenant IN ({marks}) GROUP BY tenant",
             [day0_h, day0_h, month0_h, *names],
         )
+        got = {t: (float(a or 0), int(b or 0), float(c or 0.0)) for t, a, b, c in rows}
+        d, m = day_of(now), month_of(now)
         with self._lock:
-            for tenant, tokens, requests, charge in rows:
+            for tenant in self.budgets:
                 s = self._fresh(tenant, now)
-                s.tokens = float(tokens or 0)
-                s.requests = int(requests or 0)
-                s.charge = float(charge or 0.0)
+                s.tokens, s.requests, s.charge = got.get(tenant, (0.0, 0, 0.0))
+                for t, tokens, charge, _, pd, pm in pending:
+                    if t == tenant:
+                        if pd == d:
+                            s.tokens += tokens
+                            s.requests += 1
+                        if pm == m:
+                            s.charge += charge
 
     def _fresh(self, tenant: str, now: float) -> _Spent:
         s = self._s.setdefault(tenant, _Spent())
@@ -140,10 +157,18 @@ class BudgetBook:
             s.inflight += 1
         return True
 
-    def settle(self, tenant: str, admitted: bool, tokens: int, charge: float, finished: bool):
+    def settle(
+        self,
+        tenant: str,
+        admitted: bool,
+        tokens: int,
+        charge: float,
+        finished: bool,
+        future=None,
+    ):
         """A request admitted by ``admit`` has ended: ``finished`` (it has a ledger
-        row) counts it, its tokens and its charge; otherwise only its in-flight slot
-        is given back."""
+        row, being committed by ``future``) counts it, its tokens and its charge;
+        otherwise only its in-flight slot is given back."""
         if tenant not in self.budgets:
             return
         now = self.clock()
@@ -155,6 +180,8 @@ class BudgetBook:
                 s.requests += 1
                 s.tokens += tokens
                 s.charge += charge
+                if future is not None:
+                    self._pending.append((tenant, tokens, charge, future, s.day, s.month))
 
     def spent(self, tenant: str) -> dict:
         with self._lock:

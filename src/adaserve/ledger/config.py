@@ -33,6 +33,8 @@ class UsageConfig:
     commit_timeout_s:    a response waits at most this long for its row (then it is
                          finished anyway and the wait is logged)
     replica:             the name rows are stamped with (default: host:pid)
+    budget_refresh_s:    the budgets are read again from the database this often (what
+                         other servers on it, replicas, have spent)
     sqlite_synchronous:  ``full`` (default): every commit is fsync'ed, so a committed
                          row survives kill -9 and a power cut; ``normal``: it survives
                          kill -9 (the OS has it) but a power cut may lose the last
@@ -46,8 +48,12 @@ class UsageConfig:
     commit_timeout_s: float = 10.0
     replica: str | None = None
     sqlite_synchronous: str = "full"
+    budget_refresh_s: float = 2.0
 
     def __post_init__(self) -> None:
+        v = self.budget_refresh_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise UsageConfigError("usage.budget_refresh_s must be a positive number of seconds")
         if self.sqlite_synchronous not in ("full", "normal"):
             raise UsageConfigError("usage.sqlite_synchronous must be 'full' or 'normal'")
         if self.db is not None and (not isinstance(self.db, str) or not self.db.strip()):

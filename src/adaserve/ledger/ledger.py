@@ -85,12 +85,23 @@ class Ledger:
 
     # ------------------------------------------------------------------ housekeeping
     def _housekeeping(self) -> None:
+        """Retention and report files hourly; the budgets every ``budget_refresh_s``
+        (not while records are spooled: the database lacks them then)."""
+        next_tidy = 0.0
         while True:
-            try:
-                self.tidy()
-            except Exception as e:  # the database may be down: try again next time
-                log.warning("usage ledger housekeeping failed: %s", e)
-            if self._stop.wait(HOUSEKEEPING_S):
+            now = time.monotonic()
+            if now >= next_tidy:
+                next_tidy = now + HOUSEKEEPING_S
+                try:
+                    self.tidy()
+                except Exception as e:  # the database may be down: try again next time
+                    log.warning("usage ledger housekeeping failed: %s", e)
+            elif self.budgets and not self.writer.stats.spooling:
+                try:
+                    self.budgets.load(self.store)
+                except Exception as e:
+                    log.debug("usage ledger: budgets not refreshed: %s", e)
+            if self._stop.wait(self.cfg.budget_refresh_s):
                 return
 
     def tidy(self, now: float | None = None) -> None:

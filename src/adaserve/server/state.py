@@ -336,6 +336,7 @@ class ServerState:
                 0 if row is None else row.prompt_tokens + row.completion_tokens,
                 0.0 if row is None else row.charge,
                 row is not None,
+                acc.future,
             )
         except Exception:
             log.exception("usage ledger: recording request %s failed", acc.id)
