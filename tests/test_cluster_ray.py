@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -22,6 +23,7 @@ import pytest
 pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'adaserve[ray]')")
 
 import ray  # noqa: E402
+from pg_fixtures import PgServer, why_no_postgres  # noqa: E402
 from server_fixtures import (  # noqa: E402
     check_dashboard_auth,
     class_rows,
@@ -59,14 +61,23 @@ keys = ["sk-user"]
 [tenants.limited]
 keys = ["sk-limited"]
 requests_per_minute = 4
+
+[tenants.daily]
+keys = ["sk-daily"]
+requests_per_day = 4
+
+[usage]
+budget_refresh_s = 0.2
 """
 
 
 class LiveCluster:
     """``Cluster`` + the front door served by uvicorn in a thread on a free port."""
 
-    def __init__(self, replicas: int = 2, router: str = "slo"):
-        cfg = parse_config(tomllib.loads(CONFIG))
+    def __init__(self, replicas: int = 2, router: str = "slo", usage_db: str | None = None):
+        # every replica writes the one usage ledger (PostgreSQL when it can run here)
+        text = CONFIG + (f"db = {json.dumps(usage_db)}\n" if usage_db else "")
+        cfg = parse_config(tomllib.loads(text))
         ecfg = engine_config_for_server(
             EngineConfig(auto_profile=False, drift_detect=False, kv_cache_bytes=16 << 20),
             cfg,
@@ -118,10 +129,19 @@ def svc(tmp_path_factory):
     if warm is not None:
         mp.setenv("NUMBA_CACHE_DIR", str(warm))
     mp.setenv("ADASERVE_CACHE", str(tmp_path_factory.mktemp("adaserve_cache")))
-    s = LiveCluster()
+    pg = None
+    if why_no_postgres() is None:
+        pg = PgServer()
+        db = pg.new_database()
+    else:
+        db = str(tmp_path_factory.mktemp("ledger") / "usage.db")
+    s = LiveCluster(usage_db=db)
+    s.usage_db = db
     yield s
     s.stop()
     mp.undo()
+    if pg is not None:
+        pg.close()
 
 
 def _complete(client, **kw):
@@ -198,6 +218,42 @@ def test_one_tenants_quota_holds_across_replicas(svc):
     assert len(ok) == 4, res
     assert all(e.status_code == 429 and e.body["code"] == "rate_limit_exceeded" for e in refused)
     assert all(int(e.response.headers["retry-after"]) >= 1 for e in refused)
+
+
+def test_every_replica_writes_the_one_usage_ledger(svc):
+    """Both replicas' rows in the one database (PostgreSQL where it can run), read back
+    through the front door, each with the counts its client saw."""
+    res = asyncio.run(_burst(svc, 8))
+    assert all(not isinstance(r, Exception) for _, r in res), res
+    with httpx.Client(base_url=svc.url, timeout=60) as h:
+        r = h.get(
+            "/v1/usage/requests",
+            params={"tenant": "user", "limit": 1000},
+            headers={"Authorization": "Bearer sk-ops"},
+        )
+    assert r.status_code == 200, r.text
+    rows = {x["id"]: x for x in r.json()["data"]}
+    for replica, resp in res:
+        row = rows[resp.id]
+        assert row["completion_tokens"] == resp.usage.completion_tokens
+        assert row["replica"] == replica  # the Serve replica that served it
+    assert len({rows[resp.id]["replica"] for _, resp in res}) == 2
+
+
+def test_a_daily_budget_holds_across_replicas(svc):
+    """requests_per_day = 4 for the service, not per replica: each replica reads the
+    others' rows back (budget_refresh_s = 0.2)."""
+    c = svc.client("sk-daily")
+    served = [_complete(c, max_tokens=1)[0] for _ in range(4)]
+    time.sleep(2.0)  # ten refresh periods: every replica has read the four rows
+    refused = 0
+    for _ in range(6):
+        try:
+            _complete(c, max_tokens=1)
+        except openai.RateLimitError as e:
+            assert e.body["reason"] == "requests_per_day"
+            refused += 1
+    assert refused == 6, served
 
 
 def _total(metrics: dict, name: str) -> float:

@@ -144,6 +144,10 @@ class EngineReplica:
         bind_serve_grpc_to_loopback()
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
+        if cfg.usage.replica is None:  # the usage ledger's rows name the replica
+            cfg = dataclasses.replace(
+                cfg, usage=dataclasses.replace(cfg.usage, replica=self.replica_id)
+            )
         self.eloop = EngineLoop.for_server(ecfg, cfg)
         count_handles(self.eloop)
         self.app = create_app(self.eloop, cfg)
