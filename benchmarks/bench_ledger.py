@@ -201,10 +201,11 @@ def cmd_kill(args) -> list[dict]:
         f'[server]\nmodel_name = "m"\nadmission = false\nlog_stats = false\n'
         f'[tenants.bench]\nkeys = ["{key}"]\n'
         f"[usage]\ndb = {json.dumps(db)}\nspool = {json.dumps(str(tmp / 'spool.jsonl'))}\n"
+        + (f'sqlite_synchronous = "{args.sqlite_synchronous}"\n' if not args.db else "")
     )
     received, lock = [], threading.Lock()
     per_round = []
-    waits: dict[float, float] = {}
+    waits: dict[str, dict] = {}
     for rnd in range(args.rounds):
         port = _free_port()
         argv = [sys.executable, "-m", "adaserve", "serve", "--port", str(port)]
@@ -275,23 +276,26 @@ def cmd_kill(args) -> list[dict]:
             "wrong_counts": len(wrong),
             "doubled_rows": doubled_rows,
             "doubled_in_totals": tot - len(rows),
-            "ledger_wait": _wait_summary(waits),
+            "ledger_wait": _wait_summary(waits.get("wait", {})),
+            "ledger_commit": _wait_summary(waits.get("commit", {})),
         }
     ]
 
 
 def _add_waits(url: str, into: dict) -> None:
-    """Add the server's ``adaserve:usage_ledger_wait_seconds`` buckets (cumulative)."""
+    """Add the server's ``adaserve:usage_ledger_{wait,commit}_seconds`` buckets."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics", timeout=30).text
     for fam in text_string_to_metric_families(text):
-        if fam.name == "adaserve:usage_ledger_wait_seconds":
-            for smp in fam.samples:
-                if smp.name.endswith("_bucket"):
-                    le = float(smp.labels["le"])
-                    into[le] = into.get(le, 0) + smp.value
+        for name in ("wait", "commit"):
+            if fam.name == f"adaserve:usage_ledger_{name}_seconds":
+                d = into.setdefault(name, {})
+                for smp in fam.samples:
+                    if smp.name.endswith("_bucket"):
+                        le = float(smp.labels["le"])
+                        d[le] = d.get(le, 0) + smp.value
 
 
 def _wait_summary(buckets: dict) -> dict:
@@ -402,6 +406,7 @@ def main() -> int:
     ki.add_argument("--policy", default="ar")
     ki.add_argument("--clients", type=int, default=4)
     ki.add_argument("--per-round", type=int, default=8, help="responses before the kill")
+    ki.add_argument("--sqlite-synchronous", choices=["full", "normal"], default="full")
     ro = sub.add_parser("rows")
     ro.add_argument("--rows", type=int, default=10_000_000)
     ro.add_argument("--db", help="a SQLite file (built when missing, reused when present)")

@@ -444,9 +444,10 @@ def test_dashboard_in_the_browser(svc, browser):
     assert not class_rows(d) and d.get_cookies() == []
 
 
-async def _mixed_burst(svc, n: int, started: asyncio.Queue) -> list:
+async def _mixed_burst(svc, n: int, started: asyncio.Queue, broken: list | None = None) -> list:
     """``n`` concurrent long strict-class requests, half streamed (each puts its replica
-    on ``started`` when its stream begins): each a result, or the error."""
+    on ``started`` when its stream begins): each a result, or the error (``broken``
+    gets the response ids of the streams that began and then failed)."""
     async with svc.async_client() as c:
 
         async def one(i):
@@ -456,18 +457,22 @@ async def _mixed_burst(svc, n: int, started: asyncio.Queue) -> list:
                 max_tokens=96,
                 extra_body={"slo_class": "interactive"},
             )
+            rid = None
             try:
                 if i % 2:
                     text = ""
                     stream = await c.completions.create(stream=True, **body)
                     started.put_nowait(stream.response.headers.get("x-adaserve-replica"))
                     async for ch in stream:
+                        rid = ch.id or rid
                         if ch.choices:
                             text += ch.choices[0].text or ""
                     return ("stream", text)
                 out = await c.completions.create(**body)
                 return ("whole", out.choices[0].text)
             except openai.APIError as e:  # an HTTP error, or an SSE error event
+                if rid is not None and broken is not None:
+                    broken.append(rid)
                 return ("error", e)
 
         return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), 120)
@@ -478,11 +483,12 @@ def test_killed_replica_every_request_answered_and_service_recovers(svc):
     assert len(live) == 2
     pids = {rid: s["report"]["engine"]["pid"] for rid, s in live.items()}
     victim = None
+    broken: list = []
 
     async def run():
         nonlocal victim
         started: asyncio.Queue = asyncio.Queue()
-        task = asyncio.ensure_future(_mixed_burst(svc, 8, started))
+        task = asyncio.ensure_future(_mixed_burst(svc, 8, started, broken))
         victim = await asyncio.wait_for(started.get(), 60)  # a stream in flight there
         os.kill(pids[victim], signal.SIGKILL)
         return await task
@@ -513,6 +519,28 @@ def test_killed_replica_every_request_answered_and_service_recovers(svc):
 
     n = wait_for(counted, 30, every=0.2)
     assert n and n["requests"] <= len(errors) and n["completion_tokens"] >= n["requests"], n
+    # ...and the usage ledger has one row for each broken stream (the front door's,
+    # billing what it had relayed, unless its replica had committed its own first)
+    from adaserve.ledger import UsageConfig, open_store
+
+    def rows():
+        store = open_store(UsageConfig(db=svc.usage_db))
+        try:
+            marks = ", ".join("?" * len(broken))
+            return store.query(
+                f"SELECT id, finish_reason, completion_tokens FROM requests WHERE id IN ({marks})",
+                broken,
+            )
+        finally:
+            store.close()
+
+    assert broken
+    got = wait_for(lambda: len(rows()) == len(broken) and rows(), 30, every=0.2)
+    assert got and sorted(r[0] for r in got) == sorted(broken), (got, broken)
+    failed = [r for r in got if r[1] == "replica_failed"]
+    assert failed and all(r[2] <= 96 for r in got)
+    if len(failed) == n["requests"]:
+        assert sum(r[2] for r in failed) == n["completion_tokens"], (failed, n)
     # Ray Serve replaces the dead replica
     assert wait_for(lambda: len(set(svc.live()) - {victim}) == 2, 180, every=0.5)
 

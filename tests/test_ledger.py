@@ -80,16 +80,17 @@ def test_a_row_written_twice_is_stored_and_counted_once(db):
         assert s.write([*rows, ref]) == 7
         assert s.write([*rows, ref]) == 0
         assert s.write(rows[:2] + [row(10)]) == 1
+        assert s.write([row(11), row(11)]) == 1  # twice in one batch
         tot = {b["class"]: b for b in usage_totals(s)}
-        assert tot["chat"]["requests"] == 6 and tot["chat"]["completion_tokens"] == 30
+        assert tot["chat"]["requests"] == 7 and tot["chat"]["completion_tokens"] == 35
         assert tot["batch"]["degraded"] == 1 and tot["batch"]["aborted"] == 1
         got, more = list_requests(s, limit=100)
-        assert len(got) == 7 and not more
+        assert len(got) == 8 and not more
         rep = class_report(s, None, None)["classes"]
         assert rep["chat"]["degraded_out"] == 1 and rep["batch"]["degraded_in"] == 1
         assert rep["chat"]["refusals"] == {"tokens_per_day": 1}
         daily = daily_class_report(s)
-        assert sum(d["requests"] for d in daily) == 7
+        assert sum(d["requests"] for d in daily) == 8
     finally:
         s.close()
 

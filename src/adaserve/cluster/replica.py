@@ -85,7 +85,12 @@ def bind_serve_grpc_to_loopback() -> bool:
 
 def _acct(handles: list, replica_id: str) -> dict:
     ctx = handles[0].ctx
+    acc = getattr(ctx, "acc", None)  # the request's usage ledger row (``RowAcc``)
     return {
+        "id": getattr(acc, "id", None),
+        "key_id": getattr(acc, "key_id", None),
+        "class_asked": getattr(acc, "class_asked", None),
+        "arrival": time.time(),
         "replica": replica_id,
         "tenant": getattr(ctx, "tenant", None),
         "cls": getattr(ctx, "cls", None),

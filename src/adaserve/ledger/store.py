@@ -14,15 +14,16 @@ _ROW_COLS = (
     "id, tenant, key_id, class_asked, class, prompt_tokens, completion_tokens, charge, "
     "ttft_ms, tpot_ms, slo_met, finish_reason, arrival, finished, hour, replica, choices"
 )
-INSERT_ROW = (
-    f"INSERT INTO requests ({_ROW_COLS}) VALUES ({', '.join('?' * 17)}) ON CONFLICT (id) DO NOTHING"
-)
-UPSERT_HOUR = (
+CHUNK = 500  # rows per statement (17 parameters each: within SQLite's 32766)
+INSERT_ROWS = f"INSERT INTO requests ({_ROW_COLS}) VALUES "
+ROW_MARKS = "(" + ", ".join("?" * 17) + ")"
+RETURNING = " ON CONFLICT (id) DO NOTHING RETURNING id"
+HOUR_MARKS = "(" + ", ".join("?" * 10) + ")"
+UPSERT_HOURS = (
     "INSERT INTO usage_hourly (hour, tenant, class, requests, prompt_tokens, "
-    "completion_tokens, charge, slo_met, degraded, aborted) "
-    "VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?, ?) "
+    "completion_tokens, charge, slo_met, degraded, aborted) VALUES {} "
     "ON CONFLICT (hour, tenant, class) DO UPDATE SET "
-    "requests = usage_hourly.requests + 1, "
+    "requests = usage_hourly.requests + excluded.requests, "
     "prompt_tokens = usage_hourly.prompt_tokens + excluded.prompt_tokens, "
     "completion_tokens = usage_hourly.completion_tokens + excluded.completion_tokens, "
     "charge = usage_hourly.charge + excluded.charge, "
@@ -30,10 +31,7 @@ UPSERT_HOUR = (
     "degraded = usage_hourly.degraded + excluded.degraded, "
     "aborted = usage_hourly.aborted + excluded.aborted"
 )
-INSERT_REFUSAL = (
-    "INSERT INTO refusals (id, at, hour, tenant, class, reason, status) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING"
-)
+INSERT_REFUSALS = "INSERT INTO refusals (id, at, hour, tenant, class, reason, status) VALUES "
 
 
 def row_params(r: UsageRow) -> tuple:
@@ -78,28 +76,51 @@ class Store:
 
     def write(self, items: Sequence[UsageRow | Refusal]) -> int:
         """Store a batch in one transaction; an id already stored is skipped (its
-        roll-up is not counted again). Returns how many were new."""
+        roll-up is not counted again). Returns how many were new.
+
+        A handful of statements per batch, whatever its size (a multi-row insert that
+        returns the ids it inserted, then one upsert of the roll-up summed over them):
+        few round trips to PostgreSQL, few GIL hand-offs for SQLite's calls."""
+        rows = [it for it in items if isinstance(it, UsageRow)]
+        refusals = [it for it in items if not isinstance(it, UsageRow)]
         new = 0
-        ins, up, ref = self.sql(INSERT_ROW), self.sql(UPSERT_HOUR), self.sql(INSERT_REFUSAL)
         with self._cursor_tx() as cur:
-            for it in items:
-                if isinstance(it, UsageRow):
-                    cur.execute(ins, row_params(it))
-                    if cur.rowcount == 1:
-                        new += 1
-                        cur.execute(
-                            up,
-                            (
-                                it.hour, it.tenant, it.cls, it.prompt_tokens,
-                                it.completion_tokens, it.charge, int(it.slo_met),
-                                int(it.degraded), int(it.aborted),
-                            ),
-                        )  # fmt: skip
-                else:
-                    cur.execute(
-                        ref, (it.id, it.at, it.hour, it.tenant, it.cls, it.reason, it.status)
-                    )
-                    new += cur.rowcount == 1
+            inserted: set = set()
+            for i in range(0, len(rows), CHUNK):
+                part = rows[i : i + CHUNK]
+                cur.execute(
+                    self.sql(f"{INSERT_ROWS}{', '.join([ROW_MARKS] * len(part))}{RETURNING}"),
+                    [v for r in part for v in row_params(r)],
+                )
+                inserted.update(x[0] for x in cur.fetchall())
+            new += len(inserted)
+            hours: dict[tuple, list] = {}
+            for r in rows:
+                if r.id not in inserted:
+                    continue
+                inserted.discard(r.id)  # a row twice in one batch counts once
+                h = hours.setdefault((r.hour, r.tenant, r.cls), [0, 0, 0, 0.0, 0, 0, 0])
+                for k, v in enumerate(
+                    (1, r.prompt_tokens, r.completion_tokens, r.charge, int(r.slo_met),
+                     int(r.degraded), int(r.aborted))
+                ):  # fmt: skip
+                    h[k] += v
+            keys = sorted(hours)
+            for i in range(0, len(keys), CHUNK):
+                part = keys[i : i + CHUNK]
+                cur.execute(
+                    self.sql(UPSERT_HOURS.format(", ".join([HOUR_MARKS] * len(part)))),
+                    [v for k in part for v in (*k, *hours[k])],
+                )
+            for i in range(0, len(refusals), CHUNK):
+                part = refusals[i : i + CHUNK]
+                cur.execute(
+                    self.sql(INSERT_REFUSALS + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(part))
+                             + " ON CONFLICT (id) DO NOTHING RETURNING id"),
+                    [v for it in part
+                     for v in (it.id, it.at, it.hour, it.tenant, it.cls, it.reason, it.status)],
+                )  # fmt: skip
+                new += len(cur.fetchall())
         return new
 
     def query(self, text: str, params: Sequence = ()) -> list[tuple]:

@@ -55,12 +55,15 @@ class LedgerWriter:
         self._spooling = len(spool) > 0  # left over from a run that could not replay it
         self.stats.spooling = self._spooling
         self._next_try = 0.0
+        # callback(seconds from submit to committed or spooled), per item, writer thread
+        self.on_done = None
         self._thread = threading.Thread(target=self._run, name="adaserve-ledger", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ callers
     def submit(self, item: UsageRow | Refusal) -> Future:
         fut: Future = Future()
+        fut.submitted = time.perf_counter()  # type: ignore[attr-defined]
         self._q.put((item, fut))
         return fut
 
@@ -133,8 +136,11 @@ class LedgerWriter:
             for _, fut in batch:
                 fut.set_exception(e)
             return
-        for _, fut in batch:
+        now = time.perf_counter()
+        for it, fut in batch:
             fut.set_result(how)
+            if self.on_done is not None and isinstance(it, UsageRow):
+                self.on_done(now - fut.submitted)
 
     def _took(self, s: float) -> None:
         st = self.stats

@@ -189,6 +189,12 @@ class ServerMetrics:
             "What a response waited for its usage ledger row's commit before its last bytes.",
             m, buckets=LEDGER_WAIT_BUCKETS, registry=reg,
         )  # fmt: skip
+        self.ledger_commit = Histogram(
+            "adaserve:usage_ledger_commit_seconds",
+            "A usage ledger row's time from the request's end (queued on the engine thread) "
+            "to its commit (or spool).",
+            m, buckets=LEDGER_WAIT_BUCKETS, registry=reg,
+        )  # fmt: skip
         self.success = Counter(
             "vllm:request_success",
             "Finished requests by vLLM finish reason (stop, length, abort).",

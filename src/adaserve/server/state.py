@@ -266,6 +266,7 @@ class ServerState:
             return
         if self.ledger is None:
             self.ledger = Ledger(ucfg, self.budgets)
+            self.ledger.writer.on_done = self.metrics.ledger_commit.labels(self.model_name).observe
             log.info("usage ledger: %s (spool %s)", self.ledger.describe(), ucfg.spool_path())
 
     def new_acc(self, rid: str, tenant: str, key_id: str | None, class_asked: str) -> RowAcc:
