@@ -104,23 +104,6 @@ def _limit(request: Request) -> int:
     return n
 
 
-def usage_body(state: ServerState, request: Request) -> dict:
-    group = request.query_params.get("group_by", "day")
-    if group not in query.GRANULARITY:
-        raise ApiError(400, "group_by must be 'day' or 'hour'", param="group_by")
-    since, until = window(request)
-    tenant = scope_tenant(state, request)
-    cls = request.query_params.get("slo_class")
-    ledger = _ledger(state)
-
-    def run():
-        rows = query.usage_totals(ledger.store, since, until, group, tenant, cls)
-        refusals = query.refusal_counts(ledger.store, since, until, tenant)
-        return rows, refusals
-
-    return {"group_by": group, "since": since, "until": until, "tenant": tenant, "run": run}
-
-
 def create_usage_routes(state: ServerState) -> APIRouter:
     router = APIRouter()
 
@@ -130,8 +113,15 @@ def create_usage_routes(state: ServerState) -> APIRouter:
         degraded and aborted requests; refusals per tenant, class and reason. Query:
         ``since``, ``until`` (epoch seconds, ISO 8601, or -N[dhm]), ``group_by``
         (day|hour), ``tenant`` (admin), ``slo_class``."""
-        b = usage_body(state, request)
-        rows, refusals = await read(b["run"])
+        group = request.query_params.get("group_by", "day")
+        if group not in query.GRANULARITY:
+            raise ApiError(400, "group_by must be 'day' or 'hour'", param="group_by")
+        since, until = window(request)
+        tenant = scope_tenant(state, request)
+        cls = request.query_params.get("slo_class")
+        store = _ledger(state).store
+        rows = await read(query.usage_totals, store, since, until, group, tenant, cls)
+        refusals = await read(query.refusal_counts, store, since, until, tenant)
         data = [
             {
                 "object": "usage.bucket",
@@ -146,9 +136,9 @@ def create_usage_routes(state: ServerState) -> APIRouter:
         return JSON(
             {
                 "object": "usage",
-                "group_by": b["group_by"],
-                "since": b["since"],
-                "until": b["until"],
+                "group_by": group,
+                "since": since,
+                "until": until,
                 "data": data,
                 "refusals": [
                     {**{k: v for k, v in r.items() if k != "class"}, "slo_class": r["class"]}
