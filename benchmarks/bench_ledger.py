@@ -232,6 +232,7 @@ def cmd_kill(args) -> list[dict]:
             want = before + args.per_round + random.randint(0, 3)
             while len(received) < want and time.monotonic() - t0 < 600:
                 time.sleep(0.005)
+            time.sleep(random.uniform(0, 0.5))  # a random moment: mid-step, mid-commit
             _add_waits(f"http://127.0.0.1:{port}", waits)
             os.kill(p.pid, signal.SIGKILL)
             p.wait(30)

@@ -12,6 +12,7 @@ import calendar
 import hashlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -547,6 +548,7 @@ def test_kill_9_mid_traffic_loses_and_doubles_nothing(db, tmp_path_factory):
             t0 = time.monotonic()
             while len(received) < before + 8 and time.monotonic() - t0 < 120:
                 time.sleep(0.01)
+            time.sleep(random.uniform(0, 0.2))  # a random moment: mid-step, mid-commit
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(30)
             stop.set()
