@@ -61,6 +61,11 @@ requests_per_day = 3
 keys = ["sk-tokcap-ledger"]
 tokens_per_day = 30
 
+[tenants.down]
+keys = ["sk-down-ledger"]
+classes = ["batch"]
+on_forbidden_class = "downgrade"
+
 [tenants.shared]
 keys = ["sk-shared-ledger"]
 requests_per_day = 4
@@ -177,6 +182,19 @@ def test_each_response_has_one_row_with_the_counts_the_client_saw(srv):
     # each response waited for its row (the wait is measured)
     waits = scrape(srv.url)["adaserve:usage_ledger_wait_seconds_count"]
     assert waits[0][1] >= len(seen)
+
+
+def test_a_downgraded_request_is_billed_in_the_class_it_got(srv):
+    r = srv.client("sk-down-ledger").completions.create(
+        model="tiny", prompt="x", max_tokens=3, extra_body={"slo_class": "interactive"}
+    )
+    (row,) = [x for x in rows_of(srv, tenant="down") if x["id"] == r.id]
+    assert (row["class_asked"], row["slo_class"]) == ("interactive", "batch")
+    assert row["charge"] == pytest.approx(r.model_extra["metrics"]["charge"])
+    u = get(srv, "/v1/usage", OPS, tenant="down").json()["data"]
+    assert [(b["slo_class"], b["degraded"]) for b in u] == [("batch", 1)]
+    rep = get(srv, "/v1/slo/report", OPS, since="-1h", tenant="down").json()
+    assert rep["classes"]["interactive"]["degraded_out"] >= 1
 
 
 def test_200_concurrent_requests_give_200_rows(srv):

@@ -101,7 +101,7 @@ async def generate(
         endpoint.id_prefix + uuid.uuid4().hex,
         tenant.name,
         key_id_of(request.headers.get("authorization")),
-        choice.cls.name,
+        choice.degraded_from or choice.cls.name,  # the class asked for
     )
     try:  # the daily and monthly budgets (after the per-minute quotas: the cheaper check)
         acc.budget_admitted = state.budgets.admit(tenant.name)
