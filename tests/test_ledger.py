@@ -126,6 +126,19 @@ def test_retention_keeps_the_hourly_totals(db):
         s.close()
 
 
+def test_keep_days_is_applied_by_the_ledger(tmp_path):
+    cfg = UsageConfig(db=str(tmp_path / "u.db"), keep_days=30)
+    s = open_store(cfg)
+    s.write([row(1, finished=time.time() - 31 * 86400), row(2)])
+    s.close()
+    led = Ledger(cfg)  # its housekeeping applies retention at start-up, then hourly
+    try:
+        led.tidy()
+        assert [r["id"] for r in list_requests(led.store)[0]] == ["cmpl-2"]
+    finally:
+        led.close()
+
+
 def test_spool_order_torn_line_and_replay_twice(tmp_path, db):
     sp = Spool(tmp_path / "spool.jsonl")
     sp.append([row(1), row(2)])
