@@ -164,6 +164,28 @@ def test_spool_order_torn_line_and_replay_twice(tmp_path, db):
         s.close()
 
 
+def test_servers_sharing_a_spool_path_get_slots_of_their_own(tmp_path):
+    a = Spool(tmp_path / "spool.jsonl")
+    b = Spool(tmp_path / "spool.jsonl")
+    assert a.path == tmp_path / "spool.jsonl" and b.path == tmp_path / "spool.1.jsonl"
+    b.append([row(1)])
+    b.close()  # b's server is gone; what it spooled stays in its slot
+    c = Spool(tmp_path / "spool.jsonl")
+    assert c.path == b.path and [i.id for i in c.items()] == ["cmpl-1"]
+    # a killed process's lock goes with it
+    code = (
+        "import sys, os, signal; sys.path.insert(0, 'src');"
+        "from adaserve.ledger.spool import Spool;"
+        f"s = Spool({str(tmp_path / 'other.jsonl')!r}); print(s.path, flush=True);"
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.stdout.strip() == str(tmp_path / "other.jsonl")
+    assert Spool(tmp_path / "other.jsonl").path == tmp_path / "other.jsonl"
+    a.close()
+    c.close()
+
+
 def test_daily_report_file(tmp_path):
     """Written once, by the ledger's housekeeping at start-up (then daily)."""
     cfg = UsageConfig(db=str(tmp_path / "u.db"), report_dir=str(tmp_path / "reports"))

@@ -75,6 +75,7 @@ class LedgerWriter:
         """Write what is queued, then stop the thread."""
         self._q.put(_STOP)
         self._thread.join(timeout)
+        self.spool.close()
 
     @property
     def spool_pending(self) -> int:
