@@ -52,7 +52,16 @@ class PostgresStore(Store):
             min_size=1,
             max_size=max_size,
             timeout=POOL_TIMEOUT_S,
-            kwargs={"connect_timeout": CONNECT_TIMEOUT_S, "autocommit": True},
+            kwargs={
+                "connect_timeout": CONNECT_TIMEOUT_S,
+                "autocommit": True,
+                # a server that stops answering (a dropped network) is found out in
+                # seconds, not at TCP's timeout: the batch then goes to the spool
+                "keepalives": 1,
+                "keepalives_idle": 5,
+                "keepalives_interval": 2,
+                "keepalives_count": 3,
+            },
             open=False,
             name="adaserve-ledger",
         )
