@@ -80,6 +80,7 @@ class Ledger:
 
     def close(self) -> None:
         self._stop.set()
+        self._house.join(60)  # not mid-statement when the store closes
         self.writer.close()
         self.store.close()
 

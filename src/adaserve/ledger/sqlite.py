@@ -26,53 +26,65 @@ class SqliteStore(Store):
         self.synchronous = {"full": "FULL", "normal": "NORMAL"}[synchronous]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
-        self._all: list[sqlite3.Connection] = []
+        # every thread's connection and the lock held while it is in use: ``close``
+        # takes each lock, so it never closes a connection under a running statement
+        self._all: list[tuple[sqlite3.Connection, threading.Lock]] = []
         self._lock = threading.Lock()
+        self._closed = False
         self._conn()  # opens (and creates) the file now: a bad path fails at start-up
 
-    def _conn(self) -> sqlite3.Connection:
-        c = getattr(self._local, "conn", None)
-        if c is None:
-            c = sqlite3.connect(
-                self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
-            )
-            c.execute("PRAGMA journal_mode=WAL")
-            c.execute(f"PRAGMA synchronous={self.synchronous}")
-            self._local.conn = c
+    def _conn(self) -> tuple[sqlite3.Connection, threading.Lock]:
+        pair = getattr(self._local, "pair", None)
+        if pair is None:
             with self._lock:
-                self._all.append(c)
-        return c
+                if self._closed:
+                    raise sqlite3.ProgrammingError("the usage ledger is closed")
+                c = sqlite3.connect(
+                    self.path,
+                    timeout=BUSY_TIMEOUT_S,
+                    isolation_level=None,
+                    check_same_thread=False,
+                )
+                c.execute("PRAGMA journal_mode=WAL")
+                c.execute(f"PRAGMA synchronous={self.synchronous}")
+                pair = (c, threading.Lock())
+                self._local.pair = pair
+                self._all.append(pair)
+        return pair
 
     @contextlib.contextmanager
     def _cursor_tx(self):
-        c = self._conn()
-        cur = c.cursor()
-        cur.execute("BEGIN IMMEDIATE")
-        try:
-            yield cur
-        except BaseException:
-            cur.execute("ROLLBACK")
-            raise
-        else:
-            cur.execute("COMMIT")
-        finally:
-            cur.close()
+        c, lock = self._conn()
+        with lock:
+            cur = c.cursor()
+            cur.execute("BEGIN IMMEDIATE")
+            try:
+                yield cur
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+            else:
+                cur.execute("COMMIT")
+            finally:
+                cur.close()
 
     def query(self, text: str, params=()) -> list[tuple]:
         # reads take no write lock (a deferred transaction: WAL snapshot)
-        cur = self._conn().execute(text, tuple(params))
-        try:
-            return cur.fetchall()
-        finally:
-            cur.close()
+        c, lock = self._conn()
+        with lock:
+            cur = c.execute(text, tuple(params))
+            try:
+                return cur.fetchall()
+            finally:
+                cur.close()
 
     def close(self) -> None:
         with self._lock:
-            conns, self._all = self._all, []
-        for c in conns:
-            with contextlib.suppress(Exception):
+            self._closed = True
+            pairs, self._all = self._all, []
+        for c, lock in pairs:
+            with lock, contextlib.suppress(Exception):
                 c.close()
-        self._local = threading.local()
 
     def describe(self) -> str:
         return f"sqlite:{self.path}"
