@@ -483,6 +483,22 @@ def test_database_down_then_back_spools_and_replays_once(tmp_path_factory):
         pgs.close()
 
 
+def test_an_unreachable_database_fails_the_start_in_one_line(tmp_path_factory):
+    from adaserve.bench.demo import free_port
+
+    target = templated_target(tmp_path_factory)
+    dead = f"postgresql://postgres@127.0.0.1:{free_port()}/nothing"
+    p = subprocess.run(
+        [sys.executable, "-m", "adaserve", "serve", "--model", str(target), "--no-draft"]
+        + ["--policy", "ar", "--kv-cache-bytes", str(8 << 20), "--port", str(free_port())]
+        + ["--usage-db", dead, "--log-level", "warning"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 1, p.stderr
+    assert "adaserve serve: cannot open the usage ledger" in p.stderr
+    assert "Traceback" not in p.stderr and "nothing" not in p.stderr.split("ledger:")[0]
+
+
 # ---------------------------------------------------------------------- kill -9
 
 

@@ -47,6 +47,10 @@ class PostgresStore(Store):
         self.url = url
         self._psycopg = psycopg
         self._pinned = threading.local()
+        try:  # fail at once, with the server's own reason, when it cannot be reached
+            psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT_S).close()
+        except psycopg.Error as e:
+            raise RuntimeError(f"{redact(url)}: {' '.join(str(e).split())}") from None
         self.pool = psycopg_pool.ConnectionPool(
             url,
             min_size=1,
@@ -65,7 +69,11 @@ class PostgresStore(Store):
             open=False,
             name="adaserve-ledger",
         )
-        self.pool.open(wait=True, timeout=POOL_TIMEOUT_S * 2)
+        try:
+            self.pool.open(wait=True, timeout=POOL_TIMEOUT_S * 2)
+        except psycopg_pool.PoolTimeout:
+            self.pool.close()
+            raise RuntimeError(f"{redact(url)}: no connection within the pool's timeout") from None
 
     @contextlib.contextmanager
     def _cursor_tx(self):

@@ -472,6 +472,14 @@ def run(args) -> int:
     from adaserve.server.engine_loop import EngineLoop
     from adaserve.server.http_runtime import make_server
 
+    if cfg.usage.enabled:  # a database that cannot be opened fails before the model loads
+        from adaserve.ledger import open_store
+
+        try:
+            open_store(cfg.usage).close()
+        except Exception as e:
+            print(f"adaserve serve: cannot open the usage ledger: {e}", file=sys.stderr)
+            return 1
     eloop = EngineLoop.for_server(ecfg, cfg)
     try:
         eloop.start()
