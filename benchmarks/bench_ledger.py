@@ -407,7 +407,7 @@ def main() -> int:
     ki.add_argument("--policy", default="ar")
     ki.add_argument("--clients", type=int, default=4)
     ki.add_argument("--per-round", type=int, default=8, help="responses before the kill")
-    ki.add_argument("--sqlite-synchronous", choices=["full", "normal"], default="full")
+    ki.add_argument("--sqlite-synchronous", choices=["full", "normal"], default="normal")
     ro = sub.add_parser("rows")
     ro.add_argument("--rows", type=int, default=10_000_000)
     ro.add_argument("--db", help="a SQLite file (built when missing, reused when present)")

@@ -95,6 +95,17 @@ def test_a_row_written_twice_is_stored_and_counted_once(db):
         s.close()
 
 
+@pytest.mark.parametrize("sync,level", [(None, 1), ("normal", 1), ("full", 2)])
+def test_sqlite_runs_in_wal_mode_with_the_synchronous_asked(tmp_path, sync, level):
+    kw = {} if sync is None else {"sqlite_synchronous": sync}
+    s = open_store(UsageConfig(db=str(tmp_path / "u.db"), **kw))
+    try:
+        assert s.query("PRAGMA journal_mode") == [("wal",)]
+        assert s.query("PRAGMA synchronous") == [(level,)]  # NORMAL = 1, FULL = 2
+    finally:
+        s.close()
+
+
 def test_paging_is_complete_and_ordered(db):
     s = open_store(UsageConfig(db=db))
     try:

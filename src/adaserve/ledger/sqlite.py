@@ -1,10 +1,13 @@
 """The embedded backend: one SQLite file in WAL mode.
 
-``synchronous=FULL``: every commit is fsync'ed to the WAL before it returns, so a
-committed row survives ``kill -9`` of the server and a power cut alike (``NORMAL`` in
-WAL mode survives a killed process too, but may lose the last commits on a power cut;
-the batched writer makes the extra fsync cheap: one per batch, not one per row). Each
-thread has its own connection (readers never wait for the writer in WAL mode)."""
+``synchronous=NORMAL`` (the default): a commit has written its WAL frames to the
+operating system before it returns, so a committed row survives ``kill -9`` of the
+server (the kernel holds the file's pages; the next open recovers the WAL), but a power
+cut or a kernel crash may roll back the last commits (SQLite's documented trade-off for
+WAL mode). ``FULL`` fsyncs the WAL at every commit (one per batch, not per row) and
+survives a power cut too, at a few milliseconds per commit on this project's machines
+(``docs/results/usage-ledger.md``). Each thread has its own connection (readers never
+wait for the writer in WAL mode)."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ BUSY_TIMEOUT_S = 30.0
 class SqliteStore(Store):
     dialect = "sqlite"
 
-    def __init__(self, path: str | Path, synchronous: str = "full"):
+    def __init__(self, path: str | Path, synchronous: str = "normal"):
         self.path = Path(path)
         self.synchronous = {"full": "FULL", "normal": "NORMAL"}[synchronous]
         self.path.parent.mkdir(parents=True, exist_ok=True)
