@@ -225,7 +225,8 @@ def test_parse_time():
     assert parse_time("2026-12-06T02:00:00+01:00") == 1796515200 + 3600
     assert abs(parse_time("-2h") - (time.time() - 7200)) < 5
     assert abs(parse_time("1d") - (time.time() - 86400)) < 5
-    for bad in ("", "soon", "-5", "nan", "inf", "2026-13-01"):
+    assert parse_time("0001-01-01") == 0  # before the epoch: the epoch
+    for bad in ("", "soon", "-5", "nan", "inf", "2026-13-01", "1e300", "100000000001"):
         with pytest.raises(ValueError):
             parse_time(bad)
 

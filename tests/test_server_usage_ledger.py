@@ -274,6 +274,8 @@ def test_tenant_isolation_on_both_usage_endpoints(srv):
         ("/v1/usage", {"group_by": "week"}, "group_by"),
         ("/v1/usage", {"since": "yesterday-ish"}, "since"),
         ("/v1/usage", {"since": "100", "until": "50"}, "until"),
+        ("/v1/usage", {"since": "1e300"}, "since"),
+        ("/v1/usage/requests", {"until": "1e300"}, "until"),
         ("/v1/usage/requests", {"limit": "0"}, "limit"),
         ("/v1/usage/requests", {"limit": "many"}, "limit"),
         ("/v1/usage/requests", {"slo_met": "maybe"}, "slo_met"),

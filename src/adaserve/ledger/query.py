@@ -25,6 +25,7 @@ REQUEST_FIELDS = (
     "replica", "choices",
 )  # fmt: skip
 MAX_PAGE = 1000
+MAX_TIME = 1e11  # seconds since the epoch (the year 5138): times beyond are refused
 
 
 def _hours(since: float | None, until: float | None) -> tuple[list[str], list]:
@@ -277,8 +278,8 @@ def parse_time(s: str) -> float:
     except ValueError:
         pass
     else:
-        if not math.isfinite(v) or v < 0:
-            raise ValueError(f"bad time {s!r}")
+        if not math.isfinite(v) or not 0 <= v < MAX_TIME:
+            raise ValueError(f"bad time {s!r}: seconds since the epoch, 0 to {MAX_TIME:.0f}")
         return v
     try:
         d = dt.datetime.fromisoformat(t.replace("Z", "+00:00").replace("z", "+00:00"))
@@ -288,4 +289,4 @@ def parse_time(s: str) -> float:
         ) from None
     if d.tzinfo is None:
         d = d.replace(tzinfo=dt.timezone.utc)
-    return d.timestamp()
+    return max(0.0, d.timestamp())
