@@ -66,6 +66,10 @@ keys = ["sk-down-ledger"]
 classes = ["batch"]
 on_forbidden_class = "downgrade"
 
+[tenants.leak]
+keys = ["sk-leak-ledger"]
+requests_per_day = 2
+
 [tenants.shared]
 keys = ["sk-shared-ledger"]
 requests_per_day = 4
@@ -424,6 +428,22 @@ def test_servers_on_one_database_share_the_budgets(db, tmp_path_factory):
     finally:
         for s in servers:
             s.stop()
+
+
+def test_refused_bad_requests_do_not_spend_a_daily_budget(srv):
+    """A 400 after admission (min_tokens above max_tokens) gives its in-flight place
+    back and is not counted: the tenant's two requests a day are still there."""
+    c = srv.client("sk-leak-ledger")
+    for _ in range(3):
+        with pytest.raises(openai.BadRequestError):
+            c.completions.create(
+                model="tiny", prompt="x", max_tokens=1, extra_body={"min_tokens": 5}
+            )
+    for _ in range(2):
+        c.completions.create(model="tiny", prompt="x", max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as ei:
+        c.completions.create(model="tiny", prompt="x", max_tokens=1)
+    assert ei.value.body["reason"] == "requests_per_day"
 
 
 def test_monthly_charge_budget_window():

@@ -97,18 +97,6 @@ async def generate(
         if e.status == 429:  # not a 400 exceeds_quota: that one can never fit
             state.rate_limited(tenant.name, e.reason or "quota", choice.cls.name)
         raise
-    acc = state.new_acc(
-        endpoint.id_prefix + uuid.uuid4().hex,
-        tenant.name,
-        key_id_of(request.headers.get("authorization")),
-        choice.degraded_from or choice.cls.name,  # the class asked for
-    )
-    try:  # the daily and monthly budgets (after the per-minute quotas: the cheaper check)
-        acc.budget_admitted = state.budgets.admit(tenant.name)
-    except OverBudget as e:
-        state.quotas.refund(tenant.name, prompt_tokens + sum(reserved))
-        state.rate_limited(tenant.name, e.reason, choice.cls.name)
-        raise budget_error(e) from None
     params = [
         sampling_params(
             body,
@@ -120,6 +108,20 @@ async def generate(
         for i in range(len(prompts))
         for j in range(n)
     ]
+    acc = state.new_acc(
+        endpoint.id_prefix + uuid.uuid4().hex,
+        tenant.name,
+        key_id_of(request.headers.get("authorization")),
+        choice.degraded_from or choice.cls.name,  # the class asked for
+    )
+    # the daily and monthly budgets (after the per-minute quotas: the cheaper check);
+    # from here to the ``try`` below nothing raises, so an admitted request is settled
+    try:
+        acc.budget_admitted = state.budgets.admit(tenant.name)
+    except OverBudget as e:
+        state.quotas.refund(tenant.name, prompt_tokens + sum(reserved))
+        state.rate_limited(tenant.name, e.reason, choice.cls.name)
+        raise budget_error(e) from None
     job = Job(state, tenant)
     job.acc = acc
     streaming = False
