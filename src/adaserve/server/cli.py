@@ -465,6 +465,18 @@ def run(args) -> int:
             "most 4 GiB)",
             file=sys.stderr,
         )
+    if cfg.usage.enabled:  # a database that cannot be opened fails before the model loads
+        from adaserve.ledger import open_store
+
+        try:
+            open_store(cfg.usage).close()
+        except Exception as e:
+            print(
+                f"adaserve serve: cannot open the usage ledger: {e} (--usage-db PATH|URL "
+                "names another; --usage-db none serves without one)",
+                file=sys.stderr,
+            )
+            return 1
     if getattr(args, "replicas", None) is not None or getattr(args, "ray_address", None):
         return _run_replicas(args, ecfg, cfg)
     # the app (FastAPI, the engine, torch) is imported once the configuration is valid
@@ -472,14 +484,6 @@ def run(args) -> int:
     from adaserve.server.engine_loop import EngineLoop
     from adaserve.server.http_runtime import make_server
 
-    if cfg.usage.enabled:  # a database that cannot be opened fails before the model loads
-        from adaserve.ledger import open_store
-
-        try:
-            open_store(cfg.usage).close()
-        except Exception as e:
-            print(f"adaserve serve: cannot open the usage ledger: {e}", file=sys.stderr)
-            return 1
     eloop = EngineLoop.for_server(ecfg, cfg)
     try:
         eloop.start()
