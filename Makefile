@@ -14,7 +14,7 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q -e '.[test,ray,xgrammar]'
+	$(BIN)/pip install -q -e '.[test,ray,xgrammar,postgres]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -63,9 +63,11 @@ def save_tiny(path, arch: str = "llama", seed: int = 0, **overrides):
 def _own_cache_folder(tmp_path_factory):
     """The suite's profiles, targets records and compiled kernels go to a folder of its
     own, never the user's ``~/.cache/adaserve`` (a module that wants an empty one sets
-    ``ADASERVE_CACHE`` itself, as ``server_test_env`` does)."""
+    ``ADASERVE_CACHE`` itself, as ``server_test_env`` does); so does the usage ledger's
+    data folder (``ADASERVE_DATA``), never ``~/.local/share/adaserve``."""
     mp = pytest.MonkeyPatch()
     mp.setenv("ADASERVE_CACHE", str(tmp_path_factory.mktemp("adaserve_cache_session")))
+    mp.setenv("ADASERVE_DATA", str(tmp_path_factory.mktemp("adaserve_data_session")))
     yield
     mp.undo()
 

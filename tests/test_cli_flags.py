@@ -37,6 +37,8 @@ BAD = [
     ),
     (["serve", "--speculative-config", '{"method": "draft_model"}'], 'needs "model"'),
     (["serve", "--enable-auto-tool-choice"], "needs --tool-call-parser"),
+    (["serve", "--usage-db", "mysql://x/y"], "--usage-db: usage.db: unknown scheme 'mysql'"),
+    (["usage", "--since", "soon"], "bad time 'soon'"),
     ([], "required: COMMAND"),
 ]
 

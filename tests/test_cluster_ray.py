@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -22,6 +23,7 @@ import pytest
 pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'adaserve[ray]')")
 
 import ray  # noqa: E402
+from pg_fixtures import PgServer, why_no_postgres  # noqa: E402
 from server_fixtures import (  # noqa: E402
     check_dashboard_auth,
     class_rows,
@@ -59,14 +61,23 @@ keys = ["sk-user"]
 [tenants.limited]
 keys = ["sk-limited"]
 requests_per_minute = 4
+
+[tenants.daily]
+keys = ["sk-daily"]
+requests_per_day = 4
+
+[usage]
+budget_refresh_s = 0.2
 """
 
 
 class LiveCluster:
     """``Cluster`` + the front door served by uvicorn in a thread on a free port."""
 
-    def __init__(self, replicas: int = 2, router: str = "slo"):
-        cfg = parse_config(tomllib.loads(CONFIG))
+    def __init__(self, replicas: int = 2, router: str = "slo", usage_db: str | None = None):
+        # every replica writes the one usage ledger (PostgreSQL when it can run here)
+        text = CONFIG + (f"db = {json.dumps(usage_db)}\n" if usage_db else "")
+        cfg = parse_config(tomllib.loads(text))
         ecfg = engine_config_for_server(
             EngineConfig(auto_profile=False, drift_detect=False, kv_cache_bytes=16 << 20),
             cfg,
@@ -118,10 +129,19 @@ def svc(tmp_path_factory):
     if warm is not None:
         mp.setenv("NUMBA_CACHE_DIR", str(warm))
     mp.setenv("ADASERVE_CACHE", str(tmp_path_factory.mktemp("adaserve_cache")))
-    s = LiveCluster()
+    pg = None
+    if why_no_postgres() is None:
+        pg = PgServer()
+        db = pg.new_database()
+    else:
+        db = str(tmp_path_factory.mktemp("ledger") / "usage.db")
+    s = LiveCluster(usage_db=db)
+    s.usage_db = db
     yield s
     s.stop()
     mp.undo()
+    if pg is not None:
+        pg.close()
 
 
 def _complete(client, **kw):
@@ -198,6 +218,42 @@ def test_one_tenants_quota_holds_across_replicas(svc):
     assert len(ok) == 4, res
     assert all(e.status_code == 429 and e.body["code"] == "rate_limit_exceeded" for e in refused)
     assert all(int(e.response.headers["retry-after"]) >= 1 for e in refused)
+
+
+def test_every_replica_writes_the_one_usage_ledger(svc):
+    """Both replicas' rows in the one database (PostgreSQL where it can run), read back
+    through the front door, each with the counts its client saw."""
+    res = asyncio.run(_burst(svc, 8))
+    assert all(not isinstance(r, Exception) for _, r in res), res
+    with httpx.Client(base_url=svc.url, timeout=60) as h:
+        r = h.get(
+            "/v1/usage/requests",
+            params={"tenant": "user", "limit": 1000},
+            headers={"Authorization": "Bearer sk-ops"},
+        )
+    assert r.status_code == 200, r.text
+    rows = {x["id"]: x for x in r.json()["data"]}
+    for replica, resp in res:
+        row = rows[resp.id]
+        assert row["completion_tokens"] == resp.usage.completion_tokens
+        assert row["replica"] == replica  # the Serve replica that served it
+    assert len({rows[resp.id]["replica"] for _, resp in res}) == 2
+
+
+def test_a_daily_budget_holds_across_replicas(svc):
+    """requests_per_day = 4 for the service, not per replica: each replica reads the
+    others' rows back (budget_refresh_s = 0.2)."""
+    c = svc.client("sk-daily")
+    served = [_complete(c, max_tokens=1)[0] for _ in range(4)]
+    time.sleep(2.0)  # ten refresh periods: every replica has read the four rows
+    refused = 0
+    for _ in range(6):
+        try:
+            _complete(c, max_tokens=1)
+        except openai.RateLimitError as e:
+            assert e.body["reason"] == "requests_per_day"
+            refused += 1
+    assert refused == 6, served
 
 
 def _total(metrics: dict, name: str) -> float:
@@ -388,9 +444,10 @@ def test_dashboard_in_the_browser(svc, browser):
     assert not class_rows(d) and d.get_cookies() == []
 
 
-async def _mixed_burst(svc, n: int, started: asyncio.Queue) -> list:
+async def _mixed_burst(svc, n: int, started: asyncio.Queue, broken: list | None = None) -> list:
     """``n`` concurrent long strict-class requests, half streamed (each puts its replica
-    on ``started`` when its stream begins): each a result, or the error."""
+    on ``started`` when its stream begins): each a result, or the error (``broken``
+    gets the response ids of the streams that began and then failed)."""
     async with svc.async_client() as c:
 
         async def one(i):
@@ -400,18 +457,22 @@ async def _mixed_burst(svc, n: int, started: asyncio.Queue) -> list:
                 max_tokens=96,
                 extra_body={"slo_class": "interactive"},
             )
+            rid = None
             try:
                 if i % 2:
                     text = ""
                     stream = await c.completions.create(stream=True, **body)
                     started.put_nowait(stream.response.headers.get("x-adaserve-replica"))
                     async for ch in stream:
+                        rid = ch.id or rid
                         if ch.choices:
                             text += ch.choices[0].text or ""
                     return ("stream", text)
                 out = await c.completions.create(**body)
                 return ("whole", out.choices[0].text)
             except openai.APIError as e:  # an HTTP error, or an SSE error event
+                if rid is not None and broken is not None:
+                    broken.append(rid)
                 return ("error", e)
 
         return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), 120)
@@ -422,11 +483,12 @@ def test_killed_replica_every_request_answered_and_service_recovers(svc):
     assert len(live) == 2
     pids = {rid: s["report"]["engine"]["pid"] for rid, s in live.items()}
     victim = None
+    broken: list = []
 
     async def run():
         nonlocal victim
         started: asyncio.Queue = asyncio.Queue()
-        task = asyncio.ensure_future(_mixed_burst(svc, 8, started))
+        task = asyncio.ensure_future(_mixed_burst(svc, 8, started, broken))
         victim = await asyncio.wait_for(started.get(), 60)  # a stream in flight there
         os.kill(pids[victim], signal.SIGKILL)
         return await task
@@ -457,6 +519,28 @@ def test_killed_replica_every_request_answered_and_service_recovers(svc):
 
     n = wait_for(counted, 30, every=0.2)
     assert n and n["requests"] <= len(errors) and n["completion_tokens"] >= n["requests"], n
+    # ...and the usage ledger has one row for each broken stream (the front door's,
+    # billing what it had relayed, unless its replica had committed its own first)
+    from adaserve.ledger import UsageConfig, open_store
+
+    def rows():
+        store = open_store(UsageConfig(db=svc.usage_db))
+        try:
+            marks = ", ".join("?" * len(broken))
+            return store.query(
+                f"SELECT id, finish_reason, completion_tokens FROM requests WHERE id IN ({marks})",
+                broken,
+            )
+        finally:
+            store.close()
+
+    assert broken
+    got = wait_for(lambda: len(rows()) == len(broken) and rows(), 30, every=0.2)
+    assert got and sorted(r[0] for r in got) == sorted(broken), (got, broken)
+    failed = [r for r in got if r[1] == "replica_failed"]
+    assert failed and all(r[2] <= 96 for r in got)
+    if len(failed) == n["requests"]:
+        assert sum(r[2] for r in failed) == n["completion_tokens"], (failed, n)
     # Ray Serve replaces the dead replica
     assert wait_for(lambda: len(set(svc.live()) - {victim}) == 2, 180, every=0.5)
 

@@ -7,7 +7,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
-TORCH_FREE = ("adaserve.core", "adaserve.sched", "adaserve.sim", "adaserve.structured")
+TORCH_FREE = (
+    "adaserve.core",
+    "adaserve.sched",
+    "adaserve.sim",
+    "adaserve.structured",
+    "adaserve.ledger",  # the usage ledger: `adaserve usage` reads it without the engine
+)
 TORCH_FREE_MODULES = (
     "adaserve.cluster.routing",
     # the Ray actor shared by replicas, and what the front door merges, stay light

@@ -313,6 +313,9 @@ def test_example_config_parses(monkeypatch):
     assert reg.authenticate("Bearer k2").name == "ide"
     assert reg.authenticate("Bearer k3").name == "reports"
     assert reg.authenticate("bearer k4").admin
+    ide = next(t for t in cfg.tenants if t.name == "ide")
+    assert (ide.tokens_per_day, ide.charge_per_month) == (50_000_000, 5000.0)
+    assert cfg.usage.keep_days == 400 and cfg.usage.enabled
 
 
 @pytest.mark.parametrize(

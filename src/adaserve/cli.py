@@ -347,6 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
     _attach("adaserve.server.cli", "add_arguments", s)
     s.set_defaults(func=lambda a: _delegate("adaserve.server.cli", "run")(a))
 
+    u = sub.add_parser("usage", help="read the usage ledger (totals, rows, reports)")
+    _attach("adaserve.ledger.cli", "add_arguments", u)
+    u.set_defaults(func=lambda a: _delegate("adaserve.ledger.cli", "run")(a))
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
     for name in ("serve", "sweep"):

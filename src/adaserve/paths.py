@@ -27,3 +27,13 @@ def cache_dir() -> Path:
     p = cache_root()
     p.mkdir(parents=True, exist_ok=True)
     return p
+
+
+def data_root() -> Path:
+    """Per-user data folder (the usage ledger's SQLite file and spool; see
+    docs/usage-ledger.md): ``$ADASERVE_DATA``, else ``$XDG_DATA_HOME/adaserve``, else
+    ``~/.local/share/adaserve``. Not created."""
+    base = os.environ.get("ADASERVE_DATA") or os.path.join(
+        os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "adaserve"
+    )
+    return Path(base)

@@ -38,6 +38,7 @@ import contextlib
 import json
 import logging
 import math
+import threading
 import time
 from types import SimpleNamespace
 
@@ -153,6 +154,8 @@ class FrontDoor:
         self.dashboard = Dashboard(
             self.front.tenants, self._dashboard_data, title=f"adaserve dashboard: {model_name}"
         )
+        self._usage = None  # the usage ledger, opened at the first interrupted stream
+        self._usage_lock = threading.Lock()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -290,6 +293,44 @@ class FrontDoor:
             self.ledger.interrupted.remote(acct.get("replica"), acct, int(tokens))
         except Exception:  # the ledger is gone (shutdown): nothing to count into
             log.exception("could not count an interrupted stream")
+        if self.cfg.usage.enabled and acct.get("id"):
+            threading.Thread(
+                target=self._bill_interrupted, args=(acct, int(tokens)), daemon=True
+            ).start()
+
+    def _bill_interrupted(self, acct: dict, tokens: int) -> None:
+        """The usage ledger's row of a stream its replica broke off: the output tokens
+        that reached the client. Keyed by the response id, as the replica's own row:
+        whichever is committed first stands (a replica that died writes none), so the
+        request is billed once, for what was delivered at most."""
+        from adaserve.ledger import Ledger, UsageRow
+
+        cls = acct.get("cls") or ""
+        now = time.time()
+        row = UsageRow(
+            id=acct["id"],
+            tenant=acct.get("tenant") or "",
+            key_id=acct.get("key_id"),
+            class_asked=acct.get("class_asked") or cls,
+            cls=cls,
+            prompt_tokens=int(acct.get("prompt_tokens") or 0),
+            completion_tokens=tokens,
+            charge=tokens * float(acct.get("price_per_1k") or 0.0) / 1000.0,
+            ttft_ms=None,
+            tpot_ms=None,
+            slo_met=False,
+            finish_reason="replica_failed",
+            arrival=float(acct.get("arrival") or now),
+            finished=now,
+            replica=str(acct.get("replica") or ""),
+        )
+        try:
+            with self._usage_lock:
+                if self._usage is None:
+                    self._usage = Ledger(self.cfg.usage)
+            self._usage.record(row).result(60)
+        except Exception:
+            log.exception("could not write the usage row of an interrupted stream")
 
     # ------------------------------------------------------------------ service-wide
     def _caller(self, scope):

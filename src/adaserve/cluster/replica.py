@@ -85,7 +85,12 @@ def bind_serve_grpc_to_loopback() -> bool:
 
 def _acct(handles: list, replica_id: str) -> dict:
     ctx = handles[0].ctx
+    acc = getattr(ctx, "acc", None)  # the request's usage ledger row (``RowAcc``)
     return {
+        "id": getattr(acc, "id", None),
+        "key_id": getattr(acc, "key_id", None),
+        "class_asked": getattr(acc, "class_asked", None),
+        "arrival": time.time(),
         "replica": replica_id,
         "tenant": getattr(ctx, "tenant", None),
         "cls": getattr(ctx, "cls", None),
@@ -144,6 +149,10 @@ class EngineReplica:
         bind_serve_grpc_to_loopback()
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
+        if cfg.usage.replica is None:  # the usage ledger's rows name the replica
+            cfg = dataclasses.replace(
+                cfg, usage=dataclasses.replace(cfg.usage, replica=self.replica_id)
+            )
         self.eloop = EngineLoop.for_server(ecfg, cfg)
         count_handles(self.eloop)
         self.app = create_app(self.eloop, cfg)

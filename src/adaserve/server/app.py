@@ -63,6 +63,7 @@ from adaserve.server.protocol import (
 from adaserve.server.render import JSON, error_response
 from adaserve.server.state import ServerState
 from adaserve.server.tokenize import detokenize, parse_tokenize, tokenize
+from adaserve.server.usage_routes import create_usage_routes, past_report
 from adaserve.server.validation import is_json_content, json_encoding_error
 
 log = logging.getLogger("adaserve.server")
@@ -328,6 +329,9 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
         per tenant: usage and charges (only the caller's, unless admin or open mode)."""
         tenant: Tenant = request.state.tenant
         only = None if (state.tenants.open_mode or tenant.admin) else tenant.name
+        q = request.query_params
+        if "since" in q or "until" in q:  # a past window: from the usage ledger
+            return JSON(_jsonable(await past_report(state, request, only)))
         rep = await asyncio.to_thread(state.slo_report, only)
         return JSON(_jsonable(rep))
 
@@ -380,6 +384,7 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
     app.add_api_route("/ping", ping, methods=["GET"], operation_id="ping_get")
     app.add_api_route("/ping", ping, methods=["POST"], operation_id="ping_post")
     app.include_router(create_dashboard(state))
+    app.include_router(create_usage_routes(state))
 
     @app.get("/metrics", responses={401: {"model": ErrorResponse}})
     async def metrics(request: Request, _key: BearerKey):

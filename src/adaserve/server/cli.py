@@ -22,6 +22,7 @@ from adaserve import cli_args, threads
 from adaserve.chat_template import load_template_arg
 from adaserve.config import EngineConfig
 from adaserve.errors import AdaServeError, InvalidRequestError, ModelLoadError
+from adaserve.ledger.config import UsageConfigError
 from adaserve.server.config import (
     ConfigError,
     ServerConfig,
@@ -246,6 +247,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --replicas: SLO-aware (default), Ray Serve's power of two choices, "
         "or round robin",
     )
+    p.add_argument(
+        "--usage-db",
+        metavar="URL",
+        help="the usage ledger: a SQLite path (or sqlite:////abs/path.db), a postgresql:// URL, or "
+        "'none' (in memory only, lost on restart); default: usage.db in $ADASERVE_DATA, "
+        "else $XDG_DATA_HOME/adaserve ([usage] db in the config)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -421,6 +429,11 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     ):
         if getattr(args, flag) is not None:
             repl[key] = getattr(args, flag)
+    if getattr(args, "usage_db", None) is not None:
+        try:
+            repl["usage"] = dataclasses.replace(cfg.usage, db=args.usage_db)
+        except UsageConfigError as e:
+            raise ConfigError(f"--usage-db: {e}") from None
     tenant = _cli_tenant(args, cfg)
     if tenant is not None:
         repl["tenants"] = (*cfg.tenants, tenant)
@@ -461,6 +474,18 @@ def run(args) -> int:
             "most 4 GiB)",
             file=sys.stderr,
         )
+    if cfg.usage.enabled:  # a database that cannot be opened fails before the model loads
+        from adaserve.ledger import open_store
+
+        try:
+            open_store(cfg.usage).close()
+        except Exception as e:
+            print(
+                f"adaserve serve: cannot open the usage ledger: {e} (--usage-db PATH|URL "
+                "names another; --usage-db none serves without one)",
+                file=sys.stderr,
+            )
+            return 1
     if getattr(args, "replicas", None) is not None or getattr(args, "ray_address", None):
         return _run_replicas(args, ecfg, cfg)
     # the app (FastAPI, the engine, torch) is imported once the configuration is valid
@@ -476,6 +501,12 @@ def run(args) -> int:
         print(f"adaserve serve: cannot start the engine: {msg}", file=sys.stderr)
         return 1
     app = create_app(eloop, cfg)
+    try:  # the usage ledger opens (and migrates) before any port is bound
+        app.state.adaserve.open_ledger()
+    except Exception as e:
+        print(f"adaserve serve: cannot open the usage ledger: {e}", file=sys.stderr)
+        eloop.stop()
+        return 1
     server = make_server(app, cfg, getattr(args, "uvicorn_log_level", None) or args.log_level)
     mode = (
         "open local mode (no API keys configured)"

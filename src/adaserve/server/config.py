@@ -22,6 +22,7 @@ from typing import Any
 
 from adaserve.config import EngineConfig
 from adaserve.errors import AdaServeError, InvalidRequestError
+from adaserve.ledger.config import UsageConfig, UsageConfigError
 from adaserve.slo import ON_OVERLOAD, SLOClass
 
 try:
@@ -51,6 +52,10 @@ class Tenant:
     requests_per_minute: float | None = None
     tokens_per_minute: float | None = None
     max_concurrent: int | None = None
+    # budgets longer than a minute, kept in the usage ledger (UTC days and months)
+    tokens_per_day: float | None = None
+    requests_per_day: float | None = None
+    charge_per_month: float | None = None
     admin: bool = False
     free_targets: bool = False  # explicit targets may be stricter than the class's
     # tenants of one group share cached prompt prefixes (None: the tenant's own name,
@@ -153,6 +158,7 @@ class ServerConfig:
     tenants: tuple[Tenant, ...] = ()
     classes: tuple[SLOClass, ...] | None = None  # None = the engine's classes
     engine: Mapping[str, Any] = field(default_factory=dict)  # EngineConfig overrides
+    usage: UsageConfig = field(default_factory=UsageConfig)  # the usage ledger ([usage])
 
     def __post_init__(self) -> None:
         if self.max_body_bytes is not None and self.max_body_bytes <= 0:
@@ -253,7 +259,9 @@ _SERVER_KEYS = {f.name for f in dataclasses.fields(ServerConfig)} - {
     "tenants",
     "classes",
     "engine",
+    "usage",
 }
+_USAGE_KEYS = {f.name for f in dataclasses.fields(UsageConfig)}
 _CLASS_KEYS = {f.name for f in dataclasses.fields(SLOClass)} - {"name"}
 _TENANT_KEYS = {
     "keys",
@@ -266,6 +274,9 @@ _TENANT_KEYS = {
     "requests_per_minute",
     "tokens_per_minute",
     "max_concurrent",
+    "tokens_per_day",
+    "requests_per_day",
+    "charge_per_month",
     "admin",
     "free_targets",
     "prefix_cache_group",
@@ -374,7 +385,14 @@ def _parse_tenant(name: str, t: Mapping) -> Tenant:
     if on_overload not in ON_OVERLOAD:
         raise ConfigError(f"{where}.on_overload must be 'refuse' or 'degrade'")
     limits = {}
-    for k in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
+    for k in (
+        "requests_per_minute",
+        "tokens_per_minute",
+        "max_concurrent",
+        "tokens_per_day",
+        "requests_per_day",
+        "charge_per_month",
+    ):
         v = t.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
             raise ConfigError(f"{where}.{k} must be a positive number")
@@ -407,7 +425,15 @@ def _parse_tenant(name: str, t: Mapping) -> Tenant:
 
 def parse_config(data: Mapping) -> ServerConfig:
     """A ``ServerConfig`` from a parsed TOML document (see docs/server.md)."""
-    _check_keys("config", data, {"server", "engine", "classes", "tenants", "service_tiers"})
+    _check_keys(
+        "config", data, {"server", "engine", "classes", "tenants", "service_tiers", "usage"}
+    )
+    usage_t = data.get("usage", {})
+    _check_keys("usage", usage_t, _USAGE_KEYS)
+    try:
+        usage = UsageConfig(**usage_t)
+    except UsageConfigError as e:
+        raise ConfigError(str(e)) from None
     server = dict(data.get("server", {}))
     _check_keys("server", server, _SERVER_KEYS)
     tiers = data.get("service_tiers", {})
@@ -435,6 +461,7 @@ def parse_config(data: Mapping) -> ServerConfig:
             tenants=tenants,
             classes=classes,
             engine=dict(engine),
+            usage=usage,
             **server,
         )
     except TypeError as e:

@@ -34,15 +34,17 @@ def shutdown_error() -> ApiError:
     )
 
 
-def submit_error(state: ServerState, e: BaseException, cls: str, prompt_param: str) -> ApiError:
+def submit_error(
+    state: ServerState, e: BaseException, cls: str, prompt_param: str, tenant: str | None = None
+) -> ApiError:
     """The error of a submission the engine loop refused."""
     if isinstance(e, AdmissionRejected):
-        state.shed(cls, e.reason)
+        state.shed(cls, e.reason, tenant)
         return overloaded(
             f"request shed by admission control ({e.reason}): {e}", e.reason, e.retry_after_s
         )
     if isinstance(e, ShuttingDown):
-        state.shed(cls, SHUTDOWN)
+        state.shed(cls, SHUTDOWN, tenant, 503)
         return shutdown_error()
     if isinstance(e, PromptTooLongError):
         return context_error(str(e), prompt_param)
@@ -54,7 +56,9 @@ def submit_error(state: ServerState, e: BaseException, cls: str, prompt_param: s
     return internal_error("internal_error")
 
 
-def final_error(state: ServerState, f: Final, cls: str) -> ApiError | None:
+def final_error(
+    state: ServerState, f: Final, cls: str, tenant: str | None = None
+) -> ApiError | None:
     """The error of a request that did not finish normally (None when it did, or when
     it had produced tokens, or the client went away)."""
     if f.reason in NORMAL_FINISH:
@@ -67,6 +71,6 @@ def final_error(state: ServerState, f: Final, cls: str) -> ApiError | None:
             code="engine_error",
         )  # fmt: skip
     if f.completion_tokens == 0 and f.reason != DISCONNECTED:
-        state.shed(cls, f.reason)
+        state.shed(cls, f.reason, tenant)
         return overloaded(f"request shed by the scheduler ({f.reason})", f.reason, 1)
     return None

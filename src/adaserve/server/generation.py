@@ -11,10 +11,12 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
+from adaserve.ledger import OverBudget
+from adaserve.server.accounting import key_id_of
 from adaserve.server.config import Tenant
 from adaserve.server.engine_errors import final_error, finish_reason, submit_error
 from adaserve.server.engine_loop import Final, Handle
-from adaserve.server.errors import ApiError
+from adaserve.server.errors import ApiError, retry_after
 from adaserve.server.jobs import Endpoint, Job, Meta, next_or_disconnect, wait_disconnect
 from adaserve.server.protocol import RequestMetrics, Usage
 from adaserve.server.render import JSON
@@ -73,7 +75,12 @@ async def generate(
     check_choices(state, len(prompts), n)
     constraint = constraint_of(body, tools, state.warned_guided)
     compile_start = time.perf_counter()  # a grammar's compile counts toward its TTFT
-    choice = _resolve(state, body, request.headers, tenant)
+    try:
+        choice = _resolve(state, body, request.headers, tenant)
+    except ApiError as e:
+        if e.status == 403:
+            state.refused(tenant.name, getattr(body, "slo_class", None) or "", e.code or "", 403)
+        raise
     per_prompt_max = max_tokens_per_prompt(state, prompts, max_tokens, default_max, prompt_param)
     prompt_tokens = sum(len(p) for p in prompts)
     # the tokens-per-minute quota reserves every choice's max_tokens up front (without
@@ -88,7 +95,7 @@ async def generate(
         )
     except ApiError as e:
         if e.status == 429:  # not a 400 exceeds_quota: that one can never fit
-            state.rate_limited(tenant.name, e.reason or "quota")
+            state.rate_limited(tenant.name, e.reason or "quota", choice.cls.name)
         raise
     params = [
         sampling_params(
@@ -101,7 +108,22 @@ async def generate(
         for i in range(len(prompts))
         for j in range(n)
     ]
+    acc = state.new_acc(
+        endpoint.id_prefix + uuid.uuid4().hex,
+        tenant.name,
+        key_id_of(request.headers.get("authorization")),
+        choice.degraded_from or choice.cls.name,  # the class asked for
+    )
+    # the daily and monthly budgets (after the per-minute quotas: the cheaper check);
+    # from here to the ``try`` below nothing raises, so an admitted request is settled
+    try:
+        acc.budget_admitted = state.budgets.admit(tenant.name)
+    except OverBudget as e:
+        state.quotas.refund(tenant.name, prompt_tokens + sum(reserved))
+        state.rate_limited(tenant.name, e.reason, choice.cls.name)
+        raise budget_error(e) from None
     job = Job(state, tenant)
+    job.acc = acc
     streaming = False
     try:
         grammars = [None] * len(params)
@@ -117,6 +139,7 @@ async def generate(
                     choice.source,
                     count_prompt=(j == 0),
                     reserved_tokens=reserved[i * n + j],
+                    acc=acc,
                 )
                 job.handles.append(
                     Handle(
@@ -137,14 +160,15 @@ async def generate(
                     # the engine judges the TTFT (and admission predicts it) from before
                     # the compile: the client waited for it
                     job.handles[-1].arrival = compile_start
+        acc.arm(len(job.handles))
         results = await asyncio.gather(
             *(state.loop.submit(h) for h in job.handles), return_exceptions=True
         )
         for r in results:
             if isinstance(r, BaseException):
-                raise submit_error(state, r, choice.cls.name, prompt_param)
+                raise submit_error(state, r, choice.cls.name, prompt_param, tenant.name)
         meta = Meta(
-            id=endpoint.id_prefix + uuid.uuid4().hex,
+            id=acc.id,
             created=int(time.time()),
             model=state.model_name,
             endpoint=endpoint,
@@ -166,6 +190,20 @@ async def generate(
     finally:
         if not streaming:
             job.close()
+        if not acc.expected:  # never submitted: no row will settle its budget
+            state.budgets.settle(tenant.name, acc.budget_admitted, 0, 0.0, False)
+
+
+def budget_error(e: OverBudget) -> ApiError:
+    """429 for a spent daily or monthly budget, ``Retry-After`` at the window's end."""
+    return ApiError(
+        429,
+        f"budget exceeded ({e.reason}: {e.limit:g}, {e.used:g} used); retry when the window ends",
+        type="rate_limit_error",
+        code="budget_exceeded",
+        headers=retry_after(e.retry_after_s),
+        reason=e.reason,
+    )
 
 
 async def collect(state: ServerState, request: Request, job: Job, meta: Meta):
@@ -182,10 +220,10 @@ async def collect(state: ServerState, request: Request, job: Job, meta: Meta):
                 finals[idx] = final
     finally:
         disc.cancel()
-    cls = job.handles[0].ctx.cls
+    cls, tenant = job.handles[0].ctx.cls, job.handles[0].ctx.tenant
     k = len(job.handles)
     for i in range(k):
-        err = final_error(state, finals[i], cls)
+        err = final_error(state, finals[i], cls, tenant)
         if err is not None:
             raise err
     ep = meta.endpoint
@@ -212,6 +250,7 @@ async def collect(state: ServerState, request: Request, job: Job, meta: Meta):
         choices.append(ep.choice(i, text, lp, fr, RequestMetrics.of(f.metrics)))
     completion_tokens = sum(f.completion_tokens for f in finals.values())
     state.metrics.observe_request(meta.n, max(f.completion_tokens for f in finals.values()))
+    await job.row_committed()  # the ledger's row, before the response
     return JSON(
         ep.response(
             id=meta.id,

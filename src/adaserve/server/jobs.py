@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +72,16 @@ class Job:
         self.sink: asyncio.Queue = asyncio.Queue()
         self.handles: list[Handle] = []
         self._closed = False
+        self.acc = None  # its ledger row (``accounting.RowAcc``)
+
+    async def row_committed(self) -> None:
+        """Wait for the request's ledger row (every choice has finished)."""
+        if self.acc is not None and self.acc.future is not None:
+            t0 = time.perf_counter()
+            await self.acc.wait(self.state.cfg.usage.commit_timeout_s)
+            self.state.metrics.ledger_wait.labels(self.state.model_name).observe(
+                time.perf_counter() - t0
+            )
 
     def close(self, reason: str = DISCONNECTED) -> None:
         """Abort unfinished requests (idempotent; the tenant's concurrency slot is the

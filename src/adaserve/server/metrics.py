@@ -184,6 +184,17 @@ class ServerMetrics:
             "Prompt + generated tokens per engine step.",
             m, buckets=ITERATION_TOKEN_BUCKETS, registry=reg,
         )  # fmt: skip
+        self.ledger_wait = Histogram(
+            "adaserve:usage_ledger_wait_seconds",
+            "What a response waited for its usage ledger row's commit before its last bytes.",
+            m, buckets=LEDGER_WAIT_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.ledger_commit = Histogram(
+            "adaserve:usage_ledger_commit_seconds",
+            "A usage ledger row's time from the request's end (queued on the engine thread) "
+            "to its commit (or spool).",
+            m, buckets=LEDGER_WAIT_BUCKETS, registry=reg,
+        )  # fmt: skip
         self.success = Counter(
             "vllm:request_success",
             "Finished requests by vLLM finish reason (stop, length, abort).",
@@ -409,6 +420,23 @@ class _OneTenant:
             yield out
 
 
+LEDGER_WAIT_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+    10.0,
+)
+
+
 class _EngineCollector:
     """Engine gauges and counters, read from the latest snapshot at scrape time."""
 
@@ -420,6 +448,7 @@ class _EngineCollector:
         self.cache_info: dict | None = None
         self.threads_fn = None  # () -> the thread plan dict (``engine_provenance``)
         self.structured_fn = None  # () -> the engine's ``StructuredOutputs`` (or None)
+        self.ledger_fn = None  # () -> the usage ledger's ``LedgerWriter`` (or None)
 
     def describe(self):
         return []
@@ -440,6 +469,39 @@ class _EngineCollector:
             return f
 
         yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.running)
+        w = self.ledger_fn() if self.ledger_fn is not None else None
+        if w is not None:
+            st = w.stats
+            yield gauge(
+                "adaserve:usage_ledger_up",
+                "1 while the usage database takes writes; 0 while records are spooled.",
+                0 if st.spooling else 1,
+            )
+            yield gauge(
+                "adaserve:usage_ledger_spool_pending",
+                "Usage records in the local spool, waiting for the database.",
+                w.spool_pending,
+            )
+            yield counter(
+                "adaserve:usage_ledger_committed_records",
+                "Usage records committed to the database as they came.",
+                st.committed,
+            )
+            yield counter(
+                "adaserve:usage_ledger_spooled_records",
+                "Usage records written to the spool (the database was unreachable).",
+                st.spooled,
+            )
+            yield counter(
+                "adaserve:usage_ledger_replayed_records",
+                "Spooled usage records stored by a replay (new ones only).",
+                st.replayed,
+            )
+            yield counter(
+                "adaserve:usage_ledger_write_failures",
+                "Usage database commits or replays that failed.",
+                st.failures,
+            )
         yield gauge("vllm:num_requests_waiting", "Requests waiting for admission.", s.waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", s.kv_usage)
         yield counter("vllm:prompt_tokens", "Prefilled prompt tokens.", c.get("prompt_tokens", 0))

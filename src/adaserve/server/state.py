@@ -11,12 +11,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI
 
 from adaserve.chat_template import ChatTemplate
 from adaserve.core.counters import admission_summary
 from adaserve.generation_config import describe as describe_defaults
+from adaserve.ledger import Budget, BudgetBook, Ledger
+from adaserve.server.accounting import RowAcc, wall_of
 from adaserve.server.auth import TenantRegistry
 from adaserve.server.config import ServerConfig, check_against_classes
 from adaserve.server.engine_loop import EngineLoop, Final, Handle
@@ -96,6 +99,7 @@ class RequestCtx:
     source: str
     count_prompt: bool
     reserved_tokens: int = 0  # output tokens reserved against tokens per minute
+    acc: Any = None  # the request's ``RowAcc`` (its ledger row)
 
 
 class ServerState:
@@ -111,6 +115,14 @@ class ServerState:
         self.tenants = TenantRegistry.for_config(cfg)
         self.quotas = QuotaBook(cfg.tenants)
         self.usage = UsageBook()
+        # budgets longer than a minute, started from the ledger at start-up
+        self.budgets = BudgetBook(
+            {
+                t.name: Budget(t.tokens_per_day, t.requests_per_day, t.charge_per_month)
+                for t in cfg.tenants
+            }
+        )
+        self.ledger: Ledger | None = None  # opened at start-up (None: --usage-db none)
         loop.on_reject = self.on_reject  # an add refused before the engine: refund
         names = [c.name for c in classes]
         self.prices = {c.name: c.price_per_1k for c in classes}
@@ -127,6 +139,9 @@ class ServerState:
         )
         self.metrics._collector.structured_fn = lambda: getattr(
             self.loop.engine, "structured", None
+        )
+        self.metrics._collector.ledger_fn = lambda: (
+            self.ledger.writer if self.ledger is not None else None
         )
         # the engine's clock (``WallClock``: perf_counter) at start; iteration samples
         # are stamped in seconds from here
@@ -194,6 +209,7 @@ class ServerState:
     # ------------------------------------------------------------------ lifecycle
     @asynccontextmanager
     async def lifespan(self, app: FastAPI):
+        await asyncio.to_thread(self.open_ledger)
         await asyncio.to_thread(self.loop.start)
         info = self.loop.info
         # (before serving: reading the vocabulary once may block the loop)
@@ -238,6 +254,27 @@ class ServerState:
             self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             self._grammar_pool.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(self.loop.stop)
+            if self.ledger is not None:
+                await asyncio.to_thread(self.ledger.close)
+
+    def open_ledger(self) -> None:
+        """The usage ledger (``[usage] db``), migrated, with the budgets read from it;
+        ``none``: usage stays in memory, as it says."""
+        ucfg = self.cfg.usage
+        if not ucfg.enabled:
+            log.warning(
+                "usage ledger off (--usage-db none): usage, charges and budgets live in "
+                "memory only and are lost on restart"
+            )
+            return
+        if self.ledger is None:
+            self.ledger = Ledger(ucfg, self.budgets)
+            self.ledger.writer.on_done = self.metrics.ledger_commit.labels(self.model_name).observe
+            log.info("usage ledger: %s (spool %s)", self.ledger.describe(), ucfg.spool_path())
+
+    def new_acc(self, rid: str, tenant: str, key_id: str | None, class_asked: str) -> RowAcc:
+        replica = self.ledger.replica if self.ledger is not None else ""
+        return RowAcc(rid, tenant, key_id, class_asked, replica)
 
     def load_chat_template(self) -> ChatTemplate | None:
         """The model's chat templates, or ``chat_template`` of the config (which must
@@ -264,21 +301,49 @@ class ServerState:
         self.loop.drain(grace)
 
     # ------------------------------------------------------------------ accounting
-    def shed(self, cls: str, reason: str) -> None:
+    def shed(self, cls: str, reason: str, tenant: str | None = None, status: int = 429) -> None:
         """Count a request shed (admission control, the scheduler, shutdown)."""
         self.metrics.observe_shed(cls, reason)
         self.report.shed(cls, reason)
+        self.refused(tenant or "", cls, reason, status)
 
-    def rate_limited(self, tenant: str, reason: str) -> None:
-        """Count a request refused by the tenant's quotas."""
+    def rate_limited(self, tenant: str, reason: str, cls: str = "") -> None:
+        """Count a request refused by the tenant's quotas or budgets."""
         self.metrics.observe_rate_limited(tenant, reason)
         self.report.rate_limited(tenant, reason)
+        self.refused(tenant, cls, reason, 429)
+
+    def refused(self, tenant: str, cls: str, reason: str, status: int) -> None:
+        """A refusal in the ledger (per tenant, class and reason)."""
+        if self.ledger is not None:
+            self.ledger.refuse(tenant, cls, reason, status)
 
     def on_reject(self, h: Handle) -> None:
         """A request that never reached the engine gives back its output reservation."""
         ctx: RequestCtx | None = h.ctx
         if ctx is not None:
             self.quotas.refund(ctx.tenant, ctx.reserved_tokens)
+            if ctx.acc is not None:
+                self._row_part(ctx.acc, h.index, None)
+
+    def _row_part(self, acc: RowAcc, index: int, part) -> None:
+        """A choice of ``acc``'s request ended; the last one writes its row."""
+        try:
+            last, row = acc.add(index, part)
+            if not last:
+                return
+            if row is not None and self.ledger is not None:
+                acc.future = self.ledger.record(row)
+            self.budgets.settle(
+                acc.tenant,
+                acc.budget_admitted,
+                0 if row is None else row.prompt_tokens + row.completion_tokens,
+                0.0 if row is None else row.charge,
+                row is not None,
+                acc.future,
+            )
+        except Exception:
+            log.exception("usage ledger: recording request %s failed", acc.id)
 
     def on_finish(self, h: Handle, final: Final) -> None:
         """Account a finished request (engine thread) at the class it was delivered in:
@@ -295,6 +360,16 @@ class ServerState:
             ctx.tenant, cls, pt, final.completion_tokens, price, degraded=degraded_from is not None
         )
         m = final.metrics
+        if ctx.acc is not None:
+            self._row_part(
+                ctx.acc,
+                h.index,
+                (
+                    cls, pt, final.completion_tokens, charge, m.get("ttft_ms"),
+                    m.get("tpot_ms"), bool(m.get("slo_attained")), final.reason,
+                    wall_of(final.arrival), wall_of(final.finished_at),
+                ),
+            )  # fmt: skip
         m["charge"] = charge
         m["slo_source"] = ctx.source
         if degraded_from:

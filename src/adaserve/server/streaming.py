@@ -39,7 +39,8 @@ async def stream(state: ServerState, request: Request, job: Job, meta: Meta, inc
         return Response(status_code=499)
     final = first[2]
     if final is not None:
-        err = final_error(state, final, job.handles[0].ctx.cls)
+        ctx = job.handles[0].ctx
+        err = final_error(state, final, ctx.cls, ctx.tenant)
         if err is not None:
             raise err
     gen = _events(state, job, meta, first, include_usage)
@@ -86,7 +87,8 @@ async def _events(state: ServerState, job: Job, meta: Meta, first, include_usage
             completion_tokens += final.completion_tokens
             cached += final.cached_tokens if idx % meta.n == 0 else 0
             most = max(most, final.completion_tokens)
-            err = final_error(state, final, job.handles[idx].ctx.cls)
+            ctx = job.handles[idx].ctx
+            err = final_error(state, final, ctx.cls, ctx.tenant)
             if err is not None:
                 job.close(SHUTDOWN)
                 yield sse(err.body())
@@ -105,6 +107,8 @@ async def _events(state: ServerState, job: Job, meta: Meta, first, include_usage
         ev = await job.sink.get()
     if left == 0:
         state.metrics.observe_request(meta.n, most)
+        # the ledger's row is committed before the response's last bytes
+        await job.row_committed()
     if include_usage and left == 0:
         yield chunk([], usage=Usage.of(meta.prompt_tokens, completion_tokens, cached))
     yield "data: [DONE]\n\n"
