@@ -440,8 +440,9 @@ def test_a_tenant_over_its_fair_share_of_a_contended_batch_is_refused():
     sched.add(req(12, "b"))  # b holds 2 of 8: within its share
     sched.add(req(13, None))  # a request with no tenant is not judged by share
     assert sched.counters.shed_by_class == {"chat": {"fair_share": 1}}
-    # a queue-full refusal is not a lack of room: it contends nothing
+    # a full queue or a TTFT refusal (the prefill ahead) is not a lack of seats
     sched.admission.refused(req(14, "c"), "queue_full", clock.now())
+    sched.admission.refused(req(15, "c"), "ttft", clock.now())
     assert "c" not in sched.admission._starved
     clock.set(31.0)  # contention over (30 s): a is admitted again
     sched.add(req(7, "a"))

@@ -9,11 +9,12 @@ Every class gets its own decision (not only the strictest):
   measured mean output, capped by its ``max_tokens``, plus its measured tree) and the
   new request's must fit the pool; else it is refused (``kv``), not admitted into a
   preemption storm;
-* **fair share**: once a tenant has been refused room (capacity, TTFT or KV) in the last
-  ``_FINISH_WINDOW_S``, the batch is contended, and a tenant that would hold more than
-  its fair share of it (its requests, running and queued, against the batch over the
-  tenants that hold or want a place) is refused (``fair_share``): within its quota it
-  still cannot keep the seats another tenant is refused;
+* **fair share** (judged last, of a request every other check admits): once a tenant
+  has been refused room (capacity or KV) in the last ``_FINISH_WINDOW_S``, the
+  batch is contended, and a tenant that would hold more than its fair share of it (its
+  requests, running and queued, against the batch over the tenants that hold or want a
+  place) is refused (``fair_share``): within its quota it still cannot keep the seats
+  another tenant is refused;
 * **decode pace**: with the new request the batch holds ``N`` requests (every running
   and queued one, up to ``max_num_seqs``); over the new request's life it holds ``N'``
   on average (``load_over_life``: the batch relaxes toward its steady size, the
@@ -114,8 +115,9 @@ KV_FULL = "kv"
 # reason of a request refused because its tenant holds more than its fair share of a
 # batch another tenant was refused a place in
 FAIR_SHARE = "fair_share"
-# refusals for lack of room (not a full queue): they make the batch contended
-_CONTENDED = ("capacity", "ttft", KV_FULL)
+# refusals for lack of room in the batch (decode capacity, KV): they make it contended
+# (a TTFT refusal is the prefill queue ahead, which deadlines order, not seats)
+_CONTENDED = ("capacity", KV_FULL)
 # a pass counts as a prefill pass for the measured pass time when it carries at least
 # this share of the chunk
 _PREFILL_PASS_SHARE = 0.5
@@ -614,8 +616,9 @@ class AdmissionControl:
 
     # ------------------------------------------------------------------ fairness
     def refused(self, seq: SeqState, reason: str, now: float) -> None:
-        """``seq`` was refused for ``reason`` at ``now``: a tenant refused room makes the
-        batch contended (``fair_share_verdict``) for ``_FINISH_WINDOW_S``."""
+        """``seq`` was refused for ``reason`` at ``now``: a tenant refused room (capacity
+        or KV) makes the batch contended (``fair_share_verdict``) for
+        ``_FINISH_WINDOW_S``."""
         if seq.tenant is not None and reason in _CONTENDED:
             self._starved[seq.tenant] = now
 
@@ -674,9 +677,6 @@ class AdmissionControl:
             # this machine can serve it; what predictions say of load (recent arrivals,
             # a pace measured in a burst now gone) does not apply to an idle engine
             return None
-        unfair = self.fair_share_verdict(seq, now)
-        if unfair is not None:
-            return unfair
         kv = self.kv_verdict(seq, now)
         if kv is not None:
             return kv
@@ -709,6 +709,10 @@ class AdmissionControl:
                         max(1.0, (pred_ttft - budget) / 1000.0),
                     )
                 chance *= self.ttft_chance(slo.cls, slo.ttft_ms, pred_ttft)
+        # last: a request refused for room anyway is told that reason, not its share
+        unfair = self.fair_share_verdict(seq, now)
+        if unfair is not None:
+            return unfair
         self._pred = (chance, pred_tpot, pred_ttft)
         return None
 
