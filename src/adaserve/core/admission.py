@@ -237,6 +237,7 @@ class AdmissionControl:
         self.stay_s: float | None = None  # arrival to finish of the requests that finished
         # the last verdict's predictions for the request judged (promise, TPOT, TTFT)
         self._pred: tuple[float | None, float | None, float | None] = (None, None, None)
+        self._own_tpot: float | None = None  # the request judged: its class's predicted pace
 
     def reset(self) -> None:
         """Forget every measurement (after a profile run, whose passes are not load)."""
@@ -667,7 +668,7 @@ class AdmissionControl:
         s = self.sched
         self.observe_arrival(seq.arrival)
         self._pred = (None, None, None)
-        self._own_tpot: float | None = None
+        self._own_tpot = None
         if len(s.waiting) >= s.cfg.max_waiting:
             return AdmissionRejected("server queue is full", "queue_full", QUEUE_FULL_RETRY_S)
         slo = seq.slo
