@@ -79,6 +79,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from adaserve.core.config import CAPACITY_RETRY_S, QUEUE_FULL_RETRY_S
+from adaserve.core.promise import WINDOW, Calibration
 from adaserve.errors import AdmissionRejected
 
 # a class's measured pace counts for this long after it last decoded (a stale one,
@@ -127,85 +128,10 @@ _SPEED_PASSES = 32  # passes the measured speed is the median of  # the same for
 _SEEN_WINDOW_S = 60.0  # a stricter class decoding this recently keeps its room
 _FINISH_WINDOW_S = 30.0  # finishes counted for the finish rate
 _MIN_FINISHES = 4  # below this many finishes in the window the rate is unknown
-# pseudo-finishes that hold a class's calibration to the model's own word (realised =
-# predicted) until its own finishes outweigh them
-_PRIOR_WEIGHT = 0.1
-_CAL_WINDOW = 64  # the errors a class's chances are counted over (1.5% steps)
 
 
 def _mix(old: float | None, new: float, w: float = _EWMA) -> float:
     return new if old is None else (1.0 - w) * old + w * new
-
-
-def _phi(z: float) -> float:
-    """The standard normal distribution function."""
-    return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
-
-
-class Calibration:
-    """What one class's admitted requests realised against what was predicted at their
-    admission (TPOT or TTFT): a fit of ``y = log(realised / target)`` on ``u =
-    log(predicted / target)``, ``y = a + b u + e``, by exponentially weighted least
-    squares (about the last ``1 / _CLASS_EWMA`` finishes), shrunk toward the model's
-    own word (``a = 0, b = 1``: a request realises what was predicted) by
-    ``_PRIOR_WEIGHT`` pseudo-finishes. ``e`` is each finish's error, taken before the
-    fit learns from it; the chance of a prediction is the share of the last
-    ``_CAL_WINDOW`` errors that keep it within target (their own law, which is skewed:
-    the planner holds a request near its target from both sides), or a normal law of the
-    prior spread until ``_MIN_FINISHES``. The planner steers every request toward its target, so
-    what is realised depends less on the prediction than the model alone says while
-    the load is feasible (``b`` below 1), and more past it: the fit learns both."""
-
-    __slots__ = ("n", "s", "b", "errs")
-
-    def __init__(self) -> None:
-        self.n = 0
-        self.s = [0.0, 0.0, 0.0]  # weighted sums of 1, u, u*u
-        self.b = [0.0, 0.0]  # weighted sums of y, u*y
-        self.errs: deque[float] = deque(maxlen=_CAL_WINDOW)  # errors, out of sample
-
-    def coef(self) -> tuple[float, float]:
-        """(a, b) of the fit (the model's own word before any finish)."""
-        lam = _PRIOR_WEIGHT
-        s0, s1, s2 = self.s[0] + lam, self.s[1], self.s[2] + lam
-        b0, b1 = self.b[0], self.b[1] + lam  # the prior: a = 0, b = 1
-        det = s0 * s2 - s1 * s1
-        if det <= 1e-12:
-            return 0.0, 1.0
-        return (s2 * b0 - s1 * b1) / det, (s0 * b1 - s1 * b0) / det
-
-    def add(self, realised: float, predicted: float, target: float) -> None:
-        if realised <= 0 or predicted <= 0 or target <= 0:
-            return
-        u, y = math.log(predicted / target), math.log(realised / target)
-        a, b = self.coef()
-        self.errs.append(y - a - b * u)
-        self.n += 1
-        keep = 1.0 - _CLASS_EWMA
-        for i, v in enumerate((1.0, u, u * u)):
-            self.s[i] = keep * self.s[i] + v
-        self.b[0] = keep * self.b[0] + y
-        self.b[1] = keep * self.b[1] + u * y
-
-    @property
-    def ready(self) -> bool:
-        """Enough finishes to stand for the class (else the prior applies)."""
-        return self.n >= _MIN_FINISHES
-
-    def chance(self, target: float, predicted: float, prior_spread: float) -> float:
-        """The chance that a request predicted at ``predicted`` realises at most
-        ``target`` (both ms): the fit's normal law of ``y`` at ``u``."""
-        if target <= 0:
-            return 0.0
-        if predicted <= 0:
-            return 1.0
-        a, b = self.coef()
-        mean = a + b * math.log(predicted / target)
-        if self.ready:
-            return sum(1 for e in self.errs if mean + e <= 0) / len(self.errs)
-        if prior_spread < 1e-9:
-            return 1.0 if mean <= 0 else 0.0
-        return _phi(-mean / prior_spread)
 
 
 class AdmissionControl:
@@ -308,7 +234,7 @@ class AdmissionControl:
                 ttft, seq.pred_ttft_ms, slo.ttft_ms or seq.pred_ttft_ms
             )
         if seq.pred_tpot_ms is not None and tpot is not None and slo.tpot_ms is not None:
-            q = self.tpot_met.setdefault(cls, deque(maxlen=_CAL_WINDOW))
+            q = self.tpot_met.setdefault(cls, deque(maxlen=WINDOW))
             q.append((seq.pred_tpot_ms / slo.tpot_ms, tpot <= slo.tpot_ms))
         if seq.promise is not None:
             met = (slo.ttft_ms is None or ttft <= slo.ttft_ms) and (
@@ -467,7 +393,7 @@ class AdmissionControl:
 
     def tpot_chance(self, cls: str, load: float | None = None) -> float | None:
         """The chance a request of ``cls`` admitted at ``load`` (its class's predicted
-        pace over its target) meets its TPOT: of the class's last ``_CAL_WINDOW``
+        pace over its target) meets its TPOT: of the class's last ``WINDOW``
         admitted requests predicted at that load or above (all of them without
         ``load``), the share that met it, counting one more that did (a few finishes
         are weak evidence of a miss: the chance is not judged below the bar on one
