@@ -541,6 +541,22 @@ def test_killed_replica_every_request_answered_and_service_recovers(svc):
     assert failed and all(r[2] <= 96 for r in got)
     if len(failed) == n["requests"]:
         assert sum(r[2] for r in failed) == n["completion_tokens"], (failed, n)
+    # every request answered replica_failed is counted where it ended (issue 36 item 8):
+    # the report (per class) and /metrics (vLLM's abort, our replica_failed)
+    rep = httpx.get(svc.url + "/v1/slo/report", headers={"Authorization": "Bearer sk-ops"})
+    by_class = rep.json()["engine"]["replica_failed"]
+    assert sum(by_class.values()) == len(errors), (by_class, errors)
+    for cls, k in by_class.items():
+        assert rep.json()["classes"][cls]["finish_reasons"]["replica_failed"] >= k
+    m = scrape(svc.url, "sk-ops")
+    ours = [
+        v
+        for lab, v in m["adaserve:requests_finished_total"]
+        if lab["finish_reason"] == "replica_failed"
+    ]
+    assert sum(ours) == len(errors), m["adaserve:requests_finished_total"]
+    aborts = [v for lab, v in m["vllm:request_success_total"] if lab["finished_reason"] == "abort"]
+    assert sum(aborts) >= len(errors)
     # Ray Serve replaces the dead replica
     assert wait_for(lambda: len(set(svc.live()) - {victim}) == 2, 180, every=0.5)
 

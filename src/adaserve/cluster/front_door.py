@@ -110,6 +110,55 @@ def route_of(path: str, headers: Headers, body: bytes) -> dict:
     return route
 
 
+class FailedRequests:
+    """The requests the front door answered ``replica_failed`` (no replica finished them),
+    by class: in ``/metrics`` as vLLM counts an ended request
+    (``vllm:request_success_total{finished_reason="abort"}``) and as ours
+    (``adaserve:requests_finished_total{finish_reason="replica_failed"}``), and in the
+    report (``engine.replica_failed`` and each class's ``finish_reasons``)."""
+
+    def __init__(self, model_name: str):
+        from prometheus_client import CollectorRegistry, Counter
+
+        self.model_name = model_name
+        self.by_class: dict[str, int] = {}
+        self._reg = CollectorRegistry()
+        self._success = Counter(
+            "vllm:request_success",
+            "Finished requests by vLLM finish reason (stop, length, abort).",
+            ["model_name", "finished_reason"],
+            registry=self._reg,
+        )
+        self._finished = Counter(
+            "adaserve:requests_finished",
+            "Finished requests by class and finish reason.",
+            ["model_name", "slo_class", "finish_reason"],
+            registry=self._reg,
+        )
+
+    def count(self, cls: str) -> None:
+        self.by_class[cls] = self.by_class.get(cls, 0) + 1
+        self._success.labels(self.model_name, "abort").inc()
+        self._finished.labels(self.model_name, cls, "replica_failed").inc()
+
+    def text(self) -> str:
+        """The counters as Prometheus text (empty before any failure)."""
+        if not self.by_class:
+            return ""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self._reg).decode()
+
+    def add_to(self, rep: dict) -> None:
+        """Count the failed requests into a merged ``/v1/slo/report`` body."""
+        rep.setdefault("engine", {})["replica_failed"] = dict(self.by_class)
+        for cls, n in self.by_class.items():
+            c = rep.get("classes", {}).get(cls)
+            if c is not None:
+                fr = c.setdefault("finish_reasons", {})
+                fr["replica_failed"] = fr.get("replica_failed", 0) + n
+
+
 class _InFlight:
     in_flight = 0
 
@@ -156,6 +205,7 @@ class FrontDoor:
         )
         self._usage = None  # the usage ledger, opened at the first interrupted stream
         self._usage_lock = threading.Lock()
+        self.failed = FailedRequests(model_name)  # answered replica_failed, by class
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -269,6 +319,7 @@ class FrontDoor:
                     log.warning("replica failed before answering (try %d): %r", attempt + 1, e)
                     await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
             err = replica_failed(type(last).__name__ if last else "unknown")
+            self.failed.count(route.get("slo_class") or self.cfg.default_class or "default")
             if started and acct is not None:
                 self._count_interrupted(acct, relayed)
             if not started:
@@ -356,6 +407,8 @@ class FrontDoor:
             if tenants:
                 text += s["report"].get("tenant_metrics", "")
             texts[rid] = (text, s["live"])
+        # the requests no replica answered: counted here, where they ended
+        texts["front-door"] = (self.failed.text(), True)
         body = await asyncio.to_thread(merge_metrics, texts, only)
         from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -367,6 +420,8 @@ class FrontDoor:
         only = None if (reg.open_mode or tenant.admin) else tenant.name
         snaps = await self._snapshots()
         rep = await asyncio.to_thread(merge_report, snaps, only, self.front.model_name)
+        if only is None:  # (a tenant's report is its own requests: the failed are not named)
+            self.failed.add_to(rep)
         from adaserve.server.app import _jsonable
 
         body = json.dumps(_jsonable(rep), ensure_ascii=True, allow_nan=False).encode()
