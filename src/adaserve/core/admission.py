@@ -440,14 +440,14 @@ class AdmissionControl:
                 continue
             if cls == seq.slo.cls:
                 self._own_tpot = pred
-            if self._off_pace(cls, pred, targets[cls]):
+            if self._off_pace(pred, targets[cls]):
                 return cls, pred, targets[cls], self._retry_pace(cls, n, targets[cls], now)
         return None
 
     def load_over_life(self, n: float, seq: SeqState, now: float) -> float:
         """The mean batch size over ``seq``'s decode, from ``n`` now: a request's TPOT
         is its mean over its life, and the batch relaxes toward its steady size, the
-        measured admission rate times the measured time a request spends in the
+        measured arrival rate times the measured time a request spends in the
         engine (Little's law), with that time as its time constant. ``n`` itself when
         either is unmeasured or ``seq``'s class has no measured output length."""
         rate, stay = self.arrival_rate(now), self.stay_s
@@ -475,23 +475,10 @@ class AdmissionControl:
             return None
         return len(q) / max(now - q[0], 1.0)
 
-    def admission_rate(self, now: float) -> float | None:
-        """Requests admitted per second over the recent window, every class (None:
-        too few to tell)."""
-        first, count = math.inf, 0
-        for q in self._admits.values():
-            while q and q[0][0] < now - _FINISH_WINDOW_S:
-                q.popleft()
-            if q:
-                first, count = min(first, q[0][0]), count + len(q)
-        if count < _MIN_FINISHES:
-            return None
-        return count / max(now - first, 1.0)
-
     @staticmethod
-    def _off_pace(cls: str, pred: float, target: float) -> bool:
-        """Whether a request of ``cls`` predicted at ``pred`` ms per token is off its
-        ``target`` pace: beyond ``PACE_TOLERANCE`` over it. (Judged instead by the
+    def _off_pace(pred: float, target: float) -> bool:
+        """Whether a class predicted at ``pred`` ms per token is off its ``target`` pace:
+        beyond ``PACE_TOLERANCE`` over it. (Judged instead by the
         share of the class's requests admitted that loaded that met their TPOT, against
         the promise, below capacity it refused twice as often: a few finishes at a load
         are weak evidence, docs/results/admission-issue31.md.)"""
@@ -507,7 +494,7 @@ class AdmissionControl:
         m = n - 1
         while m > 1:
             pred = self.pace_at(cls, m, target, now)
-            if pred is None or not self._off_pace(cls, pred, target):
+            if pred is None or not self._off_pace(pred, target):
                 break
             m -= 1
         return max(1.0, (n - m) / rate)

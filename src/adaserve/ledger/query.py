@@ -40,6 +40,23 @@ def _hours(since: float | None, until: float | None) -> tuple[list[str], list]:
     return where, args
 
 
+def _window(col: str, since: float | None, until: float | None, **equal) -> tuple[list[str], list]:
+    """Conditions for ``col`` in [since, until) and each ``column=value`` of ``equal``
+    that is not None (``cls`` names the column ``class``)."""
+    where, args = [], []
+    for name, v in equal.items():
+        if v is not None:
+            where.append(f"{'class' if name == 'cls' else name} = ?")
+            args.append(v)
+    if since is not None:
+        where.append(f"{col} >= ?")
+        args.append(since)
+    if until is not None:
+        where.append(f"{col} < ?")
+        args.append(until)
+    return where, args
+
+
 def _and(where: list[str]) -> str:
     return (" WHERE " + " AND ".join(where)) if where else ""
 
@@ -56,12 +73,8 @@ def usage_totals(
     ``start``), from the hourly roll-up: a window is taken in whole hours."""
     per = GRANULARITY[group]
     where, args = _hours(since, until)
-    if tenant is not None:
-        where.append("tenant = ?")
-        args.append(tenant)
-    if cls is not None:
-        where.append("class = ?")
-        args.append(cls)
+    more, more_args = _window("hour", None, None, tenant=tenant, cls=cls)
+    where, args = where + more, args + more_args
     sums = ", ".join(f"SUM({f})" for f in USAGE_FIELDS)
     rows = store.query(
         f"SELECT hour / {per} AS p, tenant, class, {sums} FROM usage_hourly{_and(where)} "
@@ -90,17 +103,7 @@ def list_requests(
 ) -> tuple[list[dict], bool]:
     """Rows ordered by (finished, id), ``limit`` of them after the row ``after`` (an
     id); returns (rows, has_more)."""
-    where, args = [], []
-    for col, v in (("tenant", tenant), ("class", cls)):
-        if v is not None:
-            where.append(f"{col} = ?")
-            args.append(v)
-    if since is not None:
-        where.append("finished >= ?")
-        args.append(since)
-    if until is not None:
-        where.append("finished < ?")
-        args.append(until)
+    where, args = _window("finished", since, until, tenant=tenant, cls=cls)
     if slo_met is not None:
         where.append("slo_met = ?")
         args.append(int(slo_met))
@@ -133,16 +136,7 @@ def refusal_counts(
     until: float | None = None,
     tenant: str | None = None,
 ) -> list[dict]:
-    where, args = [], []
-    if since is not None:
-        where.append("at >= ?")
-        args.append(since)
-    if until is not None:
-        where.append("at < ?")
-        args.append(until)
-    if tenant is not None:
-        where.append("tenant = ?")
-        args.append(tenant)
+    where, args = _window("at", since, until, tenant=tenant)
     rows = store.query(
         f"SELECT tenant, class, reason, status, COUNT(*) FROM refusals{_and(where)} "
         "GROUP BY tenant, class, reason, status ORDER BY tenant, class, reason",
@@ -173,16 +167,7 @@ def class_report(
     attainment, violations, TTFT/TPOT p50/p95/p99, degraded in (served here, asked for
     a stricter class) and out (asked here, served in a looser one), charge, refusals
     by reason."""
-    where, args = [], []
-    if since is not None:
-        where.append("finished >= ?")
-        args.append(since)
-    if until is not None:
-        where.append("finished < ?")
-        args.append(until)
-    if tenant is not None:
-        where.append("tenant = ?")
-        args.append(tenant)
+    where, args = _window("finished", since, until, tenant=tenant)
     rows = store.query(
         "SELECT class, class_asked, slo_met, ttft_ms, tpot_ms, charge, completion_tokens "
         f"FROM requests{_and(where)}",
