@@ -135,3 +135,40 @@ def test_tokenising_runs_off_the_event_loop(srv, monkeypatch):
     assert _post(srv, "sk-other-secret", "/detokenize", {"model": "m", "tokens": [5, 6]}).is_success
     asked = [n for n in seen if not n.startswith("adaserve-engine")]  # the engine's own
     assert len(asked) >= 4 and all(n.startswith("adaserve-tokenize") for n in asked), seen
+
+
+def test_a_tenant_that_ignores_retry_after_waits_it_out_at_the_door(srv):
+    """A max_concurrent tenant refused once (429, Retry-After: 1) that sends again at
+    once has that request held at the door for the rest of the wait before it is
+    answered: a client looping on 429s gets about one answer per connection per
+    Retry-After, not hundreds. A request held while a slot frees is served. Another
+    tenant is never held."""
+    door = srv.state.retry_hold
+    held = [_slow_upload(srv, "sk-conc-secret") for _ in range(3)]
+    try:
+        assert wait_for(lambda: srv.state.quotas.inflight.get("conc") == 3, timeout=5)
+        r = _post(srv, "sk-conc-secret", "/v1/completions", {"model": "m", "prompt": "hi"})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        before = door.total_held
+        # sent again at once: held for the rest of its second, then refused
+        r = _post(srv, "sk-conc-secret", "/v1/completions", {"model": "m", "prompt": "hi"})
+        assert r.status_code == 429 and r.json()["error"]["reason"] == "max_concurrent"
+        assert door.total_held == before + 1
+        # the other tenant is served meanwhile, and never held
+        ok = {"model": "m", "prompt": "hi", "max_tokens": 2}
+        assert _post(srv, "sk-other-secret", "/v1/completions", ok).status_code == 200
+        assert "other" not in door.held
+        # a request held at the door gets the slot that frees while it waits
+        answer: list[httpx.Response] = []
+        t = threading.Thread(
+            target=lambda: answer.append(_post(srv, "sk-conc-secret", "/v1/completions", ok))
+        )
+        t.start()
+        assert wait_for(lambda: door.held.get("conc") == 1, timeout=10)
+        held.pop().close()
+        t.join(30)
+        assert answer and answer[0].status_code == 200
+    finally:
+        for s in held:
+            s.close()
+    assert wait_for(lambda: srv.state.quotas.inflight.get("conc") == 0, timeout=10)

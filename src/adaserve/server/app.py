@@ -45,6 +45,7 @@ from adaserve.server.dashboard import SELF_AUTH_PATHS, create_dashboard
 from adaserve.server.engine_errors import shutdown_error
 from adaserve.server.engine_loop import EngineLoop, model_name_of
 from adaserve.server.errors import ApiError, http_error, internal_error, validation_error
+from adaserve.server.fair_pool import current_tenant
 from adaserve.server.generation import enter_quotas
 from adaserve.server.http_runtime import mark_trusted
 from adaserve.server.protocol import (
@@ -105,6 +106,7 @@ class _Guard:
                     headers = Headers(scope=scope)
                     tenant = st.tenants.authenticate(headers.get("authorization"), client_of(scope))
                     scope.setdefault("state", {})["tenant"] = tenant
+                    current_tenant.set(tenant.name)  # its tokenizer jobs take turns
                     if not st.tenants.open_mode:
                         mark_trusted(scope)  # a valid key: its connection is kept longest
                     if method == "POST" and path in QUOTA_PATHS:

@@ -123,6 +123,12 @@ class ServerConfig:
                          (1 s, doubling with each lock in a row, at most 5 min) its
                          wrong keys get 429 ``too_many_failed_auth`` (``server.auth``)
     auth_failure_window_s: the window those failures are counted in
+    quota_hold_s:        a tenant that sends again before the Retry-After of its last
+                         quota refusal has its next refusal held at the door for what
+                         is left of that wait (at most this long), tried once more, and
+                         only then answered 429: a client that ignores Retry-After gets
+                         about one answer per connection per wait, and costs the
+                         server no more (0 = answer at once)
     """
 
     model_name: str | None = None
@@ -154,6 +160,7 @@ class ServerConfig:
     log_stats_interval_s: float = 10.0
     auth_max_failures: int = 5
     auth_failure_window_s: float = 60.0
+    quota_hold_s: float = 1.0
     service_tiers: Mapping[str, str] = field(default_factory=dict)
     tenants: tuple[Tenant, ...] = ()
     classes: tuple[SLOClass, ...] | None = None  # None = the engine's classes
@@ -230,6 +237,9 @@ class ServerConfig:
             raise ConfigError(
                 "server.auth_failure_window_s must be a number of seconds in (0, 86400]"
             )
+        v = self.quota_hold_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 60:
+            raise ConfigError("server.quota_hold_s must be a number of seconds in [0, 60]")
         folded: dict[str, str] = {}
         for t in self.tenants:
             check_name("tenant", t.name)

@@ -19,6 +19,7 @@ from adaserve.server.engine_loop import Final, Handle
 from adaserve.server.errors import ApiError, retry_after
 from adaserve.server.jobs import Endpoint, Job, Meta, next_or_disconnect, wait_disconnect
 from adaserve.server.protocol import RequestMetrics, Usage
+from adaserve.server.quotas import retry_after_s
 from adaserve.server.render import JSON
 from adaserve.server.slo_resolution import SLOChoice, resolve_slo
 from adaserve.server.state import RequestCtx, ServerState
@@ -46,12 +47,31 @@ def _resolve(state: ServerState, body, headers, tenant: Tenant) -> SLOChoice:
 
 async def enter_quotas(state: ServerState, tenant: Tenant) -> None:
     """Take the tenant's request and concurrency slot (429), before the body is read or
-    parsed; ``state.quotas.release`` gives the slot back when the response has ended."""
+    parsed; ``state.quotas.release`` gives the slot back when the response has ended.
+    A tenant that ignored the Retry-After of its last refusal waits it out here first
+    (``RetryHold``) and is then tried once more."""
+    door = state.retry_hold
     try:
         await state.quotas.begin(tenant)
+        return
     except ApiError as e:
-        state.rate_limited(tenant.name, e.reason or "quota")
-        raise
+        refused = e
+    hold = door.hold_s(tenant.name) if refused.status == 429 else 0.0
+    if hold > 0:
+        door.enter(tenant.name)
+        try:
+            await asyncio.sleep(hold)
+        finally:
+            door.leave(tenant.name)
+        try:
+            await state.quotas.begin(tenant)
+            return
+        except ApiError as e:
+            refused = e
+    if refused.status == 429:
+        door.told(tenant.name, retry_after_s(refused))
+    state.rate_limited(tenant.name, refused.reason or "quota")
+    raise refused
 
 
 async def generate(

@@ -1,4 +1,5 @@
-"""Per-tenant quotas: requests and tokens per minute (token buckets), concurrency."""
+"""Per-tenant quotas: requests and tokens per minute (token buckets), concurrency, and
+the hold at the door for tenants that ignore their Retry-After."""
 
 from __future__ import annotations
 
@@ -173,6 +174,59 @@ class QuotaBook:
         with self._lock:
             tpm = self._tpm.get(tenant_name)
             return None if tpm is None else tpm.available()
+
+
+class RetryHold:
+    """Who was told to wait: a tenant refused by a request-count quota was told to come
+    back after ``Retry-After``. One that sends again before then ignored it: its next
+    refusal is held at the door (``hold_s``: what is left of the wait, at most
+    ``max_hold_s``) before it is tried again and answered, so a client that loops on
+    429s gets about one answer per connection per wait, and the server spends on it
+    no more than that. A held request has not had its body read (flow control stops
+    the upload), so holding costs a suspended coroutine. At most ``max_held`` of a
+    tenant's requests wait at once; the rest are answered at once, as before.
+    Event-loop only (not thread-safe)."""
+
+    def __init__(self, max_hold_s: float = 1.0, max_held: int = 256, clock=time.monotonic):
+        self.max_hold_s = float(max_hold_s)
+        self.max_held = max_held
+        self.clock = clock
+        self._until: dict[str, float] = {}  # tenant -> end of the wait it was told
+        self.held: dict[str, int] = {}  # tenant -> its requests held now
+        self.total_held = 0  # requests held so far
+
+    def hold_s(self, tenant_name: str) -> float:
+        """How long to hold a refused request of the tenant (0: answer at once)."""
+        if self.max_hold_s <= 0 or self.held.get(tenant_name, 0) >= self.max_held:
+            return 0.0
+        left = self._until.get(tenant_name, 0.0) - self.clock()
+        return min(left, self.max_hold_s) if left > 0 else 0.0
+
+    def told(self, tenant_name: str, wait_s: float) -> None:
+        """The tenant was answered 429 with ``Retry-After: wait_s``."""
+        self._until[tenant_name] = max(self._until.get(tenant_name, 0.0), self.clock() + wait_s)
+        if len(self._until) > 4 * self.max_held:  # forget waits long over
+            now = self.clock()
+            self._until = {k: v for k, v in self._until.items() if v > now}
+
+    def enter(self, tenant_name: str) -> None:
+        self.held[tenant_name] = self.held.get(tenant_name, 0) + 1
+        self.total_held += 1
+
+    def leave(self, tenant_name: str) -> None:
+        n = self.held.get(tenant_name, 0) - 1
+        if n > 0:
+            self.held[tenant_name] = n
+        else:
+            self.held.pop(tenant_name, None)
+
+
+def retry_after_s(e: ApiError) -> float:
+    """The ``Retry-After`` seconds of an answer (0 without one)."""
+    try:
+        return float((e.headers or {}).get("Retry-After", 0))
+    except ValueError:
+        return 0.0
 
 
 def _tokens_error(tenant: Tenant, prompt_tokens: int, outputs: list[int], wait_s: float):

@@ -23,9 +23,10 @@ from adaserve.server.accounting import RowAcc, wall_of
 from adaserve.server.auth import TenantRegistry
 from adaserve.server.config import ServerConfig, check_against_classes
 from adaserve.server.engine_loop import EngineLoop, Final, Handle
+from adaserve.server.fair_pool import FairPool
 from adaserve.server.iterations import IterationLog
 from adaserve.server.metrics import ServerMetrics
-from adaserve.server.quotas import QuotaBook
+from adaserve.server.quotas import QuotaBook, RetryHold
 from adaserve.server.report import Record, ReportStore
 from adaserve.server.stats_log import StatsLogger, startup_summary
 from adaserve.server.usage import UsageBook
@@ -114,6 +115,7 @@ class ServerState:
         self.served_names = {model_name, *cfg.model_aliases}
         self.tenants = TenantRegistry.for_config(cfg)
         self.quotas = QuotaBook(cfg.tenants)
+        self.retry_hold = RetryHold(cfg.quota_hold_s)
         self.usage = UsageBook()
         # budgets longer than a minute, started from the ledger at start-up
         self.budgets = BudgetBook(
@@ -157,9 +159,7 @@ class ServerState:
         self.chat_template: ChatTemplate | None = None  # set at start-up
         self._warned_fields: set[str] = set()
         self.warned_guided: set[str] = set()  # deprecated guided_* fields logged once each
-        self._tokenizer_pool = ThreadPoolExecutor(
-            TOKENIZER_THREADS, thread_name_prefix="adaserve-tokenize"
-        )
+        self._tokenizer_pool = FairPool(TOKENIZER_THREADS, "adaserve-tokenize")
         # grammar compiles have threads of their own: a slow one holds neither the
         # tokenisers nor the event loop nor the engine, only its own request
         self._grammar_pool = ThreadPoolExecutor(
@@ -169,9 +169,9 @@ class ServerState:
     async def off_loop(self, fn, *args):
         """``fn(*args)`` on the tokenizer threads: tokenising, detokenising and chat
         templates never run on the event loop (a flood of them queues there, bounded
-        by each tenant's concurrency, while the loop keeps answering)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_pool, functools.partial(fn, *args))
+        by each tenant's concurrency, while the loop keeps answering), and the tenants
+        take turns (``FairPool``): one tenant's long prompts do not queue another's."""
+        return await self._tokenizer_pool.run(fn, *args)
 
     async def off_loop_grammar(self, fn, *args):
         """``fn(*args)`` on the grammar-compile threads."""
@@ -251,7 +251,7 @@ class ServerState:
             self.draining = True
             if ticker is not None:
                 ticker.cancel()
-            self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            self._tokenizer_pool.shutdown(wait=False)
             self._grammar_pool.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(self.loop.stop)
             if self.ledger is not None:
