@@ -166,6 +166,45 @@ def test_relaxed_work_refused_when_it_would_push_a_stricter_class_off_pace():
     assert n_ok > 0
 
 
+def test_a_pace_measured_lately_at_the_load_is_trusted_over_the_model_s_scaling():
+    """The class's pace measured at a load at least as high, lately, is what the load
+    gives: the planner shrinks trees as the batch grows, so scaling the pace measured
+    at a small batch by the model's pass time overstates it. Beyond the loads measured,
+    the scaling still decides."""
+    clock = ManualClock(0.0)
+    sched = _sched(clock)
+    run = [_Req(i, _slo("interactive"), 0.0, out=5) for i in range(4)]
+    for r in run:
+        sched.add(r)
+    sched.begin_step()
+    sched.admit()
+    for r in run:
+        r.num_cached = r.num_tokens - 1
+    cls = {i: "interactive" for i in range(100)}
+    for i in range(100):  # 4 decoders, chains of 3: 20 ms per token (target 30)
+        _pass(sched, i * 0.04, (i + 1) * 0.04, [r.rid for r in run], {r.rid: 1 for r in run},
+              classes=cls, nodes=3)  # fmt: skip
+    t = 4.0
+    for _ in range(3):  # lately, 24 decoders: 84 ms passes, 3 tokens each: 28 ms per token
+        _pass(sched, t, t + 0.084, list(range(24)), {i: 2 for i in range(24)},
+              classes=cls, nodes=3)  # fmt: skip
+        t += 0.084
+    ac = sched.admission
+    bar = 30.0 * (1 + PACE_TOLERANCE)
+    # the model's scaling alone would put interactive off pace at 24
+    was = ac.decode_pass_ms(ac.class_batch["interactive"])
+    assert ac.decode_pass_ms(24) / was * ac.pace_ms("interactive") > bar
+    assert ac.pace_at("interactive", 24, 30.0, t) == pytest.approx(28.0, rel=0.01)
+    clock.set(t)
+    n_ok = 0
+    with pytest.raises(AdmissionRejected) as ei:
+        for k in range(200):
+            sched.add(_Req(100 + k, _slo("chat"), t, out=0))
+            n_ok += 1
+    assert ei.value.reason == "capacity" and "'interactive'" in str(ei.value)
+    assert 4 + n_ok + 1 > 24  # refused only past the load measured within target
+
+
 def test_a_pace_the_hardware_misses_alone_is_not_shed_for():
     clock = ManualClock(0.0)
     sched = _sched(clock)

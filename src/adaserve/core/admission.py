@@ -23,7 +23,9 @@ Every class gets its own decision (not only the strictest):
   class ``c`` at or above the new one's strictness gets a predicted ms per token at
   ``N'``: its measured pace scaled by the hardware model's pass time at ``N'`` over the
   pass time it was measured at (the measured tree size and prefill per pass, the
-  measured/predicted speed). A relaxed request is thus judged against what the
+  measured/predicted speed), or, when lower, the pace it was measured at lately at
+  that load or above (the planner shrinks trees as the batch grows, which the
+  scaling does not know). A relaxed request is thus judged against what the
   stricter classes leave (those in the batch and those seen lately), and never
   admitted at the expense of a stricter class's TPOT; it is off pace beyond
   ``PACE_TOLERANCE`` over its target. A class whose target the hardware misses by far (``HOPELESS`` times) even
@@ -124,7 +126,14 @@ _CONTENDED = ("capacity", KV_FULL)
 _PREFILL_PASS_SHARE = 0.5
 _EWMA = 0.1  # weight of the newest observation in the running means
 _CLASS_EWMA = 0.05
-_SPEED_PASSES = 32  # passes the measured speed is the median of  # the same for a class's pace (ms per pass, tokens per pass)
+# a class's pace by load (``pace_by_load``): buckets of decoders 20% apart, each a
+# running mean (weight of the newest pass) that counts for this long after its last pass.
+# Chosen in the simulator (docs/results/admission-issue31.md, third pass): 10 s and 30 s
+# gave 9.7/1.4/1.4% and 9.4/0.3/0.7% refused at 0.8x capacity (seeds 1-3), 60 s 9.0/0.3/0.7%
+_LOAD_BUCKET = 1.2
+_LOAD_EWMA = 0.1
+_LOAD_FRESH_S = 30.0
+_SPEED_PASSES = 32  # passes the measured speed is the median of
 _SEEN_WINDOW_S = 60.0  # a stricter class decoding this recently keeps its room
 _FINISH_WINDOW_S = 30.0  # finishes counted for the finish rate
 _MIN_FINISHES = 4  # below this many finishes in the window the rate is unknown
@@ -149,6 +158,8 @@ class AdmissionControl:
         self.tokens_per_pass: dict[str, float] = {}  # class -> tokens per decode pass
         self.class_pass_ms: dict[str, float] = {}  # class -> ms of the passes it decoded in
         self.class_batch: dict[str, float] = {}  # class -> decoders in those passes
+        # class -> load bucket -> [ms per pass, tokens per pass, when last seen]
+        self.pace_by_load: dict[str, dict[int, list[float]]] = {}
         self._finishes: deque[float] = deque()
         self._seen: dict[str, float] = {}  # class -> when it last decoded
         # class -> (time, prompt tokens, ttft) of the requests admitted lately
@@ -201,6 +212,15 @@ class AdmissionControl:
                 self.class_pass_ms[cls] = _mix(self.class_pass_ms.get(cls), dur_ms, _CLASS_EWMA)
                 self._seen[cls] = tr.t_end
                 self.class_batch[cls] = _mix(self.class_batch.get(cls), float(b), _CLASS_EWMA)
+                cells = self.pace_by_load.setdefault(cls, {})
+                cell = cells.get(_bucket(b))
+                tp = sum(toks) / len(toks)
+                if cell is None:
+                    cells[_bucket(b)] = [dur_ms, tp, tr.t_end]
+                else:
+                    cell[0] = _mix(cell[0], dur_ms, _LOAD_EWMA)
+                    cell[1] = _mix(cell[1], tp, _LOAD_EWMA)
+                    cell[2] = tr.t_end
         n = b + len(tr.prefill)
         if n:
             self.context = _mix(self.context, tr.kv_tokens / n)
@@ -370,7 +390,11 @@ class AdmissionControl:
     def pace_at(self, cls: str, n: float, target: float, now: float) -> float | None:
         """The predicted ms per token of class ``cls`` with ``n`` requests in the batch:
         its measured pace scaled by the predicted pass time at ``n`` over that of the
-        batch the pace was measured at. None when it is not to be kept on pace: not
+        batch the pace was measured at; or, when lower, the pace the class was measured
+        at in the last ``_LOAD_FRESH_S`` at the nearest load at least ``n``
+        (``pace_by_load``): as the batch grows the planner shrinks the trees, so the
+        model's pass time at the measured tree size overstates what the load costs,
+        and a load seen kept on pace lately is evidence the model does not have. None when it is not to be kept on pace: not
         measured lately (admitting is how it is measured again), or hopeless (its
         ``target`` missed ``HOPELESS`` times over even for a request alone: load is not
         the cause, and refusing work cannot meet it; the class runs best effort)."""
@@ -378,12 +402,20 @@ class AdmissionControl:
         if pace is None or now - self._seen.get(cls, -math.inf) > PACE_FRESH_S:
             return None
         was_ms = self.decode_pass_ms(self.class_batch[cls])
-        then_ms = self.decode_pass_ms(min(n, self.sched.cfg.max_num_seqs))
+        n = min(n, self.sched.cfg.max_num_seqs)
+        then_ms = self.decode_pass_ms(n)
         if not was_ms or then_ms is None:
             return None
         if pace * self.decode_pass_ms(1) / was_ms > HOPELESS * target:
             return None
-        return pace * then_ms / was_ms
+        cells = self.pace_by_load.get(cls, {})
+        k = _bucket(n)
+        above = [b for b, c in cells.items() if b >= k and now - c[2] <= _LOAD_FRESH_S]
+        scaled = pace * then_ms / was_ms
+        if above:
+            c = cells[min(above)]
+            return min(scaled, c[0] / c[1])
+        return scaled
 
     def prior_spread(self) -> float:
         """The spread of log(measured / predicted) pass time over the recent passes: a
@@ -645,6 +677,11 @@ class AdmissionControl:
             and (now - r.arrival) * 1000.0 + (alone := self.alone_ms(r)) > r.slo.ttft_ms
             and r.slo.ttft_ms >= alone
         ]
+
+
+def _bucket(b: float) -> int:
+    """The load bucket of a batch of ``b`` decoders (buckets ``_LOAD_BUCKET`` apart)."""
+    return int(round(math.log(max(b, 1.0)) / math.log(_LOAD_BUCKET)))
 
 
 def _in_kv(seq: SeqState) -> int:
