@@ -33,7 +33,6 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from adaserve.core.admission import DEGRADABLE, TTFT_DEADLINE, AdmissionControl
 from adaserve.core.blocks import BlockAllocator, BlockTable, OutOfBlocks, block_digest
@@ -41,43 +40,15 @@ from adaserve.core.clock import Clock
 from adaserve.core.config import SchedulerConfig
 from adaserve.core.counters import Counters
 from adaserve.core.seq import SeqState, Status
-from adaserve.core.step import SchedulerOutput, StepInputs, StepOutcome
+from adaserve.core.step import Batch, SchedulerOutput, StepInputs, StepOutcome
 from adaserve.core.trace import StepTrace
 from adaserve.core.tree import scratch_slots_needed
 from adaserve.errors import InvalidRequestError, PromptTooLongError
 from adaserve.sched.base import BatchView, Plan, Policy, ReqView
-from adaserve.slo import SLO, SLOClass
+from adaserve.slo import SLO, SLOClass, looser_slo
 
 # context tokens per sequence assumed when pricing the full-batch capacity
 _CAPACITY_CONTEXT = 256.0
-
-
-@dataclass
-class Batch:
-    """The requests of one pass, in admission order.
-
-    prefill: (request, prefill tokens) for requests prefilling in this pass
-    decode:  requests decoding (their root, and a tree when speculating)
-    spec:    (request, (depth, width)) for decoding requests that draft a tree
-    """
-
-    prefill: list[tuple[SeqState, int]] = field(default_factory=list)
-    decode: list[SeqState] = field(default_factory=list)
-    spec: list[tuple[SeqState, tuple[int, int]]] = field(default_factory=list)
-
-    @property
-    def kv_tokens(self) -> int:
-        """Context tokens the pass attends: cached + new of each prefill, the context
-        of each decode."""
-        return sum(r.num_cached + n for r, n in self.prefill) + sum(
-            r.num_tokens for r in self.decode
-        )
-
-    @property
-    def prefill_pairs(self) -> int:
-        """New x context token pairs of the prefill chunks: each chunk's new tokens
-        attend what its KV already holds (a cached prefix, earlier chunks)."""
-        return sum(n * r.num_cached for r, n in self.prefill)
 
 
 class Scheduler:
@@ -605,24 +576,3 @@ class Scheduler:
 
 def _by_admit(r: SeqState) -> int:
     return r.admit_seq
-
-
-def looser_slo(own: SLO, cls: SLO, looser: SLO) -> SLO:
-    """The SLO a request with SLO ``own`` (its class's ``cls``, scaled by the run's
-    SLO scale and its own overrides) gets in the looser class ``looser``: each target
-    scaled by the looser class's over its own class's, so the scale and the
-    request's overrides carry over (a target its class lacks is the looser one's)."""
-
-    def moved(mine, base, new):
-        if new is None or mine is None:
-            return new if mine is None else mine
-        return mine * (new / base) if base else new
-
-    return SLO(
-        tpot_ms=moved(own.tpot_ms, cls.tpot_ms, looser.tpot_ms),
-        ttft_ms=moved(own.ttft_ms, cls.ttft_ms, looser.ttft_ms),
-        max_queue_ms=looser.max_queue_ms if looser.max_queue_ms is not None else own.max_queue_ms,
-        deadline_ms=own.deadline_ms,
-        cls=looser.cls,
-        on_overload=own.on_overload,
-    )

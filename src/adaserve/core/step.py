@@ -27,7 +27,35 @@ from adaserve.core.trace import StepTrace
 from adaserve.sched.base import BatchView, Plan
 
 if TYPE_CHECKING:  # the scheduler imports this module
-    from adaserve.core.scheduler import Batch, Scheduler
+    from adaserve.core.scheduler import Scheduler
+
+
+@dataclass
+class Batch:
+    """The requests of one pass, in admission order.
+
+    prefill: (request, prefill tokens) for requests prefilling in this pass
+    decode:  requests decoding (their root, and a tree when speculating)
+    spec:    (request, (depth, width)) for decoding requests that draft a tree
+    """
+
+    prefill: list[tuple[SeqState, int]] = field(default_factory=list)
+    decode: list[SeqState] = field(default_factory=list)
+    spec: list[tuple[SeqState, tuple[int, int]]] = field(default_factory=list)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Context tokens the pass attends: cached + new of each prefill, the context
+        of each decode."""
+        return sum(r.num_cached + n for r, n in self.prefill) + sum(
+            r.num_tokens for r in self.decode
+        )
+
+    @property
+    def prefill_pairs(self) -> int:
+        """New x context token pairs of the prefill chunks: each chunk's new tokens
+        attend what its KV already holds (a cached prefix, earlier chunks)."""
+        return sum(n * r.num_cached for r, n in self.prefill)
 
 
 @dataclass(frozen=True)
