@@ -1,6 +1,7 @@
 """Discrete-event simulation of the serving loop, calling the engine's policy objects.
 
-One event is one iteration of ``adaserve.engine.Engine.step``, mirrored without models:
+One event is one iteration of the engine's step, the same ``core.step.run_step`` with
+this module's executor in place of the models:
 
     arrivals -> admit (policy.admission_key, max_num_seqs, KV) -> plan (policy.plan)
     -> degrade -> reserve KV (preempting the newest request on exhaustion)
