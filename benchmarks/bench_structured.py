@@ -131,7 +131,7 @@ def speculation(llm, rounds: int, concurrency=(1, 4, 16)) -> dict:
     """Generated tokens/s per policy against ``ar`` at each concurrency, on the JSON
     schema workload (greedy: the same tokens for every policy) and unconstrained (the
     same prompts, 120 tokens each): what speculation keeps under a schema."""
-    import adaserve.engine.engine as eng_mod
+    import adaserve.engine.executor as eng_mod
 
     configs = [
         ("ar", 32),

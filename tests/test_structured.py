@@ -111,7 +111,7 @@ def test_forced_tokens_enter_the_tree_without_drafting(shipped, monkeypatch):
     """A JSON schema's keys and punctuation are forced: they are verified (and nearly
     always accepted) without a draft step, and the output is what plain decoding
     gives."""
-    import adaserve.engine.engine as eng_mod
+    import adaserve.engine.executor as eng_mod
 
     c = {"json": PERSON, "disable_any_whitespace": True}
     sp = SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=c)

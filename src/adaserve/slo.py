@@ -109,3 +109,24 @@ DEFAULT_CLASSES: tuple[SLOClass, ...] = (
         priority=2,
     ),
 )
+
+
+def looser_slo(own: SLO, cls: SLO, looser: SLO) -> SLO:
+    """The SLO a request with SLO ``own`` (its class's ``cls``, scaled by the run's
+    SLO scale and its own overrides) gets in the looser class ``looser``: each target
+    scaled by the looser class's over its own class's, so the scale and the
+    request's overrides carry over (a target its class lacks is the looser one's)."""
+
+    def moved(mine, base, new):
+        if new is None or mine is None:
+            return new if mine is None else mine
+        return mine * (new / base) if base else new
+
+    return SLO(
+        tpot_ms=moved(own.tpot_ms, cls.tpot_ms, looser.tpot_ms),
+        ttft_ms=moved(own.ttft_ms, cls.ttft_ms, looser.ttft_ms),
+        max_queue_ms=looser.max_queue_ms if looser.max_queue_ms is not None else own.max_queue_ms,
+        deadline_ms=own.deadline_ms,
+        cls=looser.cls,
+        on_overload=own.on_overload,
+    )

@@ -1,18 +1,19 @@
 """The scheduler: one implementation of admission, KV reservation, preemption and
 degradation, run by the engine and by the simulator alike.
 
-A step reads, for both:
+A step is two calls (``core.step.run_step``), as vLLM's scheduler's:
 
-    begin_step -> admit -> view -> plan (policy.plan, fallbacks, degrade)
-    -> reserve (prefill chunks, decodes, draft scratch) -> [executor drafts]
-    -> reserve_tree (selected nodes' KV) -> [executor verifies, commits tokens]
-    -> end_step (tables truncated, trace)
+    schedule(inputs) -> SchedulerOutput:  begin_step -> admit -> view -> plan (policy.plan,
+        fallbacks, degrade) -> reserve (prefill chunks, decodes, draft scratch)
+    [executor: drafts -> selects -> reserve_tree (selected nodes' KV) -> verifies]
+    update_from_output(out, StepOutcome) -> StepTrace:  commit bookkeeping (``num_cached``,
+        ``first_token_at``), finishes, tables truncated, the whole trace, policy.feedback
 
 Who owns what: the scheduler owns the waiting and running queues, the block pool and
-every request's block table, admission order, preemption and the run-wide scheduling
-counters. The executor (the engine's model runner, or the simulator's synthetic
-drafting and pricing) owns tokens, trees and time spent; it tells the scheduler what a
-request committed (``num_cached``, appended tokens) and when it finished (``finish``).
+every request's block table, admission order, preemption, the run-wide scheduling
+counters and the request state of ``SeqState`` (it applies the outcome's ``Commit``s).
+The executor (the engine's model runner, or the simulator's synthetic drafting and
+pricing) owns tokens, trees and time spent, and says what each request committed.
 
 Invariants:
 - ``running`` holds at most ``max_num_seqs`` requests, each RUNNING with a table;
@@ -22,15 +23,16 @@ Invariants:
 - a request is admitted only when the pool holds its first prefill chunk plus one
   block (or when nothing else runs).
 The clock is read once per step (``begin_step``) and when a request is aborted: the
-scheduler never reads the wall clock itself.
+scheduler never reads the wall clock itself (``plan_s`` times the policy with
+``time.perf_counter``, for the simulator's measured selection time).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from adaserve.core.admission import DEGRADABLE, TTFT_DEADLINE, AdmissionControl
 from adaserve.core.blocks import BlockAllocator, BlockTable, OutOfBlocks, block_digest
@@ -38,42 +40,15 @@ from adaserve.core.clock import Clock
 from adaserve.core.config import SchedulerConfig
 from adaserve.core.counters import Counters
 from adaserve.core.seq import SeqState, Status
+from adaserve.core.step import Batch, SchedulerOutput, StepInputs, StepOutcome
 from adaserve.core.trace import StepTrace
 from adaserve.core.tree import scratch_slots_needed
 from adaserve.errors import InvalidRequestError, PromptTooLongError
 from adaserve.sched.base import BatchView, Plan, Policy, ReqView
-from adaserve.slo import SLO, SLOClass
+from adaserve.slo import SLO, SLOClass, looser_slo
 
 # context tokens per sequence assumed when pricing the full-batch capacity
 _CAPACITY_CONTEXT = 256.0
-
-
-@dataclass
-class Batch:
-    """The requests of one pass, in admission order.
-
-    prefill: (request, prefill tokens) for requests prefilling in this pass
-    decode:  requests decoding (their root, and a tree when speculating)
-    spec:    (request, (depth, width)) for decoding requests that draft a tree
-    """
-
-    prefill: list[tuple[SeqState, int]] = field(default_factory=list)
-    decode: list[SeqState] = field(default_factory=list)
-    spec: list[tuple[SeqState, tuple[int, int]]] = field(default_factory=list)
-
-    @property
-    def kv_tokens(self) -> int:
-        """Context tokens the pass attends: cached + new of each prefill, the context
-        of each decode."""
-        return sum(r.num_cached + n for r, n in self.prefill) + sum(
-            r.num_tokens for r in self.decode
-        )
-
-    @property
-    def prefill_pairs(self) -> int:
-        """New x context token pairs of the prefill chunks: each chunk's new tokens
-        attend what its KV already holds (a cached prefix, earlier chunks)."""
-        return sum(n * r.num_cached for r, n in self.prefill)
 
 
 class Scheduler:
@@ -116,7 +91,6 @@ class Scheduler:
         self.running: list[SeqState] = []
         self._admit_seq = itertools.count()
         self.now = clock.now()
-        self._trace: StepTrace | None = None
         # the latest plan and when it was made (read by ``cluster.routing.replica_stats``)
         self.last_plan: Plan | None = None
         self.last_plan_at: float | None = None
@@ -274,6 +248,88 @@ class Scheduler:
         self.allocator.reserved = int(fraction * self.allocator.num_blocks)
 
     # ------------------------------------------------------------------ the step
+    def schedule(self, inputs: StepInputs) -> SchedulerOutput:
+        """The first call of a step: the clock read, expired requests ended, admission,
+        the policy's view and plan, and the pass's requests with their KV reserved
+        (nothing runs when no request is running: ``SchedulerOutput.runs``)."""
+        self.begin_step()
+        self.admit()
+        expired = tuple(self.expired)
+        if not self.running:
+            return SchedulerOutput(expired, self.now)
+        t0 = time.perf_counter()
+        view = self.view(inputs.acc_by_rank)
+        if inputs.mask_ms_per_node is not None:  # what masks cost on this run
+            view.mask_ms_per_node = inputs.mask_ms_per_node
+        plan = self.plan(view)
+        plan_s = time.perf_counter() - t0
+        batch = self.reserve(plan, inputs.can_draft)
+        return SchedulerOutput(
+            expired,
+            self.now,
+            view,
+            plan,
+            batch,
+            kv_tokens=batch.kv_tokens,  # before the commit moves the counts on
+            prefill_pairs=batch.prefill_pairs,
+            plan_s=plan_s,
+        )
+
+    def update_from_output(self, out: SchedulerOutput, outcome: StepOutcome) -> StepTrace:
+        """The second call of a step: apply each request's commit (``num_cached``, the
+        first token's time, its finish) at ``outcome.t_end``; truncate decoding requests'
+        tables to their committed tokens + the next root; name full blocks in the prefix
+        cache; count the iteration; build the step's trace; feed the policy back."""
+        t = outcome.t_end
+        for c in outcome.commits:
+            r = c.seq
+            r.num_cached = c.num_cached
+            if c.first_token and r.first_token_at is None:
+                r.first_token_at = t
+            if c.finish is not None:
+                self.finish(r, c.finish, t)
+        batch = out.batch
+        for r in batch.decode:
+            if r.running and r.table is not None:
+                r.table.truncate(r.num_cached + 1)
+        for r in itertools.chain((r for r, _ in batch.prefill), batch.decode):
+            if r.running:
+                self.register_blocks(r)
+        self.counters.iterations += 1
+        classes = {r.rid: r.cls for r, _ in batch.prefill}
+        classes.update((r.rid, r.cls) for r in batch.decode)
+        d = outcome.draft
+        tr = StepTrace(
+            plan=out.plan,
+            t_start=out.t_start,
+            t_end=t,
+            acc_by_rank=out.view.acc_by_rank,
+            admitted=self._admitted,
+            preempted=self._preempted,
+            cached=self._hits,
+            prefill={r.rid: n for r, n in batch.prefill},
+            decode=[r.rid for r in batch.decode],
+            spec={r.rid: s for r, s in batch.spec},
+            classes=classes,
+            tree_nodes=dict(outcome.tree_nodes),
+            accepted=dict(outcome.accepted),
+            tokens=outcome.tokens,
+            kv_tokens=out.kv_tokens,
+            prefill_pairs=out.prefill_pairs,
+            draft_tokens=d.tokens,
+            draft_passes=d.passes,
+            draft_catchup=d.catchup,
+            drafted=d.drafted,
+            running=len(self.running),
+            waiting=len(self.waiting),
+            kv_usage=self.allocator.usage,
+            predicted_ms=outcome.predicted_ms,
+            stall=outcome.stall,
+        )
+        self._last = tr
+        self.policy.feedback(out.plan, outcome.ms)
+        return tr
+
     def begin_step(self) -> None:
         """Read the clock for this step; start its trace; with admission control, end
         the queued requests past their TTFT deadline (``expired``)."""
@@ -366,7 +422,6 @@ class Scheduler:
             self.counters.count_fallback(plan.fallback)
         self._apply_degrade(plan)
         self.last_plan, self.last_plan_at = plan, self.now
-        self._trace = StepTrace(plan=plan, t_start=self.now, acc_by_rank=view.acc_by_rank)
         return plan
 
     def _apply_degrade(self, plan: Plan) -> None:
@@ -415,8 +470,6 @@ class Scheduler:
             b.prefill = [(r, n) for r, n in b.prefill if r.running]
             b.decode = [r for r in b.decode if r.running]
             b.spec = [(r, s) for r, s in b.spec if r.running]
-        self._trace.kv_tokens = b.kv_tokens  # before commit moves the counts on
-        self._trace.prefill_pairs = b.prefill_pairs
         return b
 
     def reserve_tree(self, r: SeqState, nodes: int) -> bool:
@@ -428,34 +481,6 @@ class Scheduler:
             return True
         self.counters.count_fallback("kv_memory")
         return False
-
-    def end_step(self, batch: Batch, t_end: float) -> StepTrace:
-        """Truncate decoding requests' tables to their committed tokens + the next root;
-        count the iteration; return the step's trace (the executor fills its token
-        counts)."""
-        for r in batch.decode:
-            if r.running and r.table is not None:
-                r.table.truncate(r.num_cached + 1)
-        for r in itertools.chain((r for r, _ in batch.prefill), batch.decode):
-            if r.running:
-                self.register_blocks(r)
-        self.counters.iterations += 1
-        tr = self._trace
-        self._trace = None
-        tr.t_end = t_end
-        tr.admitted = self._admitted
-        tr.preempted = self._preempted
-        tr.cached = self._hits
-        tr.prefill = {r.rid: n for r, n in batch.prefill}
-        tr.decode = [r.rid for r in batch.decode]
-        tr.spec = {r.rid: s for r, s in batch.spec}
-        tr.classes = {r.rid: r.cls for r, _ in batch.prefill}
-        tr.classes.update((r.rid, r.cls) for r in batch.decode)
-        tr.running = len(self.running)
-        tr.waiting = len(self.waiting)
-        tr.kv_usage = self.allocator.usage
-        self._last = tr
-        return tr
 
     # ------------------------------------------------------------------ prefix cache
     def _digests(self, r: SeqState, n: int) -> list[bytes]:
@@ -551,24 +576,3 @@ class Scheduler:
 
 def _by_admit(r: SeqState) -> int:
     return r.admit_seq
-
-
-def looser_slo(own: SLO, cls: SLO, looser: SLO) -> SLO:
-    """The SLO a request with SLO ``own`` (its class's ``cls``, scaled by the run's
-    SLO scale and its own overrides) gets in the looser class ``looser``: each target
-    scaled by the looser class's over its own class's, so the scale and the
-    request's overrides carry over (a target its class lacks is the looser one's)."""
-
-    def moved(mine, base, new):
-        if new is None or mine is None:
-            return new if mine is None else mine
-        return mine * (new / base) if base else new
-
-    return SLO(
-        tpot_ms=moved(own.tpot_ms, cls.tpot_ms, looser.tpot_ms),
-        ttft_ms=moved(own.ttft_ms, cls.ttft_ms, looser.ttft_ms),
-        max_queue_ms=looser.max_queue_ms if looser.max_queue_ms is not None else own.max_queue_ms,
-        deadline_ms=own.deadline_ms,
-        cls=looser.cls,
-        on_overload=own.on_overload,
-    )

@@ -14,31 +14,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from adaserve import paths
 from adaserve.config import EngineConfig
 from adaserve.core.blocks import CacheStats
 from adaserve.core.clock import Clock, WallClock
 from adaserve.core.counters import Counters
-from adaserve.core.scheduler import Batch, Scheduler
+from adaserve.core.scheduler import Scheduler
 from adaserve.core.stalls import StallDetector
+from adaserve.core.step import run_step
 from adaserve.core.trace import StepTrace
-from adaserve.core.tree import CandidateTree, scratch_slots_needed
+from adaserve.engine.executor import EngineExecutor
 from adaserve.engine.model_runner import ModelRunner
 from adaserve.engine.output import OutputProcessor
 from adaserve.engine.selection_log import SelectionLog
-from adaserve.engine.verification import accept
 from adaserve.errors import AdaServeError, InvalidRequestError, ModelLoadError
 from adaserve.request import Request
 from adaserve.sampling import SamplingParams
 from adaserve.sched.base import Policy
 from adaserve.sched.calibration import Calibrator
-from adaserve.sched.drift import DriftMonitor, predicted_step_ms
+from adaserve.sched.drift import DriftMonitor
 from adaserve.sched.power import PowerModel
 from adaserve.sched.registry import check_servable, make_policy
 from adaserve.slo import SLO
-from adaserve.spec_decode.draft import DraftOutput
 from adaserve.structured.manager import StructuredOutputs
 from adaserve.structured.matcher import GrammarState
 
@@ -56,10 +53,6 @@ class Faults:
             raise ValueError("draft_noise must be >= 0")
         if not 0 <= self.kv_reserved <= 1:
             raise ValueError("kv_reserved must be in [0, 1]")
-
-
-# forced tokens one tree carries at most (a long literal is forced over several steps)
-MAX_FORCED = 32
 
 
 class _From:
@@ -113,8 +106,7 @@ class Engine:
         )
         self.calibrator = self._new_calibrator()
         self._faults = Faults()
-        self._catchup = 0  # tokens the draft caught up on in this step (for the trace)
-        self._chains: dict[int, int] = {}  # rid -> forced chain of a request not drafted
+        self.executor = EngineExecutor(self)  # runs the scheduler's passes on the models
         self._ids = itertools.count()
         self.last_trace: StepTrace | None = None
         self.on_step: Callable[[Engine, StepTrace], None] | None = None
@@ -139,184 +131,36 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[Request]:
-        """Run one iteration; returns the requests that finished in it."""
-        sched = self.scheduler
-        probe = self.stalls.begin()
-        sched.begin_step()  # (ends queued requests past their TTFT deadline)
-        sched.admit()  # --- admit
-        if not sched.running:
-            return list(sched.expired)
-        view = sched.view(self.calibrator.acceptance_by_rank())  # --- plan
-        live = self.structured.mask_ms_per_node()
-        if live is not None:  # what masks cost on this run, once enough were timed
-            view.mask_ms_per_node = live
-        plan = sched.plan(view)
-        batch = sched.reserve(plan, can_draft=self.runner.draft is not None)
-        drafts = self._speculate(batch)  # --- speculate
-        selected = {}  # --- select
-        if drafts:
-            selected = self.policy.select(view, plan, {rid: d.tree for rid, d in drafts.items()})
-        trees = self._verified_trees(batch, drafts, selected)
-        vpass = self.runner.verify_forward(batch, trees, drafts)  # --- verify
-        paced = getattr(self.clock, "pass_ran", None)  # a ``PacedClock``: modelled time
-        if paced is not None:
-            paced(_pass_tokens(batch, trees))
-        result = accept(vpass)
-        self._count_forced(drafts, trees, result)
-        self.runner.move_target_slots(result.moves_src, result.moves_dst)
-        now = self.clock.now()  # --- commit
-        for r, p, lsm in vpass.prompt_rows if vpass is not None else ():
-            self.output.record_prompt_logprobs(r, p, lsm)
-        generated = self.counters.generation_tokens
-        finished, accepted = self.output.commit(batch, trees, result, self.calibrator, now)
-        finished = [*sched.expired, *finished]
-        generated = self.counters.generation_tokens - generated
-        trace = sched.end_step(batch, now)
-        self._fill_trace(trace, plan, batch, trees, accepted, drafts, generated)
-        self.policy.feedback(plan, trace.duration_s * 1000)
-        self._judge_pass(trace, probe, now)
-        self.last_trace = trace
-        if self._sel_log is not None:
-            self._sel_log.write(self.policy, view, plan, trees, accepted)
-        if self.on_step is not None:
-            self.on_step(self, trace)
-        return finished
+        """Run one iteration; returns the requests that finished in it (those that
+        expired in the queue first).
 
-    def _judge_pass(self, trace: StepTrace, probe, now: float) -> None:
-        """The pass against the profile's prediction: a stall (over 3x) is counted with
-        its cause; drift (the window's median ratio out of bounds) is reported."""
-        if self.hw is None:
-            return
-        predicted = predicted_step_ms(self.hw, trace)
-        measured = trace.duration_s * 1000
-        trace.predicted_ms = predicted
-        cause = self.stalls.end(probe, predicted, measured)
-        if cause is not None:
-            trace.stall = cause
-            self.counters.count_stall(cause)
-        if self.drift.observe(predicted, measured, now):
+        ``core.step.run_step``: the scheduler's ``schedule`` (admit -> plan), the
+        ``EngineExecutor`` (speculate -> select -> verify -> tokens), the scheduler's
+        ``update_from_output`` (commit, trace, feedback)."""
+        res = run_step(self.scheduler, self.executor)
+        tr = res.trace
+        if tr is None:
+            return res.finished
+        if tr.stall is not None:
+            self.counters.count_stall(tr.stall)
+        if self.hw is not None and self.drift.observe(
+            tr.predicted_ms, tr.duration_s * 1000, tr.t_end
+        ):
             from adaserve.profile import log_drift
 
             log_drift(self)
+        self.last_trace = tr
+        if self._sel_log is not None:
+            ex = self.executor
+            self._sel_log.write(self.policy, res.out.view, tr.plan, ex.trees, ex.accepted)
+        if self.on_step is not None:
+            self.on_step(self, tr)
+        return res.finished
 
     def run_until_done(self) -> None:
         """Step until no request is waiting or running."""
         while self.has_work():
             self.step()
-
-    def _speculate(self, batch: Batch) -> dict[int, DraftOutput]:
-        """Draft a tree per speculating request; the calibrator sets each node's f.
-
-        A constrained request whose grammar forces the next tokens gets them as a chain
-        below its root (no draft step; f = 1, the calibrated estimates of the drafted
-        nodes below it taken relative to the chain's end), when the pool holds them."""
-        self._catchup = sum(len(r.tokens) - r.draft_cached for r, _ in batch.spec)
-        forced = [self._forced(r, shape) for r, shape in batch.spec]
-        drafts = self.runner.draft_trees(batch.spec, self._faults.draft_noise, forced)
-        for r, _ in batch.spec:
-            d = drafts[r.rid]
-            tree = d.tree
-            self.calibrator.apply(tree)
-            if d.forced:
-                k = d.forced
-                tree.f[k + 1 :] /= max(tree.f[k], 1e-12)
-                tree.f[: k + 1] = 1.0
-                self.structured.forced_tokens += k
-            drafted = tree.num_candidates - d.forced
-            r.stats.drafted_tokens += drafted
-            self.counters.drafted_tokens += drafted
-        return drafts
-
-    def _forced(self, r: Request, shape: tuple[int, int]) -> list[int]:
-        """The tokens ``r``'s grammar forces next (none without a grammar, or when the
-        KV pool cannot hold them beside the drafted tree)."""
-        if r.grammar is None:
-            return []
-        chain = r.grammar.forced()[: self._chain_room(r)]
-        room = len(chain) + scratch_slots_needed(*shape) + 1
-        if chain and not self.scheduler.reserve_tree(r, room):
-            return []
-        return chain
-
-    def _chain_room(self, r: Request) -> int:
-        """Forced tokens ``r`` may still take: within ``MAX_FORCED``, and with the
-        bonus token after them within its output budget and the model's context (the
-        chain goes first; drafted levels past the budget are cut at the commit, as
-        without a chain)."""
-        left = min(self.runner.max_model_len - len(r.tokens), r.max_new_tokens - r.num_output)
-        return max(0, min(MAX_FORCED, left - 1))
-
-    def _count_forced(self, drafts, trees, result) -> None:
-        """Forced tokens the target accepted (for the share they contribute)."""
-        chains = {rid: d.forced for rid, d in drafts.items() if d.forced}
-        chains.update(self._chains)
-        for rid, k in chains.items():
-            if rid not in result.accepted:
-                continue
-            t = trees[rid]
-            origin = t.origin if t.origin is not None else np.arange(len(t.tokens))
-            path = result.accepted[rid].path
-            self.structured.forced_accepted += sum(1 for n in path if 1 <= origin[n] <= k)
-
-    def _verified_trees(
-        self,
-        batch: Batch,
-        drafts: dict[int, DraftOutput],
-        selected: dict[int, np.ndarray],
-    ) -> dict[int, CandidateTree]:
-        """The subtree each decoding request verifies (root only when not speculating,
-        or when the pool cannot hold the selected nodes)."""
-        out: dict[int, CandidateTree] = {}
-        self._chains = {}
-        for r in batch.decode:
-            d = drafts.get(r.rid)
-            root = CandidateTree.root_only(r.tokens[-1])
-            if d is None:
-                out[r.rid] = self._forced_chain(r) or root
-                continue
-            nodes = np.asarray(selected.get(r.rid, np.zeros(1, dtype=np.int64)))
-            ok = self.scheduler.reserve_tree(r, len(nodes))
-            out[r.rid] = d.tree.subtree(nodes) if ok else root
-        return out
-
-    def _forced_chain(self, r: Request) -> CandidateTree | None:
-        """A constrained request the planner did not speculate this step still gets the
-        tokens its grammar forces, as a chain below its root (verification only), when
-        the policy drafts at all (``ar`` stays plain decoding: the baseline)."""
-        if r.grammar is None or not self.policy.uses_draft:
-            return None
-        chain = r.grammar.forced()[: self._chain_room(r)]
-        if not chain or not self.scheduler.reserve_tree(r, len(chain) + 1):
-            return None
-        k = len(chain)
-        self._chains[r.rid] = k
-        self.structured.forced_tokens += k
-        return CandidateTree(
-            tokens=np.array([r.tokens[-1], *chain], dtype=np.int64),
-            parents=np.maximum(np.arange(k + 1) - 1, 0),
-            depth=np.arange(k + 1),
-            q=np.ones(k + 1),
-            rank=np.zeros(k + 1, dtype=np.int64),
-            f=np.ones(k + 1),
-        )
-
-    def _fill_trace(self, tr: StepTrace, plan, batch: Batch, trees, accepted, drafts, generated):
-        """The executor's part of the trace: pass tokens, tree sizes, draft work (the
-        draft caches every prompt and output token and drafts its candidates)."""
-        tr.tree_nodes = {rid: len(t.tokens) - 1 for rid, t in trees.items()}
-        tr.accepted = accepted
-        prefill = sum(n for _, n in batch.prefill)
-        tr.tokens = _pass_tokens(batch, trees)
-        drafted = sum(d.tree.num_candidates for d in drafts.values())
-        tr.drafted, tr.draft_catchup = drafted, self._catchup if drafts else 0
-        if self.policy.uses_draft and self.runner.draft is not None:
-            tr.draft_tokens = drafted + prefill + generated
-            depth = max((d for d, _ in plan.shapes.values()), default=0)
-            tr.draft_passes = depth + 1 if depth else 0
-        c = self.counters
-        c.model_time_s += self.runner.model_time_s
-        self.runner.model_time_s = 0.0
-        c.step_time_s += tr.duration_s
 
     # ------------------------------------------------------------------ requests
     def new_request(
@@ -511,12 +355,6 @@ class Engine:
         out["enabled"] = self.allocator.caching
         out["cached_blocks"] = self.allocator.num_cached
         return out
-
-
-def _pass_tokens(batch: Batch, trees: dict[int, CandidateTree]) -> int:
-    """Target tokens of the verification pass: prefill chunks and every verified tree
-    (root included)."""
-    return sum(n for _, n in batch.prefill) + sum(len(t.tokens) for t in trees.values())
 
 
 def build_engine(cfg: EngineConfig | None = None, clock: Clock | None = None, **overrides):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from adaserve.core.counters import Counters
 from adaserve.core.scheduler import Batch, Scheduler
+from adaserve.core.step import Commit
 from adaserve.core.tree import CandidateTree
 from adaserve.engine.model_runner import logprob_entries
 from adaserve.engine.verification import StepResult
@@ -15,7 +16,7 @@ from adaserve.tokenizer import Tokenizer
 
 
 class OutputProcessor:
-    """Appends tokens and finishes requests through the scheduler."""
+    """Appends tokens and says which requests finished (the scheduler ends them)."""
 
     def __init__(
         self,
@@ -42,31 +43,28 @@ class OutputProcessor:
         result: StepResult,
         calibrator: Calibrator,
         now: float,
-    ) -> tuple[list[Request], dict[int, int]]:
-        """Apply ``result`` at time ``now``; returns (requests finished in this step,
-        accepted candidates per decoding request)."""
-        finished: list[Request] = []
+    ) -> tuple[list[Commit], dict[int, int]]:
+        """Append ``result``'s tokens at time ``now``; returns (each request's commit, for
+        the scheduler to apply, in batch order; accepted candidates per decoding
+        request)."""
+        commits: list[Commit] = []
         accepted: dict[int, int] = {}
         for r, n in batch.prefill:
-            r.num_cached += n
+            cached = r.num_cached + n
             self.counters.prompt_tokens += n
-            if r.num_cached < len(r.tokens):
-                continue  # a chunk that does not complete the prompt produces nothing
+            if cached < len(r.tokens):  # a chunk that does not complete the prompt
+                commits.append(Commit(r, cached))
+                continue
             acc = result.accepted[r.rid]
-            if r.first_token_at is None:
-                r.first_token_at = now
-            self._append(r, acc.tokens, acc.logprobs, now)
-            if r.finished:
-                finished.append(r)
+            reason = self._append(r, acc.tokens, acc.logprobs, now)
+            commits.append(Commit(r, cached, first_token=True, finish=reason))
         for r in batch.decode:
             acc = result.accepted[r.rid]
-            r.num_cached = len(r.tokens) + len(acc.path)
+            cached = len(r.tokens) + len(acc.path)
             self._record_spec(r, trees[r.rid], acc.path, calibrator)
             accepted[r.rid] = len(acc.path)
-            self._append(r, acc.tokens, acc.logprobs, now)
-            if r.finished:
-                finished.append(r)
-        return finished, accepted
+            commits.append(Commit(r, cached, finish=self._append(r, acc.tokens, acc.logprobs, now)))
+        return commits, accepted
 
     def record_prompt_logprobs(self, r: Request, p: int, lsm) -> None:
         """Prompt logprobs from one prefill chunk: row j of lsm [m, V] (the chunk
@@ -100,18 +98,19 @@ class OutputProcessor:
         r.stats.rejected_flops_draft += max(0, rejected) * self.flops_per_token[1]
         calibrator.observe(t, path)
 
-    def _append(self, r: Request, new: list[int], logprobs: list | None, now: float) -> None:
+    def _append(self, r: Request, new: list[int], logprobs: list | None, now: float) -> str | None:
         """Append tokens one by one, stopping at EOS / stop ids / stop strings / limits;
-        the logprobs of tokens not appended are dropped."""
+        the logprobs of tokens not appended are dropped. Returns the finish reason when
+        one stopped it (the scheduler ends the request)."""
         keep = r.num_output
         if logprobs is not None:
             r.logprobs[keep:] = logprobs
         p = r.params
+        reason = None
         for tok in new:
             r.tokens.append(tok)
             r.token_times.append(now)
             self.counters.generation_tokens += 1
-            reason = None
             # a constrained output ends where its grammar does
             ended = r.grammar is not None and not r.grammar.commit(tok)
             may_stop = r.num_output > p.min_tokens  # stops only after min_tokens
@@ -128,10 +127,10 @@ class OutputProcessor:
             ):
                 reason = "stop"
             if reason:
-                self.sched.finish(r, reason, now)
                 break
         if logprobs is not None:
             del r.logprobs[r.num_output :]
+        return reason
 
     def _hit_stop_string(self, r: Request) -> bool:
         p = r.params

@@ -105,12 +105,37 @@ class DriftMonitor:
 
 def predicted_step_ms(hw, trace) -> float:
     """The profile's prediction (ms, no online correction) of the iteration a
-    ``StepTrace`` describes, priced as the planner prices it: the verification pass
-    and its KV, ``depth`` draft steps (the engine's trace records ``draft_passes`` as depth + 1) with the drafted candidates
-    spread over them, host overhead."""
-    ms = float(hw.verify_latency(max(trace.tokens, 1), trace.kv_tokens, trace.prefill_pairs))
+    ``StepTrace`` describes (``predicted_pass_ms``)."""
+    t = trace
+    return predicted_pass_ms(
+        hw,
+        t.tokens,
+        t.kv_tokens,
+        t.prefill_pairs,
+        t.draft_passes,
+        t.drafted,
+        t.draft_catchup,
+        len(t.spec),
+    )
+
+
+def predicted_pass_ms(
+    hw,
+    tokens: int,
+    kv_tokens: int,
+    prefill_pairs: int,
+    draft_passes: int,
+    drafted: int,
+    draft_catchup: int,
+    n_spec: int,
+) -> float:
+    """The profile's prediction (ms, no online correction) of one pass, priced as the
+    planner prices it: the verification pass of ``tokens`` and its KV, ``depth`` draft
+    steps (the engine records ``draft_passes`` as depth + 1) with the ``drafted``
+    candidates of ``n_spec`` trees spread over them, host overhead."""
+    ms = float(hw.verify_latency(max(tokens, 1), kv_tokens, prefill_pairs))
     ms += hw.overhead_ms
-    depth = trace.draft_passes - 1
+    depth = draft_passes - 1
     if depth > 0:
-        ms += hw.drafting_ms(depth, trace.drafted / depth, trace.draft_catchup, len(trace.spec))
+        ms += hw.drafting_ms(depth, drafted / depth, draft_catchup, n_spec)
     return ms

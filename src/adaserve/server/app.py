@@ -230,8 +230,7 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
     else:
         eloop = EngineLoop.for_server(source, cfg)
     name = cfg.model_name or model_name_of(eloop._source)
-    state = ServerState(eloop, cfg, name, _classes_of(eloop))
-    eloop.on_finish = state.on_finish
+    state = ServerState(eloop, cfg, name, _classes_of(eloop))  # subscribes to its events
 
     app = FastAPI(
         title="adaserve",

@@ -26,152 +26,55 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from adaserve.api import request_metrics
 from adaserve.config import EngineConfig
 from adaserve.core.config import QUEUE_FULL_RETRY_S
-from adaserve.errors import AdaServeError, AdmissionRejected
+from adaserve.errors import AdmissionRejected
 from adaserve.generation_config import sampling_defaults
 from adaserve.request import Status
-from adaserve.sampling import SamplingParams
-from adaserve.slo import SLO, SLOClass
+from adaserve.server.engine_messages import (
+    DISCONNECTED,
+    ENGINE_ERROR,
+    SHUTDOWN,
+    Abort,
+    Add,
+    Call,
+    Command,
+    Drain,
+    EngineInfo,
+    EngineSnapshot,
+    Event,
+    Final,
+    Finished,
+    Handle,
+    Rejected,
+    ShuttingDown,
+    Stepped,
+    Stop,
+    Traced,
+)
+from adaserve.slo import SLO
+
+if TYPE_CHECKING:
+    from adaserve.engine.engine import Engine
+
+__all__ = [  # the messages, where the server's modules import them from
+    "DISCONNECTED",
+    "ENGINE_ERROR",
+    "SHUTDOWN",
+    "EngineInfo",
+    "EngineLoop",
+    "EngineSnapshot",
+    "Final",
+    "Handle",
+    "ShuttingDown",
+]
 
 log = logging.getLogger("adaserve.server")
-
-SHUTDOWN = "server_shutdown"
-DISCONNECTED = "client_disconnected"
-ENGINE_ERROR = "engine_error"
-
-
-class ShuttingDown(AdaServeError):
-    """The server is shutting down and takes no new requests."""
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """Static facts about the loaded engine (safe to read from any thread)."""
-
-    model_dir: str
-    draft_dir: str | None
-    max_model_len: int
-    vocab_size: int
-    tokenizer: Any  # adaserve.tokenizer.Tokenizer | None (encode/decode are thread-safe)
-    classes: tuple[SLOClass, ...]
-    default_class: str
-    policy: str
-    flops_per_token_target: float
-    device: str = ""
-    dtype: str = ""
-    kv_blocks: int = 0  # KV pool size in blocks of ``block_size`` tokens
-    block_size: int = 0
-    kv_bytes: int = 0  # bytes of the pool (target + draft)
-    prefix_caching: bool = False  # automatic prefix caching is on
-    # SamplingParams field -> the model's generation_config.json default (as vLLM's
-    # --generation-config auto; empty with "vllm")
-    sampling_defaults: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine gauges and counters as of the last step (copied on the engine thread)."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    counters: dict = field(default_factory=dict)
-    # ``Engine.prefix_cache_stats``: queried and cached prompt tokens, by class
-    prefix_cache: dict = field(default_factory=dict)
-    time: float = 0.0
-    drift: dict = field(default_factory=dict)  # ``DriftMonitor.as_dict``
-
-
-@dataclass(frozen=True)
-class Final:
-    """What a finished request hands back."""
-
-    reason: str
-    text: str | None
-    output_ids: list[int]
-    prompt_tokens: int
-    metrics: dict
-    token_times: tuple[float, ...]
-    arrival: float
-    finished_at: float
-    # per output token (logprob, ((id, logprob), ...)) when the request asked for them
-    logprobs: tuple | None = None
-    # the same per prompt token, the first None (params.prompt_logprobs)
-    prompt_logprobs: tuple | None = None
-    # the class the request was served in, and the one it entered the engine in when
-    # the scheduler degraded it (``Request.degraded_from``); None: not known / not
-    cls: str | None = None
-    degraded_from: str | None = None
-    # prompt tokens found in the prefix cache (``usage.prompt_tokens_details``)
-    cached_tokens: int = 0
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.output_ids)
-
-
-class Handle:
-    """One engine request as the HTTP side sees it.
-
-    ``sink`` receives ``(index, new_ids, final, new_logprobs, prompt_logprobs)`` tuples
-    (``final`` None until done; ``new_logprobs`` the entries of ``new_ids`` when the
-    request asked for logprobs, else None; ``prompt_logprobs`` the prompt's, on the first
-    tuple of a request that asked for them); with ``want_tokens`` False only the final
-    tuple is sent. ``ctx`` is opaque data
-    for the finish callback (tenant, class, price). ``drop_output``: the request only
-    scores its prompt (``max_tokens=0``); the token the engine must generate is not
-    part of its ``Final``, so it is neither delivered nor counted nor billed.
-    """
-
-    def __init__(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        slo: SLO,
-        *,
-        sink: asyncio.Queue,
-        index: int = 0,
-        want_tokens: bool = True,
-        ctx: Any = None,
-        drop_output: bool = False,
-        grammar: Any = None,
-        cache_salt: str | None = None,
-        tenant: str | None = None,
-    ):
-        self.prompt_ids = prompt_ids
-        self.tenant = tenant  # whose request (admission's fair share)
-        self.cache_salt = cache_salt  # its prefix-cache salt (the tenant's group and its own)
-        self.grammar = grammar  # the GrammarState of params.structured_outputs, or None
-        self.drop_output = drop_output
-        self.params = params
-        self.slo = slo
-        self.sink = sink
-        self.index = index
-        self.want_tokens = want_tokens
-        self.ctx = ctx
-        self.loop = asyncio.get_running_loop()
-        self.arrival = time.perf_counter()
-        self.req = None  # engine Request, set on the engine thread
-        self.sent = 0  # output tokens handed over so far (engine thread)
-        self.final: Final | None = None  # set on the event loop when delivered
-        self.aborted = False
-
-    @property
-    def done(self) -> bool:
-        return self.final is not None
-
-    def _deliver(
-        self, new_ids: list[int], final: Final | None, new_logprobs=None, prompt_logprobs=None
-    ) -> None:
-        if final is not None:
-            self.final = final
-        self.sink.put_nowait((self.index, new_ids, final, new_logprobs, prompt_logprobs))
 
 
 class EngineLoop:
@@ -196,26 +99,18 @@ class EngineLoop:
         max_waiting: int | None = None,
         step_delay_s: float = 0.0,
         step_pace_ms: tuple[float, float] | None = None,
-        on_finish=None,
     ):
         self._source = source
         self.max_waiting = max_waiting
         self.step_delay_s = step_delay_s
         self.step_pace_ms = step_pace_ms  # ``ServerConfig.step_pace_ms``
-        self.on_finish = on_finish  # callback(handle, final), called on the engine thread
-        # callback(tokens): after every engine step, the prompt + generated tokens it
-        # processed (engine thread)
-        self.on_step_tokens = None
-        # callback(handle) for an add that never reached the engine (refused, cancelled,
-        # shutting down): whatever was reserved for it can be given back
-        self.on_reject = None
-        # callback(trace): each iteration's ``StepTrace``, on the engine thread
-        self.on_step = None
-        self._inbox: queue.Queue = queue.Queue()
+        # called with every ``Event`` on the engine thread (``subscribe``)
+        self._listeners: list[Callable[[Event], None]] = []
+        self._inbox: queue.Queue[Command] = queue.Queue()
         self._tracked: dict[int, Handle] = {}
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
-        self.engine = None
+        self.engine: Engine | None = None
         self.error: BaseException | None = None
         self.info: EngineInfo | None = None
         self.snapshot = EngineSnapshot()
@@ -228,6 +123,18 @@ class EngineLoop:
         self._drain_deadline: float | None = None
         self._closed = False  # no more adds (draining past its deadline, or stopping)
         self.alive = False
+
+    def subscribe(self, listener: Callable[[Event], None]) -> None:
+        """Have ``listener`` called with every ``Event``, on the engine thread (an error
+        it raises is logged)."""
+        self._listeners.append(listener)
+
+    def _emit(self, ev: Event) -> None:
+        for listener in self._listeners:
+            try:
+                listener(ev)
+            except Exception:
+                log.exception("%s listener failed", type(ev).__name__)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: float | None = None) -> None:
@@ -244,12 +151,12 @@ class EngineLoop:
         """Abort whatever is in flight (reason ``server_shutdown``) and end the thread."""
         if self._thread is None or not self._thread.is_alive():
             return
-        self._inbox.put(("stop",))
+        self._inbox.put(Stop())
         self._thread.join(timeout)
 
     def drain(self, grace_s: float) -> None:
         """Refuse new requests now; abort those still running after ``grace_s``."""
-        self._inbox.put(("drain", time.monotonic() + grace_s))
+        self._inbox.put(Drain(time.monotonic() + grace_s))
 
     @property
     def in_flight(self) -> int:
@@ -271,10 +178,10 @@ class EngineLoop:
         """Queue ``h`` in the engine; returns its ``Request`` or raises the engine's
         ``InvalidRequestError`` / ``AdmissionRejected``, or ``ShuttingDown``."""
         if self._closed or not self.alive:
-            self._rejected(h)
+            self._emit(Rejected(h))
             raise ShuttingDown("the server is shutting down")
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("add", h, fut))
+        self._inbox.put(Add(h, fut))
         return await asyncio.wrap_future(fut)
 
     def abort(self, h: Handle, reason: str = DISCONNECTED) -> None:
@@ -282,7 +189,7 @@ class EngineLoop:
         if h.done or h.aborted:
             return
         h.aborted = True
-        self._inbox.put(("abort", h, reason))
+        self._inbox.put(Abort(h, reason))
 
     def reload_profile(self) -> concurrent.futures.Future:
         """Queue the admin action (``reload_profile``): the profile read again from its
@@ -299,7 +206,7 @@ class EngineLoop:
     def call(self, fn) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the engine thread between steps."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("call", fn, fut))
+        self._inbox.put(Call(fn, fut))
         return fut
 
     # ------------------------------------------------------------------ engine thread
@@ -372,7 +279,7 @@ class EngineLoop:
                     break
             stop = False
             for c in cmds:
-                if c[0] == "stop":
+                if isinstance(c, Stop):
                     stop = True
                 else:
                     self._command(c)
@@ -386,7 +293,7 @@ class EngineLoop:
                 self._drain_deadline = None
                 self._abort_all(SHUTDOWN)
             if e.has_work():
-                before = getattr(e, "last_trace", None)
+                before = e.last_trace
                 tokens_before = _step_tokens(e)
                 started = time.perf_counter()
                 try:
@@ -395,61 +302,62 @@ class EngineLoop:
                     log.exception("engine step failed; aborting the requests in flight")
                     self._abort_all(ENGINE_ERROR)
                 else:
-                    self._stepped(_step_tokens(e) - tokens_before)
-                self._traced(before)
+                    self._emit(Stepped(_step_tokens(e) - tokens_before))
+                if e.last_trace is not None and e.last_trace is not before:
+                    self._emit(Traced(e.last_trace))
                 if self.step_delay_s:
                     time.sleep(self.step_delay_s)
                 if self.step_pace_ms is not None:
                     time.sleep(self._pace_left(before, time.perf_counter() - started))
             self._publish()
 
-    def _command(self, c) -> None:
-        kind = c[0]
-        if kind == "add":
-            _, h, fut = c
-            if not fut.set_running_or_notify_cancel():
-                self._rejected(h)
-                return
-            try:
-                if self._closed:
-                    raise ShuttingDown("the server is shutting down")
-                if self.max_waiting is not None and len(self.engine.waiting) >= self.max_waiting:
-                    raise AdmissionRejected(
-                        f"the queue is full ({len(self.engine.waiting)} requests waiting)",
-                        "queue_full",
-                        QUEUE_FULL_RETRY_S,
-                    )
-                r = self.engine.add_request(
-                    h.prompt_ids,
-                    h.params,
-                    h.slo,
-                    arrival=h.arrival,
-                    grammar=h.grammar,
-                    cache_salt=h.cache_salt,
-                    tenant=h.tenant,
+    def _command(self, c: Command) -> None:
+        match c:
+            case Add(h, fut):
+                self._add(h, fut)
+            case Abort(h, reason):
+                if h.req is not None and not h.req.finished:
+                    self.engine.abort(h.req, reason)
+            case Drain(deadline):
+                self._drain_deadline = deadline
+                if deadline <= time.monotonic():
+                    self._closed = True
+            case Call(fn, fut):
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(self.engine))
+                    except Exception as exc:
+                        fut.set_exception(exc)
+
+    def _add(self, h: Handle, fut: concurrent.futures.Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            self._emit(Rejected(h))
+            return
+        try:
+            if self._closed:
+                raise ShuttingDown("the server is shutting down")
+            if self.max_waiting is not None and len(self.engine.waiting) >= self.max_waiting:
+                raise AdmissionRejected(
+                    f"the queue is full ({len(self.engine.waiting)} requests waiting)",
+                    "queue_full",
+                    QUEUE_FULL_RETRY_S,
                 )
-            except Exception as exc:  # handed to the awaiting handler
-                self._rejected(h)
-                fut.set_exception(exc)
-                return
-            h.req = r
-            self._tracked[r.rid] = h
-            fut.set_result(r)
-        elif kind == "abort":
-            _, h, reason = c
-            if h.req is not None and not h.req.finished:
-                self.engine.abort(h.req, reason)
-        elif kind == "drain":
-            self._drain_deadline = c[1]
-            if c[1] <= time.monotonic():
-                self._closed = True
-        elif kind == "call":
-            _, fn, fut = c
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(self.engine))
-                except Exception as exc:
-                    fut.set_exception(exc)
+            r = self.engine.add_request(
+                h.prompt_ids,
+                h.params,
+                h.slo,
+                arrival=h.arrival,
+                grammar=h.grammar,
+                cache_salt=h.cache_salt,
+                tenant=h.tenant,
+            )
+        except Exception as exc:  # handed to the awaiting handler
+            self._emit(Rejected(h))
+            fut.set_exception(exc)
+            return
+        h.req = r
+        self._tracked[r.rid] = h
+        fut.set_result(r)
 
     def _abort_all(self, reason: str) -> None:
         for h in list(self._tracked.values()):
@@ -522,46 +430,18 @@ class EngineLoop:
             degraded_from=r.degraded_from,
             cached_tokens=r.cached_prompt,
         )
-        if self.on_finish is not None:
-            try:
-                self.on_finish(h, final)
-            except Exception:
-                log.exception("finish callback failed")
+        self._emit(Finished(h, final))
         return final
-
-    def _traced(self, before) -> None:
-        """Hand the step's trace to ``on_step`` (when the step ran one)."""
-        tr = getattr(self.engine, "last_trace", None)
-        if self.on_step is None or tr is None or tr is before:
-            return
-        try:
-            self.on_step(tr)
-        except Exception:
-            log.exception("step callback failed")
 
     def _pace_left(self, before, elapsed_s: float) -> float:
         """Seconds to sleep so that a step that took ``elapsed_s`` lasts its modelled
         time ``A + B x tokens`` (``step_pace_ms``); 0 when the real step took longer,
         or when no pass ran (the trace is still ``before``)."""
-        tr = getattr(self.engine, "last_trace", None)
+        tr = self.engine.last_trace
         if tr is None or tr is before:
             return 0.0
         a, b = self.step_pace_ms
         return max(0.0, (a + b * tr.tokens) / 1000.0 - elapsed_s)
-
-    def _stepped(self, tokens: int) -> None:
-        if self.on_step_tokens is not None:
-            try:
-                self.on_step_tokens(tokens)
-            except Exception:
-                log.exception("step callback failed")
-
-    def _rejected(self, h: Handle) -> None:
-        if self.on_reject is not None:
-            try:
-                self.on_reject(h)
-            except Exception:
-                log.exception("reject callback failed")
 
     def _publish_snapshot(self) -> None:
         e = self.engine
@@ -592,10 +472,10 @@ class EngineLoop:
                 c = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if c[0] == "add":
-                self._rejected(c[1])
-            if c[0] in ("add", "call") and c[2].set_running_or_notify_cancel():
-                c[2].set_exception(ShuttingDown("the server is shutting down"))
+            if isinstance(c, Add):
+                self._emit(Rejected(c.handle))
+            if isinstance(c, Add | Call) and c.future.set_running_or_notify_cancel():
+                c.future.set_exception(ShuttingDown("the server is shutting down"))
         if self.engine is not None and self._tracked:
             self._abort_all(SHUTDOWN)
             self._publish()

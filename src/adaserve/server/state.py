@@ -23,6 +23,7 @@ from adaserve.server.accounting import RowAcc, wall_of
 from adaserve.server.auth import TenantRegistry
 from adaserve.server.config import ServerConfig, check_against_classes
 from adaserve.server.engine_loop import EngineLoop, Final, Handle
+from adaserve.server.engine_messages import Event, Finished, Rejected, Stepped, Traced
 from adaserve.server.fair_pool import FairPool
 from adaserve.server.iterations import IterationLog
 from adaserve.server.metrics import ServerMetrics
@@ -125,7 +126,6 @@ class ServerState:
             }
         )
         self.ledger: Ledger | None = None  # opened at start-up (None: --usage-db none)
-        loop.on_reject = self.on_reject  # an add refused before the engine: refund
         names = [c.name for c in classes]
         self.prices = {c.name: c.price_per_1k for c in classes}
         self.report = ReportStore(names)
@@ -149,8 +149,7 @@ class ServerState:
         # are stamped in seconds from here
         self.started_at = time.perf_counter()
         self.iterations = IterationLog(self.started_at)
-        loop.on_step = self.iterations.record
-        loop.on_step_tokens = self.metrics.observe_step
+        loop.subscribe(self.on_engine_event)
         self.stats = StatsLogger(names, lambda: self.loop.snapshot)
         self.draining = False
         self._drain_started = False
@@ -317,6 +316,19 @@ class ServerState:
         """A refusal in the ledger (per tenant, class and reason)."""
         if self.ledger is not None:
             self.ledger.refuse(tenant, cls, reason, status)
+
+    def on_engine_event(self, ev: Event) -> None:
+        """The engine thread's events: a finished request accounted, an add refused
+        before the engine refunded, each step's tokens and trace recorded."""
+        match ev:
+            case Finished(h, final):
+                self.on_finish(h, final)
+            case Rejected(h):
+                self.on_reject(h)
+            case Stepped(tokens):
+                self.metrics.observe_step(tokens)
+            case Traced(trace):
+                self.iterations.record(trace)
 
     def on_reject(self, h: Handle) -> None:
         """A request that never reached the engine gives back its output reservation."""

@@ -1,6 +1,7 @@
 """Discrete-event simulation of the serving loop, calling the engine's policy objects.
 
-One event is one iteration of ``adaserve.engine.Engine.step``, mirrored without models:
+One event is one iteration of the engine's step, the same ``core.step.run_step`` with
+this module's executor in place of the models:
 
     arrivals -> admit (policy.admission_key, max_num_seqs, KV) -> plan (policy.plan)
     -> degrade -> reserve KV (preempting the newest request on exhaustion)
@@ -34,8 +35,15 @@ from adaserve.core.clock import ManualClock
 from adaserve.core.config import SchedulerConfig
 from adaserve.core.counters import Counters
 from adaserve.core.scheduler import Batch, Scheduler
-from adaserve.core.seq import SeqState
-from adaserve.core.trace import ModelCosts, RunRecorder, RunTimeline, StepTrace
+from adaserve.core.step import (
+    Commit,
+    DraftWork,
+    SchedulerOutput,
+    StepInputs,
+    StepOutcome,
+    run_step,
+)
+from adaserve.core.trace import ModelCosts, RunRecorder, RunTimeline
 from adaserve.errors import AdaServeError, AdmissionRejected
 from adaserve.sched.base import BatchView, Plan, Policy
 from adaserve.sched.calibration import Calibrator
@@ -48,6 +56,7 @@ from adaserve.sim.acceptance import (
     observe_batch,
 )
 from adaserve.sim.pricing import HostOverhead, forward_ms
+from adaserve.sim.request import SimRequest
 from adaserve.slo import SLO
 
 
@@ -94,66 +103,6 @@ class SimConfig(SchedulerConfig):
             raise ValueError("kv_slots must be positive")
         if self.selection_time not in ("none", "measured"):
             raise ValueError("selection_time must be 'none' or 'measured'")
-
-
-class SimRequest(SeqState):
-    """A simulated request: token counts instead of tokens."""
-
-    __slots__ = (
-        "item",
-        "target",
-        "_prompt_len",
-        "_max_tokens",
-        "n_tokens",
-        "token_times",
-        "drafted",
-        "verified",
-        "accepted",
-        "steps",
-        "regime",
-        "regime_pos",
-        "easy_share",
-    )
-
-    def __init__(self, item: WorkItem, slo: SLO):
-        super().__init__(item.idx, slo, item.arrival_s)
-        self.item = item
-        self.target = slo  # the SLO the request is judged against
-        self._prompt_len = item.prompt_len
-        self._max_tokens = item.max_tokens
-        self.n_tokens = item.prompt_len
-        self.token_times: list[float] = []
-        self.drafted = 0
-        self.verified = 0
-        self.accepted = 0
-        self.steps = 0
-        self.regime = -1  # acceptance regime at token position regime_pos - 1 (-1: unknown)
-        self.regime_pos = 0
-        self.easy_share = 0.0  # per-request share of easy positions (request_spread)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.n_tokens
-
-    def block_tokens(self, start: int, stop: int):
-        """The item's prompt ids, then (a recorded run's outputs, else) ids no prompt
-        holds: a simulated output is never found in another request's prompt."""
-        ids = self.item.prompt_ids
-        if ids is None:
-            return None
-        full = self.item.meta.get("tokens")
-        if full is not None and stop <= len(full):
-            return full[start:stop]
-        base = -(self.rid + 1) << 24
-        return [ids[i] if i < len(ids) else base - i for i in range(start, stop)]
-
-    @property
-    def prompt_len(self) -> int:
-        return self._prompt_len
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self._max_tokens
 
 
 class Simulator:
@@ -221,9 +170,10 @@ class PassOutcome:
 class _Run:
     """State of one simulation run (kept off ``Simulator`` so runs are independent).
 
-    Scheduling is the engine's ``Scheduler``; this class replaces only the models:
+    Scheduling is the engine's ``Scheduler``, and a step the engine's
+    ``core.step.run_step``; this class is the executor that replaces the models:
     ``_execute`` drafts synthetic trees, verifies them against the acceptance model
-    and prices the pass; ``_commit`` appends token counts."""
+    and prices the pass; ``_outcome`` appends token counts."""
 
     def __init__(
         self,
@@ -348,16 +298,16 @@ class _Run:
             )
         )
 
-    def _append(self, r: SimRequest, n: int, t: float) -> int:
-        """Append up to n tokens at time t, stopping at the limits; returns appended."""
+    def _append(self, r: SimRequest, n: int, t: float) -> str | None:
+        """Append up to n tokens at time t, stopping at the limits; returns the finish
+        reason when it reached one (the scheduler ends it)."""
         left = min(r.max_new_tokens - r.num_output, self.max_len - r.n_tokens)
         k = max(0, min(n, left))
         r.n_tokens += k
         r.token_times.extend([t] * k)
         if r.num_output >= r.max_new_tokens or r.n_tokens >= self.max_len:
-            self.sched.finish(r, "length", t)
-            self._collect(r)
-        return k
+            return "length"
+        return None
 
     # ------------------------------------------------------------------ the loop
     def go(self) -> tuple[list[RequestRecord], RunTimeline]:
@@ -405,37 +355,40 @@ class _Run:
             self.sched.set_kv_reserved(frac)
 
     def _step(self) -> None:
-        sched = self.sched
-        self.clock.set(self.now)
-        sched.begin_step()
-        for r in sched.expired:  # queued past their TTFT deadline: answered 429
+        """One step (``core.step.run_step``), then the run's own records: requests that
+        expired in the queue or finished, busy time, the recorder."""
+        res = run_step(self.sched, self)
+        for r in res.out.expired:  # queued past their TTFT deadline: answered 429
             self._fail(r.item, r.slo, f"shed: {r.finish_reason}", True)
-        sched.admit()
-        if not sched.running:
+        if res.trace is None:
             return
-        t_sel = time.perf_counter()
-        view = sched.view(self.cal.acceptance_by_rank())
-        plan = sched.plan(view)
-        sel_s = time.perf_counter() - t_sel
-        batch = sched.reserve(plan, self.cfg.has_draft)
-        out = self._execute(view, plan, batch, sel_s)
-        self.clock.set(out.end)
-        tr = self._commit(batch, out)
-        self.policy.feedback(plan, out.ms)
-        self.busy_s += out.ms / 1000.0
-        self.recorder.record(tr)
-        self.now = out.end
+        for r in res.outcome.finished:
+            self._collect(r)
+        self.busy_s += res.outcome.ms / 1000.0
+        self.recorder.record(res.trace)
+        self.now = res.outcome.t_end
 
-    def _commit(self, batch: Batch, out: PassOutcome) -> StepTrace:
+    # ------------------------------------------------------------------ the executor
+    def prepare(self) -> StepInputs:
+        """The step starts at ``now``; the policy sees the calibrated acceptance."""
+        self.clock.set(self.now)
+        return StepInputs(tuple(self.cal.acceptance_by_rank()), self.cfg.has_draft)
+
+    def execute(self, out: SchedulerOutput) -> StepOutcome:
+        """Run the scheduled pass (``_execute``); its end is the clock's new time."""
+        p = self._execute(out.view, out.plan, out.batch, out.plan_s)
+        self.clock.set(p.end)
+        return self._outcome(out.batch, p)
+
+    def _outcome(self, batch: Batch, out: PassOutcome) -> StepOutcome:
         """Prefill completion gives the first token; a decode appends its accepted path
         plus the bonus token, stamped at the pass's end."""
         end = out.end
+        commits = []
         for r, n in batch.prefill:
-            r.num_cached += n
-            if r.num_cached == r.n_tokens:
-                if r.first_token_at is None:
-                    r.first_token_at = end
-                self._append(r, 1, end)
+            cached = r.num_cached + n
+            first = cached == r.n_tokens
+            commits.append(Commit(r, cached, first, self._append(r, 1, end) if first else None))
         tree_nodes: dict[int, int] = {}
         accepted: dict[int, int] = {}
         for r in batch.decode:
@@ -449,17 +402,17 @@ class _Run:
             tree_nodes[r.rid] = nv
             if r.rid in out.accepted:
                 accepted[r.rid] = out.accepted[r.rid]
-            r.num_cached = r.n_tokens + a
-            self._append(r, a + 1, end)
-        tr = self.sched.end_step(batch, end)
-        tr.tree_nodes = tree_nodes
-        tr.accepted = accepted
-        tr.tokens = out.tokens
-        tr.draft_tokens = out.draft_tokens
-        tr.draft_passes = out.draft_passes
-        tr.draft_catchup = out.draft_catchup
-        tr.drafted = out.drafted
-        return tr
+            cached = r.n_tokens + a
+            commits.append(Commit(r, cached, finish=self._append(r, a + 1, end)))
+        return StepOutcome(
+            t_end=end,
+            ms=out.ms,
+            commits=tuple(commits),
+            tree_nodes=tree_nodes,
+            accepted=accepted,
+            tokens=out.tokens,
+            draft=DraftWork(out.draft_tokens, out.draft_passes, out.draft_catchup, out.drafted),
+        )
 
     def _execute(self, view: BatchView, plan: Plan, batch: Batch, sel_s: float) -> PassOutcome:
         """Draft synthetic trees (one batch per shape), select, reserve tree slots, price

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from adaserve.bench.workload_spec import WorkItem
 from adaserve.core.config import SchedulerConfig
 from adaserve.core.scheduler import Batch
+from adaserve.core.step import StepInputs, run_step
 from adaserve.core.trace import StepTrace
 from adaserve.errors import AdmissionRejected
 from adaserve.sched.base import BatchView, Plan, Policy
@@ -139,20 +140,15 @@ class _ReplayRun(_Run):
         return self.records, self.timeline
 
     def _step(self) -> None:
-        rec, sched = self._rec, self.sched
-        self.clock.set(rec.t_start)
-        sched.begin_step()
-        sched.admit()
-        if not sched.running:
-            return
-        view = sched.view(rec.acc_by_rank)
-        plan = sched.plan(view)
-        batch = sched.reserve(plan, self.cfg.has_draft)
-        out = self._execute(view, plan, batch, 0.0)
-        self.clock.set(out.end)
-        tr = self._commit(batch, out)
-        self.policy.feedback(plan, out.ms)
-        self.traces.append(tr)
+        """The engine's step (``core.step.run_step``) on the recorded pass."""
+        res = run_step(self.sched, self)
+        if res.trace is not None:
+            self.traces.append(res.trace)
+
+    def prepare(self) -> StepInputs:
+        """The recorded start, and the acceptance the engine's policy was shown."""
+        self.clock.set(self._rec.t_start)
+        return StepInputs(self._rec.acc_by_rank, self.cfg.has_draft)
 
     def _execute(self, view: BatchView, plan: Plan, batch: Batch, sel_s: float) -> PassOutcome:
         """The recorded pass: its tree sizes (KV reserved as the engine did), its
