@@ -252,7 +252,7 @@ def measure_step_overhead(engine, new_tokens: int = 24) -> list[float]:
     from adaserve.slo import SLO
 
     saved = engine.policy
-    engine.set_policy(AutoregressivePolicy("ar"))
+    engine.set_policy(AutoregressivePolicy())
     try:
         prompt = [i % engine.target.cfg.vocab_size for i in range(1, 33)]
         r = engine.add_request(
