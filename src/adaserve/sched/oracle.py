@@ -4,8 +4,8 @@ Every decoding request drafts a depth-D, width-W beam tree (default 4x4); prefil
 requests get FCFS chunks of one 256-token budget per iteration (dyn-tree's default
 ``prefill_chunk``); there is no verification budget. Before ``select`` the simulator
 reveals, per request, the nodes the target accepts when the whole tree is verified
-(``ClairvoyantPolicy.reveal``), and the oracle verifies exactly those: the root and the accepted
-path. It pays drafting for the full tree but verification only for accepted tokens, and
+(``ClairvoyantPolicy.reveal``), and the oracle verifies exactly those: the root and the
+accepted path. It pays drafting for the full tree but verification only for accepted tokens, and
 accepts exactly as many tokens as verifying the full tree would.
 
 No real engine can know the target's path before verifying it, so the engine refuses
