@@ -225,7 +225,7 @@ def test_drift_is_reported_and_nothing_is_measured_in_the_loop(
 def test_one_unloaded_tpot_for_server_bench_and_simulator(tiny_pair, cheap_profile, tmp_path):
     """The engine (server), the benchmark's resolution from a reported unloaded TPOT
     and the simulator's ``--profile`` give the same class targets."""
-    from adaserve.sim.cli import hardware_from_args
+    from adaserve.sim.options import hardware_from_args
 
     raw = json.loads(Path(cheap_profile).read_text())
     hw = HardwareModel.from_dict(raw)
