@@ -140,7 +140,7 @@ class SimBackend:
 
     def run(self, spec, items, policy: str, progress: bool):
         from adaserve.bench.metrics import summarize
-        from adaserve.bench.runner import class_slos
+        from adaserve.bench.slo_targets import class_slos
         from adaserve.sched.registry import make_policy
 
         slos = class_slos(
