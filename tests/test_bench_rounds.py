@@ -12,6 +12,7 @@ import pytest
 
 from adaserve.bench import cli as bcli
 from adaserve.bench.metrics import RequestRecord, summarize
+from adaserve.bench.pooling import repeat_lines
 from adaserve.bench.rounds import (
     T975,
     compare,
@@ -20,6 +21,7 @@ from adaserve.bench.rounds import (
     paired_difference,
     t975,
 )
+from adaserve.bench.workload_spec import WorkloadSpec
 
 
 # ---------------------------------------------------------------------- the statistics
@@ -278,14 +280,14 @@ def test_one_run_gives_no_interval_and_separates_nothing(tmp_path, capsys):
 
 
 def test_one_policy_has_no_comparisons_and_repeat_lines_name_missing_intervals():
-    spec = bcli.WorkloadSpec(seed=1)
+    spec = WorkloadSpec(seed=1)
     args = SimpleNamespace(seeds=None, repeat=2, convergence_window=5.0)
     res, _, _ = bcli._serve_once(_FakeBackend(["adaserve"]), spec, args, False)
     assert "comparisons" not in res
     assert res["results"]["adaserve"]["overall"]["rounds"]["attainment"]["n"] == 2
     # a policy whose runs give one usable value: the line says there is no interval
     res["results"]["adaserve"]["overall"]["rounds"]["goodput_tok_s"] = mean_ci([3.0, None])
-    text = bcli._repeat_lines(res["results"])
+    text = repeat_lines(res["results"])
     assert "goodput 3.0 (one run: no interval) tok/s" in text
 
 

@@ -132,17 +132,17 @@ def test_repeat_pools_runs_and_rotates_the_policy_order(
 ):
     """--repeat 2: each policy runs twice (round 2 starts with the second policy); the
     result pools both runs' requests and lists each run's attainment."""
-    import adaserve.bench.cli as bcli
+    import adaserve.bench.backends as backends
 
     target, draft, _ = tiny_pair
     order = []
-    real = bcli.run_in_process
+    real = backends.run_in_process
 
     def spy(factory, policy, *a, **kw):
         order.append(policy)
         return real(factory, policy, *a, **kw)
 
-    monkeypatch.setattr(bcli, "run_in_process", spy)
+    monkeypatch.setattr(backends, "run_in_process", spy)
     out = tmp_path / "rep"
     args = ["bench", "serve", "--model", str(target), "--draft", str(draft)]
     args += ["--profile", profile, "--policies", "ar,spec-chain:2", "--num-prompts", "4"]

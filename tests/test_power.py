@@ -19,8 +19,8 @@ from adaserve.sched.typical_tree import gain_curve
 from adaserve.sim import presets
 from adaserve.sim.acceptance import AcceptanceModel
 from adaserve.sim.acceptance_params import AcceptanceParams
-from adaserve.sim.cli import with_power_limits
 from adaserve.sim.loop import SimConfig, Simulator
+from adaserve.sim.options import with_power_limits
 
 PRESET = "A100-80GB:llama-70b"
 

@@ -14,6 +14,7 @@ from adaserve import profile
 from adaserve.bench.runner import class_slos
 from adaserve.config import EngineConfig
 from adaserve.core.clock import TickClock
+from adaserve.engine import profiler
 from adaserve.engine.engine import Engine, build_engine
 from adaserve.errors import InvalidRequestError
 from adaserve.sampling import SamplingParams
@@ -198,7 +199,7 @@ def test_drift_is_reported_and_nothing_is_measured_in_the_loop(
     def no_timer(*a, **k):
         raise AssertionError("the serving loop measured a profile")
 
-    monkeypatch.setattr(profile, "_forward_timer", no_timer)
+    monkeypatch.setattr(profiler, "_forward_timer", no_timer)
     target, draft, _ = tiny_pair
     cfg = EngineConfig(
         model=str(target),
@@ -225,7 +226,7 @@ def test_drift_is_reported_and_nothing_is_measured_in_the_loop(
 def test_one_unloaded_tpot_for_server_bench_and_simulator(tiny_pair, cheap_profile, tmp_path):
     """The engine (server), the benchmark's resolution from a reported unloaded TPOT
     and the simulator's ``--profile`` give the same class targets."""
-    from adaserve.sim.cli import hardware_from_args
+    from adaserve.sim.options import hardware_from_args
 
     raw = json.loads(Path(cheap_profile).read_text())
     hw = HardwareModel.from_dict(raw)

@@ -22,6 +22,7 @@ from adaserve.sched.adaptive import (
     AdaptiveConfig,
     AdaServePolicy,
     BudgetedPolicy,
+    DepthEvaluation,
     DynTreePolicy,
     _Arrays,
     make_adaptive,
@@ -506,12 +507,12 @@ def test_vectorised_depth_evaluation_equals_the_per_request_reference(
     fast = pol._evaluate_depths(view, _Arrays.of(reqs), depths, w, prefill, 5000.0, acc)
     for i, d in enumerate(depths):
         ref = _reference_depth(pol, view, reqs, d, w, prefill, 5000.0, acc)
-        assert fast["alloc"][i].tolist() == ref["alloc"], d
-        assert fast["budget"][i] == ref["budget"]
-        assert fast["t_iter"][i] == pytest.approx(ref["t_iter"], rel=1e-12)
-        assert fast["rate"][i] == pytest.approx(ref["rate"], rel=1e-12)
+        assert fast.alloc[i].tolist() == ref["alloc"], d
+        assert fast.budget[i] == ref["budget"]
+        assert fast.t_iter[i] == pytest.approx(ref["t_iter"], rel=1e-12)
+        assert fast.rate[i] == pytest.approx(ref["rate"], rel=1e-12)
         if name == "adaserve":
-            assert fast["met_w"][i] == pytest.approx(ref["score"], rel=1e-9, abs=1e-12)
+            assert fast.met_w[i] == pytest.approx(ref["score"], rel=1e-9, abs=1e-12)
 
 
 def test_adaserve_takes_the_cheapest_shape_within_the_rate_tolerance(monkeypatch):
@@ -527,15 +528,15 @@ def test_adaserve_takes_the_cheapest_shape_within_the_rate_tolerance(monkeypatch
     def fake(self, view, arr, ds_, w, P, kv, acc, pairs=0.0):
         met, rate = table[w]
         D, n = len(ds_), len(arr.rid)
-        return {
-            "met_w": np.array(met),
-            "rate": np.array(rate),
-            "budget": np.arange(D) + n,
-            "static": np.ones(D),
-            "t_iter": np.ones(D),
-            "alloc": np.zeros((D, n), dtype=np.int64),
-            "need": np.ones((D, n)),
-        }
+        return DepthEvaluation(
+            met_w=np.array(met),
+            rate=np.array(rate),
+            budget=np.arange(D) + n,
+            static=np.ones(D),
+            t_iter=np.ones(D),
+            alloc=np.zeros((D, n), dtype=np.int64),
+            need=np.ones((D, n)),
+        )
 
     monkeypatch.setattr(BudgetedPolicy, "_evaluate_depths", fake)
     reqs = [req(0, 15.0), req(1, 40.0)]

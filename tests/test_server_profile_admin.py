@@ -11,6 +11,7 @@ import pytest
 from server_fixtures import LiveServer, engine_config, model_pair, scrape, server_test_env
 
 from adaserve import profile
+from adaserve.engine import profiler
 from adaserve.server import parse_config
 from adaserve.server.config import tomllib
 
@@ -42,7 +43,7 @@ def srv(tmp_path_factory):
     target, draft = model_pair(tmp_path_factory)
     mp = pytest.MonkeyPatch()
     # the start-up measurement: a fake machine at 1x (no real forward timed)
-    mp.setattr(profile, "_forward_timer", _timer(1.0))
+    mp.setattr(profiler, "_forward_timer", _timer(1.0))
     s = LiveServer(
         engine_config(target, draft, policy="adaserve"), parse_config(tomllib.loads(CONFIG))
     )

@@ -191,7 +191,7 @@ def prepare(model: str | None, draft: str | None, record_targets: bool = False) 
 
 def run(args) -> int:
     from adaserve import paths
-    from adaserve.bench.cli import _vocab_of
+    from adaserve.bench.backends import vocab_of as _vocab_of
     from adaserve.bench.demo_report import format_demo, load_line
     from adaserve.bench.metrics import summarize
     from adaserve.bench.report import write_report

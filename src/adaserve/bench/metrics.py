@@ -250,7 +250,7 @@ def summarize(
     duration). ``flops_per_token`` = (target, draft) FLOPs per token enables the
     rejected-FLOPs share. ``class_extra`` {CLASS: {...}} is merged into that class's
     M (and an ``"overall"`` entry into overall): e.g. ``energy_j`` and
-    ``energy_per_token_j`` (``bench.cli.class_energy``).
+    ``energy_per_token_j`` (``bench.extras.class_energy``).
     """
     classes: dict[str, list[RequestRecord]] = {}
     for r in records:

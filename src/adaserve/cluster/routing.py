@@ -454,7 +454,8 @@ def replica_stats(replica_id: str, scheduler, policy, now_s: float) -> ReplicaSt
     where every request (running or waiting) drafts and verifies a ``REF_DEPTH``
     chain, priced by the hardware model (``base_pass_ms + request_ms * requests``, plus
     the context), over the tokens such a chain gains a pass at the calibrated
-    acceptance (``gained_per_pass``). The planner's own pass is no load signal: it
+    acceptance (``gained_per_pass``). What it reads of the policy is its
+    ``load_hints``. The planner's own pass is no load signal: it
     spends whatever slack there is on deeper trees and prefill.
     """
     from adaserve.sched.typical_tree import gain_curve
@@ -462,18 +463,10 @@ def replica_stats(replica_id: str, scheduler, policy, now_s: float) -> ReplicaSt
     cfg, hw = scheduler.cfg, scheduler.hw
     running, waiting = list(scheduler.running), list(scheduler.waiting)
     plan = scheduler.last_plan
-    acc = tuple(getattr(policy, "acc_by_rank", ()) or ())
-    # tokens gained and verified per pass, per planned decoding request
-    gained: dict[int, float] = {}
-    verified: dict[int, float] = {}
-    state = getattr(plan, "state", None) if plan is not None else None
-    choice = getattr(state, "choice", None)
-    arrays = getattr(state, "arrays", None)
-    if choice is not None and arrays is not None and acc:
-        g = gain_curve(int(choice.depth), int(choice.width), acc)
-        for rid, k in zip(arrays.rid.tolist(), choice.alloc.tolist()):
-            gained[int(rid)] = 1.0 + float(g[min(int(k), len(g) - 1)])
-            verified[int(rid)] = 1.0 + float(k)
+    hints = policy.load_hints(plan)
+    acc = hints.acc_by_rank
+    # tokens verified per pass, per planned decoding request
+    verified = hints.verified
     kv = float(sum(r.num_tokens for r in running))
     if plan is not None and plan.t_iter_ms:
         pass_ms = float(plan.t_iter_ms)
@@ -495,7 +488,7 @@ def replica_stats(replica_id: str, scheduler, policy, now_s: float) -> ReplicaSt
     # the load model: a pass where every request drafts and verifies the reference
     # chain (REF_DEPTH candidates), priced by the hardware model; the planner's own pass
     # varies with the slack it spends (deeper trees, prefill), the load does not
-    depth = REF_DEPTH if acc and getattr(policy, "uses_draft", False) else 0
+    depth = REF_DEPTH if acc and policy.uses_draft else 0
     gained_ref = 1.0
     if depth:
         g = gain_curve(depth, 1, acc)
@@ -537,8 +530,7 @@ def replica_stats(replica_id: str, scheduler, policy, now_s: float) -> ReplicaSt
             )
         )
         if mine and math.isfinite(tpot):
-            margin = float(getattr(policy, "margin", 0.0) or 0.0)
-            extra_ms = min(extra_ms, (tpot * (1.0 - margin) - pred) * gained_ref)
+            extra_ms = min(extra_ms, (tpot * (1.0 - hints.margin) - pred) * gained_ref)
     spare = 0 if extra_ms < 0 else int(min(extra_ms / ms_per_token, 1 << 20))
     alloc = scheduler.allocator
     return ReplicaStats(
@@ -555,8 +547,7 @@ def replica_stats(replica_id: str, scheduler, policy, now_s: float) -> ReplicaSt
         ms_per_token=ms_per_token,
         kv_ms_per_token=kv_ms,
         tokens_per_pass=tpp,
-        prefill_chunk=int(getattr(getattr(policy, "cfg", None), "prefill_chunk", 0) or 0)
-        or int(cfg.max_prefill_tokens),
+        prefill_chunk=hints.prefill_chunk or int(cfg.max_prefill_tokens),
         max_num_seqs=int(cfg.max_num_seqs),
         kv_total_tokens=int(alloc.num_blocks * cfg.block_size),
         decode_left=tuple(

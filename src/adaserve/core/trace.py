@@ -135,7 +135,7 @@ class RunRecorder:
     a decoding request's root plus its verified candidates), draft work and weight
     reads included; ``info()["energy_by_class"]``. Power: every iteration's work and
     duration, and the energy and time its plan predicted (``info()["power_steps"]``,
-    arrays, for ``bench.cli._power_summary``)."""
+    arrays, for ``bench.extras.power_summary``)."""
 
     def __init__(self, costs: ModelCosts, t0: float = 0.0, sample_every_s: float = 0.0):
         self.costs = costs

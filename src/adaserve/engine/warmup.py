@@ -102,7 +102,7 @@ def _warm_kernels(engine) -> None:
     """The numba kernels of the engine's policy, with the argument types its plans pass:
     the budgeted policies' planner kernel (``sched.plan_kernel``). The simulator's
     kernels (``sim.kernels``) are on no serving path; the other policies use none."""
-    adaptive = sys.modules.get("adaserve.sched.adaptive")  # a budgeted policy imports it
+    adaptive = sys.modules.get("adaserve.sched.budgeted.planner")  # a budgeted policy imports it
     if adaptive is not None and isinstance(engine.policy, adaptive.BudgetedPolicy):
         from adaserve.sched import plan_kernel
 

@@ -124,26 +124,38 @@ class Plan:
         return None if self.budget >= NO_BUDGET else self.budget
 
 
+@dataclass(frozen=True)
+class LoadHints:
+    """What a router may read of a policy and its latest plan (``Policy.load_hints``).
+
+    acc_by_rank:   the calibrated acceptance of a child by sibling rank the policy
+                   plans with (empty: the policy calibrates none)
+    margin:        the fraction of each TPOT target its plans aim below
+    prefill_chunk: prefill tokens per pass it plans (0: none of its own)
+    verified:      rid -> tokens a pass of the latest plan verifies for each decoding
+                   request it planned (empty: none planned, or no per-request figures)
+    """
+
+    acc_by_rank: tuple[float, ...] = ()
+    margin: float = 0.0
+    prefill_chunk: int = 0
+    verified: dict[int, float] = field(default_factory=dict)
+
+
 class Policy(ABC):
     """A scheduling/speculation policy. Subclasses are stateless between runs except
     for what ``feedback`` and the views teach them."""
 
     name: str = "policy"
     uses_draft: bool = True
-    # A clairvoyant policy is told the target's accepted path before ``select``
-    # (``reveal``): only the simulator knows it, so only the simulator runs one; the
-    # engine refuses it. Upper bounds, not servable policies.
+    # A clairvoyant policy (``ClairvoyantPolicy``) is told the target's accepted path
+    # before ``select``: only the simulator knows it, so only the simulator runs one;
+    # the engine refuses it. Upper bounds, not servable policies.
     clairvoyant: bool = False
 
     @abstractmethod
     def plan(self, view: BatchView) -> Plan:
         """The iteration's plan: prefill chunks, tree shapes and token budget."""
-
-    def reveal(self, paths: dict[int, np.ndarray]) -> None:
-        """Called (by the simulator, only on ``clairvoyant`` policies) just before
-        ``select`` with rid -> the sorted node indices (root first) of the target's path
-        that verifying the whole drafted tree would accept. Default: ignored."""
-        return None
 
     def select(
         self, view: BatchView, plan: Plan, trees: dict[int, CandidateTree]
@@ -165,6 +177,26 @@ class Policy(ABC):
         """What the selection log records of ``req`` under ``plan``: at least
         ``{"requirement": accepted tokens it needs this iteration, or None}``."""
         return {"requirement": None}
+
+    def load_hints(self, plan: Plan | None) -> LoadHints:
+        """What a router reads of this policy and of its latest ``plan`` (None: no plan
+        yet) to judge the replica's load (``cluster/routing.py``). Default: nothing
+        calibrated, no margin, no prefill chunk of its own, no per-request figures."""
+        return LoadHints()
+
+
+class ClairvoyantPolicy(Policy):
+    """A policy told the target's accepted path before ``select`` (``reveal``): only
+    the simulator knows it, so only the simulator runs one (``sim/loop.py`` calls
+    ``reveal`` on a policy whose ``clairvoyant`` is set); the engine refuses it."""
+
+    clairvoyant = True
+
+    @abstractmethod
+    def reveal(self, paths: dict[int, np.ndarray]) -> None:
+        """Called just before ``select`` with rid -> the sorted node indices (root
+        first) of the target's path that verifying the whole drafted tree would
+        accept."""
 
 
 def chunk_prefills(view: BatchView, token_budget: int, order_key=None) -> dict[int, int]:

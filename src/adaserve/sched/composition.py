@@ -20,7 +20,7 @@ t_pass`` ms after its arrival (one pass of headroom: a decision is made once a p
 
 A decoder's slack: with the plan's allocation its expected accepted tokens are
 ``1 + gain_r``, and A(r) grows linearly with the pass time (``t * slope_r + base_r``,
-``BudgetedPolicy._coef``), so the pass may last up to ``(1 + gain_r - base_r) /
+``budgeted.requirements``), so the pass may last up to ``(1 + gain_r - base_r) /
 slope_r`` ms before r falls short. The pass's slack is the smallest of these over the
 decoders with a TPOT target that can still be helped (a request no tree can save
 does not hold everyone else's prefill back; it is the overload path's business).

@@ -42,7 +42,7 @@ class OnlineCorrection:
     def residual(self, static_ms, tokens, steps, spec_requests):
         """Predicted measured-minus-profiled ms (broadcast over the inputs): the value of
         ``predict(features(...))`` without building the feature rows. The planner's array
-        program inlines this (``BudgetedPolicy._evaluate_depths``)."""
+        program inlines this (``budgeted.evaluation.evaluate_depths``)."""
         th = self.theta
         return th[0] + th[1] * static_ms + th[2] * tokens + (th[3] + th[4] * spec_requests) * steps
 

@@ -4,12 +4,12 @@ Every decoding request drafts a depth-D, width-W beam tree (default 4x4); prefil
 requests get FCFS chunks of one 256-token budget per iteration (dyn-tree's default
 ``prefill_chunk``); there is no verification budget. Before ``select`` the simulator
 reveals, per request, the nodes the target accepts when the whole tree is verified
-(``Policy.reveal``), and the oracle verifies exactly those: the root and the accepted
-path. It pays drafting for the full tree but verification only for accepted tokens, and
+(``ClairvoyantPolicy.reveal``), and the oracle verifies exactly those: the root and the
+accepted path. It pays drafting for the full tree but verification only for accepted tokens, and
 accepts exactly as many tokens as verifying the full tree would.
 
 No real engine can know the target's path before verifying it, so the engine refuses
-clairvoyant policies (``Policy.clairvoyant``).
+clairvoyant policies (``ClairvoyantPolicy``).
 
 The prefill decision is one overridable step (``OraclePolicy._prefill``) or a function
 given to the constructor (``prefill=``), so that variants with other pass compositions
@@ -25,7 +25,7 @@ import numpy as np
 
 from adaserve.core.tree import CandidateTree
 from adaserve.errors import AdaServeError
-from adaserve.sched.base import BatchView, Plan, Policy, chunk_prefills
+from adaserve.sched.base import BatchView, ClairvoyantPolicy, Plan, chunk_prefills
 
 ORACLE_DEPTH, ORACLE_WIDTH = 4, 4  # the study's oracle:4x4
 ORACLE_PREFILL_CHUNK = 256  # as AdaptiveConfig.prefill_chunk (dyn-tree's default)
@@ -34,7 +34,7 @@ ORACLE_PREFILL_CHUNK = 256  # as AdaptiveConfig.prefill_chunk (dyn-tree's defaul
 PrefillFn = Callable[[BatchView, dict[int, tuple[int, int]]], dict[int, int]]
 
 
-class OraclePolicy(Policy):
+class OraclePolicy(ClairvoyantPolicy):
     """Clairvoyant selection: a DxW beam tree per decoding request, verifying exactly the
     nodes on the target's accepted path (revealed by the simulator before ``select``).
 
@@ -43,8 +43,6 @@ class OraclePolicy(Policy):
     prefill:      optional ``(view, shapes) -> {rid: tokens}`` replacing the FCFS chunks
     name:         the policy's label (default ``oracle:DxW``)
     """
-
-    clairvoyant = True
 
     def __init__(
         self,
@@ -105,7 +103,7 @@ def composed_prefill() -> PrefillFn:
     first, relaxed prefill into the on-pace decoders' slack, ``sched/composition.py``):
     the prefill of an ``adaserve`` plan for the same view. That plan prices its own
     trees rather than the oracle's, so the slack it sees is adaserve's."""
-    from adaserve.sched.adaptive import AdaServePolicy
+    from adaserve.sched.budgeted import AdaServePolicy
 
     inner = AdaServePolicy()
 

@@ -1,6 +1,6 @@
 """The planner's per-depth evaluation as compiled loops (numba; no torch).
 
-``BudgetedPolicy._evaluate_depths`` prepares per-batch constants with numpy and calls
+``budgeted.evaluation.evaluate_depths`` prepares per-batch constants with numpy and calls
 ``evaluate_depths`` here. Over [D depths, n requests] arrays of a few dozen elements
 a numpy program pays 1-5 us per operation whatever it computes, about 60 operations a
 plan; the same arithmetic as loops runs in a few microseconds. The simulator calls the
@@ -31,7 +31,7 @@ def evaluate_depths(
     th1, th2, tok0, w, free_slots, max_budget, hi, strict, smart, extras, t_pre,
     e0, e_tok, static_w, cap_w, ept_j,
 ):  # fmt: skip
-    """The predicted outcome of each depth (see ``BudgetedPolicy._evaluate_depths``).
+    """The predicted outcome of each depth (see ``budgeted.evaluation.evaluate_depths``).
 
     Per request [n]: ``slope``, ``base_r`` (A(r) = clip(t * slope + base, 1, hi)),
     ``has_tpot``, ``weight``. Per depth [D]: the typical tree's gain curve ``G`` and

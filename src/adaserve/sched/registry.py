@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from adaserve.errors import InvalidRequestError
 from adaserve.sched.base import Policy
-from adaserve.sched.static import AutoregressivePolicy, StaticSpecPolicy
+from adaserve.sched.static import AUTOREGRESSIVE_POLICIES, StaticSpecPolicy
 
 POLICY_NAMES = (
     "adaserve",
@@ -28,8 +28,8 @@ def make_policy(name: str, **kwargs) -> Policy:
     ``:key=value`` suffix override a budgeted policy's ``AdaptiveConfig``."""
     head, _, arg = name.partition(":")
     try:
-        if head in ("ar", "ar-chunked", "priority") and not arg:
-            return AutoregressivePolicy(head)
+        if head in AUTOREGRESSIVE_POLICIES and not arg:
+            return AUTOREGRESSIVE_POLICIES[head]()
         if head == "spec-chain":
             k = int(arg or 4)
             return StaticSpecPolicy(f"spec-chain:{k}", k, 1, None)
@@ -44,7 +44,7 @@ def make_policy(name: str, **kwargs) -> Policy:
         if head == "oracle":
             return _oracle(arg)
         if head in ("adaserve", "smartspec", "dyn-tree"):
-            from adaserve.sched.adaptive import make_adaptive
+            from adaserve.sched.budgeted import make_adaptive
 
             overrides = _overrides(name, arg)
             try:
@@ -106,7 +106,7 @@ def _overrides(name: str, arg: str) -> dict:
     """``key=value:key=value`` -> AdaptiveConfig fields, typed like their defaults."""
     import dataclasses
 
-    from adaserve.sched.adaptive import AdaptiveConfig
+    from adaserve.sched.budgeted import AdaptiveConfig
 
     fields = {f.name: f for f in dataclasses.fields(AdaptiveConfig)}
     defaults = AdaptiveConfig()

@@ -5,34 +5,61 @@ from __future__ import annotations
 import numpy as np
 
 from adaserve.core.tree import CandidateTree
-from adaserve.sched.base import BatchView, Plan, Policy, chunk_prefills, top_f_nodes
+from adaserve.sched.base import BatchView, Plan, Policy, ReqView, chunk_prefills, top_f_nodes
 
 WHOLE_PROMPT_BUDGET = 8192  # `ar` prefills whole prompts (vLLM v0 style)
 
 
 class AutoregressivePolicy(Policy):
-    """``ar``: FCFS continuous batching, whole-prompt prefill, no speculation.
-    ``ar-chunked``: prefill chunked to a per-iteration token budget (Sarathi-Serve).
-    ``priority``: strict classes first (admission and prefill), autoregressive."""
+    """``ar``: FCFS continuous batching, whole-prompt prefill, no speculation
+    (vLLM v0 style). Base of ``ar-chunked`` and ``priority``."""
 
+    name = "ar"
     uses_draft = False
 
-    def __init__(self, name: str = "ar", chunk: int = 256):
-        self.name = name
+    def __init__(self, chunk: int = 256):
         self.chunk = chunk
 
     def plan(self, view: BatchView) -> Plan:
-        """The iteration's plan: prefill chunks only (whole prompts for ``ar``)."""
-        if self.name == "ar":
-            return Plan(prefill=chunk_prefills(view, WHOLE_PROMPT_BUDGET))
-        key = (lambda r: (r.rank, -r.waited_ms)) if self.name == "priority" else None
-        return Plan(prefill=chunk_prefills(view, self.chunk, key))
+        """The iteration's plan: whole prompts prefilled, FCFS."""
+        return Plan(prefill=chunk_prefills(view, WHOLE_PROMPT_BUDGET))
 
-    def admission_key(self, waiting):
-        """The admission sort key: FCFS, strict classes first for ``priority``."""
-        if self.name == "priority":
-            return (waiting.rank, -waiting.waited_ms)
-        return super().admission_key(waiting)
+
+class ChunkedAutoregressivePolicy(AutoregressivePolicy):
+    """``ar-chunked``: prefill chunked to a per-iteration token budget (Sarathi-Serve),
+    FCFS, no speculation."""
+
+    name = "ar-chunked"
+
+    def plan(self, view: BatchView) -> Plan:
+        """The iteration's plan: prefill chunks of ``chunk`` tokens in view order."""
+        return Plan(prefill=chunk_prefills(view, self.chunk))
+
+
+class PriorityPolicy(ChunkedAutoregressivePolicy):
+    """``priority``: strict classes first (admission and prefill), chunked prefill,
+    no speculation."""
+
+    name = "priority"
+
+    def plan(self, view: BatchView) -> Plan:
+        """The iteration's plan: prefill chunks, strict classes first, then the
+        longest waiting."""
+        return Plan(prefill=chunk_prefills(view, self.chunk, _strict_first))
+
+    def admission_key(self, waiting: ReqView) -> tuple:
+        """The admission sort key: strict classes first, then the longest waiting."""
+        return _strict_first(waiting)
+
+
+def _strict_first(r: ReqView) -> tuple:
+    """The order of ``priority``: class rank, then the longest waiting first."""
+    return (r.rank, -r.waited_ms)
+
+
+AUTOREGRESSIVE_POLICIES: dict[str, type[AutoregressivePolicy]] = {
+    p.name: p for p in (AutoregressivePolicy, ChunkedAutoregressivePolicy, PriorityPolicy)
+}
 
 
 class StaticSpecPolicy(Policy):

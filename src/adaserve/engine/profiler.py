@@ -1,0 +1,321 @@
+"""The measurements behind a hardware profile, with the engine's own forward code:
+verification, drafting and prefill passes over a grid of sizes, the engine's host
+overhead per step, the draft's host work and a grammar mask's cost
+(``adaserve.profile`` caches, checks and adopts what they measure)."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+
+import torch
+
+from adaserve.kv.cache import KVCache
+from adaserve.models.attention import AttnMetadata, SeqSpec
+from adaserve.models.llama import LlamaModel
+from adaserve.sched.hardware import SCHEMA
+from adaserve.sched.profile_stats import (
+    PointStats,
+    SanityLimits,
+    check_profile,
+    summarize,
+    time_points,
+)
+
+VERIFY_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DRAFT_TOKENS = (1, 4, 16, 64, 256)
+KV_LENS = (64, 512)
+# one sequence's prefill chunk of N new tokens over C cached ones: the attention of every
+# new token over the cached context (N x C pairs), which a prefix-cache hit leaves to pay
+PREFILL_CHUNKS = (64, 256)
+PREFILL_CTX = (0, 1024)
+
+
+def _forward_timer(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int):
+    """A function timing (ms) one paged forward: ``n_tokens`` new tokens split over up
+    to 8 sequences (tree-shaped: each attends ``ctx`` cached tokens + causal new tokens)."""
+    device = model.embed_tokens.weight.device
+    n_seq = min(8, n_tokens)
+    per = [n_tokens // n_seq + (1 if i < n_tokens % n_seq else 0) for i in range(n_seq)]
+    seqs, base = [], 0
+    for q in per:
+        seqs.append(
+            SeqSpec(
+                list(range(base, base + ctx)),
+                list(range(base + ctx, base + ctx + q)),
+                list(range(ctx, ctx + q)),
+            )
+        )
+        base += ctx + q
+    if base > kv.num_slots:
+        raise ValueError("profile cache too small")
+    ids = torch.randint(0, model.cfg.vocab_size, (n_tokens,), device=device)
+
+    def once() -> float:
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            meta = AttnMetadata.build(seqs, device, model.cfg.sliding_window)
+            h = model(ids, meta, kv.layers)
+            model.logits(h[-n_seq:]).argmax(-1).tolist()  # include the host sync
+            return (time.perf_counter() - t0) * 1000
+
+    return once
+
+
+def _prefill_timer(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int):
+    """A function timing (ms) one paged forward of a single sequence: a prefill chunk
+    of ``n_tokens`` new tokens attending ``ctx`` cached ones."""
+    device = model.embed_tokens.weight.device
+    if ctx + n_tokens > kv.num_slots:
+        raise ValueError("profile cache too small")
+    seq = SeqSpec(
+        list(range(ctx)), list(range(ctx, ctx + n_tokens)), list(range(ctx, ctx + n_tokens))
+    )
+    ids = torch.randint(0, model.cfg.vocab_size, (n_tokens,), device=device)
+
+    def once() -> float:
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            meta = AttnMetadata.build([seq], device, model.cfg.sliding_window)
+            h = model(ids, meta, kv.layers)
+            model.logits(h[-1:]).argmax(-1).tolist()
+            return (time.perf_counter() - t0) * 1000
+
+    return once
+
+
+def fit_prefill_pairs(points: dict[tuple[int, int], float], per_kv: float) -> float:
+    """ms per (new token x cached token) pair of a prefill chunk over a cached prefix,
+    from ``points`` {(new, cached): ms}: what a chunk over ``cached`` tokens costs beyond
+    the same chunk over none and the per-sequence KV term, per pair (median over the
+    measured shapes, >= 0)."""
+    fits = []
+    for (n, ctx), ms in points.items():
+        base = points.get((n, 0))
+        if ctx > 0 and n > 0 and base is not None:
+            fits.append((ms - base - per_kv * ctx) / (n * ctx))
+    return max(0.0, statistics.median(fits)) if fits else 0.0
+
+
+def _time_forwards(
+    model: LlamaModel, kv: KVCache, sizes, ctx: int, reps: int, progress=None, timer=None
+) -> PointStats:
+    """Per pass size: the monotone median ms and the spread (``PointStats``). The sizes
+    are timed round-robin after one warm-up each (``profile_stats.time_points``), so a
+    burst of noise on a shared machine spreads over every size instead of landing on
+    one; the medians are then made non-decreasing in the size (a suffix minimum: a
+    larger pass never costs less), which removes the remaining spikes. ``timer``
+    (default ``_forward_timer``) makes the timing function of one size."""
+    timer = timer or _forward_timer
+    return summarize(
+        time_points([_ticking(timer(model, kv, n, ctx), progress) for n in sizes], reps)
+    )
+
+
+def _ticking(fn, progress):
+    """``fn`` (a timing function), calling ``progress()`` after each call when given."""
+    if progress is None:
+        return fn
+
+    def once() -> float:
+        ms = fn()
+        progress()
+        return ms
+
+    return once
+
+
+def profile_calls(reps: int, has_draft: bool) -> int:
+    """Timed forward passes of one ``measure`` (warm-ups included): a progress bar's total."""
+    points = len(KV_LENS) * len(VERIFY_TOKENS) + len(PREFILL_CHUNKS) * len(PREFILL_CTX)
+    points += len(DRAFT_TOKENS) if has_draft else 0
+    return points * (reps + 1)
+
+
+def measure(
+    target: LlamaModel,
+    draft: LlamaModel | None,
+    reps: int = 5,
+    verify_tokens=VERIFY_TOKENS,
+    draft_tokens=DRAFT_TOKENS,
+    kv_lens=KV_LENS,
+    progress=None,
+    timer=None,
+    prefill_timer=None,
+) -> dict:
+    """Measure verification and draft-step latencies and the cost of a prefill chunk
+    over a cached prefix; returns a profile dict with each curve's spread (raw
+    medians, p10, p90) and the roofline check's findings under ``"sanity"``.
+    ``timer`` / ``prefill_timer`` replace the forward timers (tests inject fake
+    timings; ``timer`` alone stands for both)."""
+    dtype = target.embed_tokens.weight.dtype
+    device = target.embed_tokens.weight.device
+    slots = 8 * (max(kv_lens) + max(verify_tokens) + max(draft_tokens)) + 64
+    kv_t = KVCache(target.cfg, slots, device, dtype)
+    stats = {}
+    for ctx in kv_lens:
+        stats[ctx] = _time_forwards(target, kv_t, verify_tokens, ctx, reps, progress, timer)
+    lat = {ctx: list(st.median) for ctx, st in stats.items()}
+    k0, k1 = kv_lens[0], kv_lens[-1]
+    # extra cost per attended KV token, averaged over pass sizes (>= 0)
+    n_seqs = [min(8, n) for n in verify_tokens]
+    per_kv = 0.0
+    if k1 > k0:
+        per_kv = statistics.mean(
+            (b - a) / (s * (k1 - k0)) for a, b, s in zip(lat[k0], lat[k1], n_seqs)
+        )
+    per_kv = max(0.0, per_kv)
+    shapes = [(n, c) for n in PREFILL_CHUNKS for c in PREFILL_CTX]
+    ptimer = prefill_timer or timer or _prefill_timer
+    pst = summarize(
+        time_points([_ticking(ptimer(target, kv_t, n, c), progress) for n, c in shapes], reps)
+    )
+    prefill_points = dict(zip(shapes, (float(v) for v in pst.raw_median)))
+    per_pair = fit_prefill_pairs(prefill_points, per_kv)
+    esize = torch.tensor([], dtype=dtype).element_size()
+    out = {
+        "schema": SCHEMA,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "machine": f"{platform.machine()} {platform.processor()} threads={torch.get_num_threads()}",
+        "threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "target": {"params": target.cfg.num_parameters()},
+        "draft": None,
+        "bytes_per_param": esize,
+        "verify": {
+            "tokens": list(verify_tokens),
+            # at zero KV: the KV share measured at kv_lens[0] is taken out
+            "latency_ms": [max(1e-3, v - per_kv * s * k0) for v, s in zip(lat[k0], n_seqs)],
+            "kv_len": [k0, k1],
+            "kv_ms_per_token": per_kv,
+            "latency_ms_by_kv_per_seq": {str(k): lat[k] for k in kv_lens},
+            # the measurement behind each curve: medians before the monotone
+            # correction, the 10th / 90th percentiles, repeats per point
+            "spread_by_kv": {str(k): stats[k].spread() for k in kv_lens},
+            # a prefill chunk's new tokens attending a cached prefix: ms per pair
+            "prefill_ms_per_pair": per_pair,
+            "prefill_by_ctx": {f"{n}x{c}": round(ms, 4) for (n, c), ms in prefill_points.items()},
+        },
+        "overhead_ms": 0.3,  # replaced by a measured value in profile_engine
+        "kv_bytes_per_token": {"target": target.cfg.kv_bytes_per_token(esize), "draft": 0},
+    }
+    if draft is not None:
+        kv_d = KVCache(draft.cfg, slots, device, dtype)
+        dst = _time_forwards(draft, kv_d, draft_tokens, kv_lens[0], reps, progress, timer)
+        dl = list(dst.median)
+        out["draft"] = {"params": draft.cfg.num_parameters()}
+        out["draft_step"] = {"tokens": list(draft_tokens), "latency_ms": dl, "spread": dst.spread()}
+        out["draft_step_ms"] = dl[0]
+        out["kv_bytes_per_token"]["draft"] = draft.cfg.kv_bytes_per_token(esize)
+    else:
+        out["draft_step_ms"] = 1e-3
+    out["sanity"] = check_profile(out, SanityLimits.for_device(str(device)))
+    return out
+
+
+def measure_step_overhead(engine, new_tokens: int = 24) -> list[float]:
+    """Measured ms of each plain decode step of a single request (``new_tokens``
+    steps without speculation, the first two dropped as warm-up): the engine's whole
+    iteration, forward pass, scheduling, metadata and sampling included. The host
+    overhead is their median less the profiled one-token verification."""
+    from adaserve.sampling import SamplingParams
+    from adaserve.sched.static import AutoregressivePolicy
+    from adaserve.slo import SLO
+
+    saved = engine.policy
+    engine.set_policy(AutoregressivePolicy())
+    try:
+        prompt = [i % engine.target.cfg.vocab_size for i in range(1, 33)]
+        r = engine.add_request(
+            prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True), SLO()
+        )
+        times = []
+        while not r.finished:
+            t0 = time.perf_counter()
+            engine.step()
+            times.append((time.perf_counter() - t0) * 1000)
+    finally:
+        engine.set_policy(saved)
+    return times[2:] if len(times) > 3 else times
+
+
+def measure_draft_host(engine, requests: int = 8, depth: int = 4, width: int = 2) -> float:
+    """Host ms per speculating request per draft step: a real tree expansion of
+    ``requests`` requests minus the profiled forward passes it ran."""
+    from adaserve.core.blocks import BlockTable
+    from adaserve.core.tree import scratch_slots_needed
+    from adaserve.sampling import SamplingParams
+    from adaserve.slo import SLO
+    from adaserve.spec_decode.draft import expand
+
+    if engine.draft is None:
+        return 0.0
+    V = engine.target.cfg.vocab_size
+    reqs = [  # not queued: as if prefilled, with blocks of their own
+        engine.new_request(
+            [(7 * i + j) % V for j in range(24)], SamplingParams(temperature=0.0), SLO()
+        )
+        for i in range(requests)
+    ]
+    for r in reqs:
+        r.table = BlockTable(engine.allocator)
+        r.table.ensure(len(r.tokens) + scratch_slots_needed(depth, width))
+    times = []
+    for _ in range(4):
+        for r in reqs:
+            r.draft_cached = 0
+        t0 = time.perf_counter()
+        expand(engine.draft, engine.kv_draft, reqs, [(depth, width)] * requests, vocab_size=V)
+        times.append((time.perf_counter() - t0) * 1000)
+    for r in reqs:
+        r.table.release()
+    return statistics.median(times[1:])
+
+
+# the schema whose masks the profile times (objects, strings, numbers, an enum array)
+MASK_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "id": {"type": "integer"},
+        "score": {"type": "number"},
+        "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}},
+    },
+    "required": ["name", "id", "score", "tags"],
+}
+
+
+def measure_mask(engine, n: int = 300) -> float | None:
+    """Median host ms of one tree node's grammar mask (the engine's backend, a JSON
+    schema, walked by random allowed tokens); None without a tokenizer."""
+    import random
+
+    import numpy as np
+
+    from adaserve.structured.params import StructuredOutputsParams
+
+    so = getattr(engine, "structured", None)
+    if so is None or engine.tokenizer is None:
+        return None
+    spec = StructuredOutputsParams(json=MASK_SCHEMA)
+    saved = (so.mask_s, so.masks)
+    try:
+        st = so.state_for(spec)
+        rng = random.Random(0)
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            m = st.masks([[]])
+            times.append((time.perf_counter() - t0) * 1000)
+            ok = np.flatnonzero(np.unpackbits(m[0].view(np.uint8), bitorder="little"))
+            ok = ok[ok < so.vocab_size]
+            if not len(ok) or not st.commit(int(rng.choice(list(ok)))):
+                st = so.state_for(spec)
+    except Exception:  # a backend that cannot load here: the profile goes without
+        return None
+    finally:
+        so.mask_s, so.masks = saved
+    return statistics.median(times)
