@@ -77,6 +77,7 @@ def test_three_times_capacity_every_request_answered_strict_on_target(srv):
             mix={"interactive": 0.6, "chat": 0.2, "batch": 0.2},
             max_tokens=MAX_TOKENS,
             seed=0,
+            retry_max_s=10.0,
         )
     )
     s = summarize(outcomes, targets)
@@ -87,6 +88,14 @@ def test_three_times_capacity_every_request_answered_strict_on_target(srv):
     assert o["other"] == 0, detail
     assert o["admitted"] + o["shed"] == o["requests"], detail
     assert o["shed"] > 0 and o["shed_without_retry_after"] == 0, detail
+    # a refusal for room names the seat held for the client's retry (Retry-Token); the
+    # clients that honour Retry-After come back with it, and every retry is answered too
+    # (here most refusals are TTFT ones, for the prefill queue ahead: they hold no seat)
+    room = [x for x in outcomes if x.status == 429 and x.reason in ("capacity", "kv")]
+    assert all(x.retry_token for x in room), (_reasons(outcomes), detail)
+    assert o["retries"] > 0, detail
+    again = [x.retry for x in outcomes if x.retry is not None]
+    assert all((r.status == 200 and r.done) or (r.status == 429 and r.retry_after) for r in again)
     # an answer (first token or 429) by each class's TTFT deadline
     assert o["unanswered_by_deadline"] == 0, detail
     strict = s["classes"]["interactive"]
@@ -103,4 +112,37 @@ def test_three_times_capacity_every_request_answered_strict_on_target(srv):
     shed = {lab["reason"]: 0 for lab, _ in fams["adaserve:shed_requests_total"]}
     for lab, v in fams["adaserve:shed_requests_total"]:
         shed[lab["reason"]] += v
-    assert sum(shed.values()) == o["shed"], (shed, detail)
+    refused_again = sum(1 for r in again if r.status == 429)
+    assert sum(shed.values()) == o["shed"] + refused_again, (shed, detail)
+
+
+def test_a_retry_token_brings_its_client_to_the_seat_held_for_it(srv):
+    """The ``Retry-Token`` header of a retry reaches admission: the seat held under it
+    is used (and counted as a client that came back)."""
+    import httpx
+
+    from adaserve.errors import AdmissionRejected
+
+    def hold(engine):
+        adm = engine.scheduler.admission
+        seq = engine.new_request([5, 6, 7], None, None)
+        e = AdmissionRejected("full", "capacity", 1.0)
+        adm.refused(seq, e, engine.scheduler.clock.now())
+        return e.retry_token
+
+    token = srv.state.loop.call(hold).result(30)
+    assert token
+    body = {"model": "tiny", "prompt": "x = ", "max_tokens": 2, "slo_class": "chat"}
+    r = httpx.post(srv.url + "/v1/completions", json=body, headers={"Retry-Token": token})
+    assert r.status_code == 200, r.text
+    seats = srv.state.loop.call(lambda e: dict(e.scheduler.admission._seats)).result(30)
+    assert token not in seats
+    assert srv.state.loop.call(lambda e: e.scheduler.admission._returns[-1]).result(30)
+
+
+def _reasons(outcomes) -> dict:
+    out: dict = {}
+    for x in outcomes:
+        if x.status == 429:
+            out[x.reason] = out.get(x.reason, 0) + 1
+    return out

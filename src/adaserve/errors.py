@@ -21,6 +21,11 @@ class PromptTooLongError(InvalidRequestError):
     """The prompt (plus at least one output token) does not fit in the model's context."""
 
 
+# the HTTP header of a 429 that names the seat admission holds for the client's retry,
+# and of the retry that comes back for it (``core.admission``)
+RETRY_TOKEN = "Retry-Token"
+
+
 class AdmissionRejected(AdaServeError):
     """Admission control refused a request; ``reason`` says why."""
 
@@ -28,3 +33,6 @@ class AdmissionRejected(AdaServeError):
         super().__init__(message)
         self.reason = reason
         self.retry_after_s = retry_after_s
+        # a seat held for the client that comes back with it after ``retry_after_s``
+        # (``core.admission``; None: no seat is held)
+        self.retry_token: str | None = None

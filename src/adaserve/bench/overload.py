@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from adaserve.errors import RETRY_TOKEN
+
 DEFAULT_MIX = "interactive=0.6,chat=0.2,batch=0.2"
 # a 429 answered within this many ms of arrival counts as immediate
 IMMEDIATE_MS = 250.0
@@ -42,19 +44,25 @@ class Outcome:
     tokens: int = 0
     done: bool = False  # the stream ended with [DONE] and a finish reason
     retry_after: str | None = None
+    retry_token: str | None = None  # the seat held for this client's retry
     reason: str | None = None
     error: str | None = None
     times: list[float] = field(default_factory=list)
+    retry: Outcome | None = None  # the one retry after Retry-After (``--retry``)
 
 
-async def _one(client: httpx.AsyncClient, cls: str, body: dict, t0: float) -> Outcome:
+async def _one(
+    client: httpx.AsyncClient, cls: str, body: dict, t0: float, token: str | None = None
+) -> Outcome:
     o = Outcome(cls=cls, sent=time.perf_counter() - t0)
+    headers = {RETRY_TOKEN: token} if token else None
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
+        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
             o.status = r.status_code
             o.answered = time.perf_counter() - t0
             if r.status_code != 200:
                 o.retry_after = r.headers.get("retry-after")
+                o.retry_token = r.headers.get(RETRY_TOKEN)
                 try:
                     err = json.loads(await r.aread())["error"]
                     o.reason, o.error = err.get("reason") or err.get("code"), err.get("message")
@@ -131,8 +139,12 @@ async def run_overload(
     max_tokens: int,
     seed: int = 0,
     prompt_words: int = 8,
+    retry_max_s: float | None = None,
 ) -> list[Outcome]:
-    """Poisson arrivals at ``rate`` req/s for ``duration`` s; every outcome."""
+    """Poisson arrivals at ``rate`` req/s for ``duration`` s; every outcome. With
+    ``retry_max_s``, a client refused with a Retry-After of at most that many seconds
+    waits it out and tries once more, with the ``Retry-Token`` it was given
+    (``Outcome.retry``)."""
     rng = random.Random(seed)
     names, weights = list(mix), list(mix.values())
     t, arrivals = 0.0, []
@@ -150,10 +162,20 @@ async def run_overload(
             if delay > 0:
                 await asyncio.sleep(delay)
             prompt = " ".join(f"w{(i * 7 + k) % 97}" for k in range(prompt_words))
-            tasks.append(
-                asyncio.create_task(_one(c, cls, _body(model, cls, prompt, max_tokens), t0))
-            )
+            body = _body(model, cls, prompt, max_tokens)
+            tasks.append(asyncio.create_task(_client(c, cls, body, t0, retry_max_s)))
         return list(await asyncio.gather(*tasks))
+
+
+async def _client(c, cls: str, body: dict, t0: float, retry_max_s: float | None) -> Outcome:
+    """One client: its request, and its one retry when told to come back soon enough."""
+    o = await _one(c, cls, body, t0)
+    if retry_max_s is not None and o.status == 429 and o.retry_after:
+        wait = float(o.retry_after)
+        if wait <= retry_max_s:
+            await asyncio.sleep(wait)
+            o.retry = await _one(c, cls, body, t0, o.retry_token)
+    return o
 
 
 def summarize(outcomes: list[Outcome], targets: dict[str, dict], slack_s: float = 0.5) -> dict:
@@ -196,6 +218,11 @@ def summarize(outcomes: list[Outcome], targets: dict[str, dict], slack_s: float 
             "admitted_attainment": attained / len(ok) if ok else None,
             "tpot_target_ms": tpot,
             "ttft_target_ms": ttft,
+            "retries": sum(o.retry is not None for o in os),
+            "retries_admitted": sum(
+                o.retry is not None and o.retry.status == 200 and o.retry.done for o in os
+            ),
+            "retries_with_token": sum(o.retry is not None and bool(o.retry_token) for o in os),
         }
 
     out = {"classes": {}}
@@ -213,6 +240,9 @@ def summarize(outcomes: list[Outcome], targets: dict[str, dict], slack_s: float 
             "shed_immediate",
             "unanswered_by_deadline",
             "admitted_attained",
+            "retries",
+            "retries_admitted",
+            "retries_with_token",
         )
     }
     return out
@@ -253,6 +283,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=8, help="streams in the capacity probe")
     p.add_argument("--probe-seconds", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--retry",
+        type=float,
+        metavar="MAX_S",
+        help="a refused client honours a Retry-After of at most MAX_S seconds and tries "
+        "once more, with the Retry-Token it was given (how often it gets in is reported)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -277,6 +314,7 @@ def run(args) -> int:
             run_overload(
                 args.base_url, model=args.model, rate=rate, duration=args.duration,
                 mix=args.class_mix, max_tokens=args.max_tokens, seed=args.seed,
+                retry_max_s=args.retry,
             )
         )  # fmt: skip
     except httpx.HTTPError as e:
@@ -298,4 +336,7 @@ def run(args) -> int:
             f"{b['shed_immediate']:10d} {b['unanswered_by_deadline'] + b['other']:10d} "
             f"{'-' if att is None else f'{100 * att:.1f}':>18s}"
         )
+    o = s["overall"]
+    if args.retry is not None:
+        print(f"retries after Retry-After: {o['retries_admitted']} of {o['retries']} admitted")
     return 0

@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import secrets
 import statistics
 from collections import deque
 from typing import TYPE_CHECKING
@@ -137,6 +138,7 @@ _SPEED_PASSES = 32  # passes the measured speed is the median of
 _SEEN_WINDOW_S = 60.0  # a stricter class decoding this recently keeps its room
 _FINISH_WINDOW_S = 30.0  # finishes counted for the finish rate
 _MIN_FINISHES = 4  # below this many finishes in the window the rate is unknown
+_SEAT_GRACE_S = 2.0  # a held seat waits this long past its due time (or half the wait)
 
 
 def _mix(old: float | None, new: float, w: float = _EWMA) -> float:
@@ -171,6 +173,10 @@ class AdmissionControl:
         self.out_len: dict[str, float] = {}  # class -> output tokens of its finished requests
         self._arrived: deque[float] = deque()  # arrival times of the requests judged
         self._starved: dict[str, float] = {}  # tenant -> when it was last refused room
+        # retry token -> (when its client is due back, when the seat is given up)
+        self._seats: dict[str, tuple[float, float]] = {}
+        self._seat_n = 0
+        self._returns: deque[bool] = deque(maxlen=WINDOW)  # held seats: came back or not
         self.stay_s: float | None = None  # arrival to finish of the requests that finished
         # the last verdict's predictions for the request judged (promise, TPOT, TTFT)
         self._pred: tuple[float | None, float | None, float | None] = (None, None, None)
@@ -458,7 +464,7 @@ class AdmissionControl:
                 t = s.class_slo(cls).tpot_ms if s.knows_class(cls) else None
                 if t:
                     targets[cls] = t
-        n = 1
+        n = 1 + self.held_seats(seq, now)
         for r in itertools.chain(s.running, s.waiting, (seq,)):
             if r is not seq:
                 n += 1
@@ -473,7 +479,7 @@ class AdmissionControl:
             if cls == seq.slo.cls:
                 self._own_tpot = pred
             if self._off_pace(pred, targets[cls]):
-                return cls, pred, targets[cls], self._retry_pace(cls, n, targets[cls], now)
+                return cls, pred, targets[cls], self._retry_pace(cls, n, targets[cls], seq, now)
         return None
 
     def load_over_life(self, n: float, seq: SeqState, now: float) -> float:
@@ -516,7 +522,7 @@ class AdmissionControl:
         are weak evidence, docs/results/admission-issue31.md.)"""
         return pred > target * (1.0 + PACE_TOLERANCE)
 
-    def _retry_pace(self, cls: str, n: int, target: float, now: float) -> float:
+    def _retry_pace(self, cls: str, n: float, target: float, seq: SeqState, now: float) -> float:
         """Seconds until class ``cls`` would keep pace again: the requests that must
         leave the batch of ``n`` for its predicted pace to, at the measured finish rate
         (``CAPACITY_RETRY_S`` while the rate is unknown)."""
@@ -525,7 +531,7 @@ class AdmissionControl:
             return CAPACITY_RETRY_S
         m = n - 1
         while m > 1:
-            pred = self.pace_at(cls, m, target, now)
+            pred = self.pace_at(cls, self.load_over_life(m, seq, now), target, now)
             if pred is None or not self._off_pace(pred, target):
                 break
             m -= 1
@@ -561,12 +567,40 @@ class AdmissionControl:
         )
 
     # ------------------------------------------------------------------ fairness
-    def refused(self, seq: SeqState, reason: str, now: float) -> None:
-        """``seq`` was refused for ``reason`` at ``now``: a tenant refused room (capacity
-        or KV) makes the batch contended (``fair_share_verdict``) for
-        ``_FINISH_WINDOW_S``."""
-        if seq.tenant is not None and reason in _CONTENDED:
+    def refused(self, seq: SeqState, e: AdmissionRejected, now: float) -> None:
+        """``seq`` was refused (``e``) at ``now``: a tenant refused room (capacity or KV)
+        makes the batch contended (``fair_share_verdict``) for ``_FINISH_WINDOW_S``;
+        a refusal for room holds a seat for the client's retry (``e.retry_token``)."""
+        if seq.tenant is not None and e.reason in _CONTENDED:
             self._starved[seq.tenant] = now
+        if e.reason in _CONTENDED:
+            self._seat_n += 1
+            token = f"{self._seat_n:x}-{secrets.token_hex(6)}"
+            due = now + e.retry_after_s
+            self._seats[token] = (due, due + max(_SEAT_GRACE_S, 0.5 * e.retry_after_s))
+            e.retry_token = token
+
+    def use_seat(self, seq: SeqState) -> None:
+        """``seq`` came back with its retry token and was judged: its seat is used."""
+        if seq.retry_token is not None and self._seats.pop(seq.retry_token, None):
+            self._returns.append(True)
+
+    def held_seats(self, seq: SeqState, now: float) -> float:
+        """Seats held for refused clients still to come back, ahead of ``seq`` (every
+        one for a new request, those due before its own for a retry), times the share
+        of held seats whose client came back lately (clients that do not retry hold
+        none)."""
+        for t, (_, gone) in list(self._seats.items()):
+            if gone < now:
+                del self._seats[t]
+                self._returns.append(False)
+        if not self._returns:
+            return 0.0
+        back = sum(self._returns) / len(self._returns)  # the share that came back
+        mine = self._seats.get(seq.retry_token or "")
+        if mine is None:
+            return back * len(self._seats)
+        return back * sum(1 for t, (due, _) in self._seats.items() if due < mine[0])
 
     def fair_share_verdict(self, seq: SeqState, now: float) -> AdmissionRejected | None:
         """A refusal when the batch is contended (another tenant was refused room in the

@@ -158,9 +158,10 @@ class Scheduler:
         ):
             self.counters.count_degraded_on_admission(refused.reason)
             refused = None
+        self.admission.use_seat(seq)
         if refused is not None:
             self.counters.count_shed(refused.reason, seq.cls)
-            self.admission.refused(seq, refused.reason, now)
+            self.admission.refused(seq, refused, now)
             raise refused
         self.admission.admitted(seq, now)
 

@@ -56,6 +56,7 @@ class SeqState:
         "tenant",
         "pred_tpot_ms",
         "pred_ttft_ms",
+        "retry_token",
     )
 
     def __init__(self, rid: int, slo: SLO, arrival: float):
@@ -90,6 +91,7 @@ class SeqState:
         self.promise: float | None = None
         self.pred_tpot_ms: float | None = None
         self.pred_ttft_ms: float | None = None
+        self.retry_token: str | None = None  # the seat it was told to come back for
 
     # ------------------------------------------------------------ provided by subclasses
     @property

@@ -230,10 +230,13 @@ class Engine:
         grammar: GrammarState | None = None,
         cache_salt: str | None = None,
         tenant: str | None = None,
+        retry_token: str | None = None,
     ) -> Request:
         """Validate and queue a request (admission control may shed it with
-        ``AdmissionRejected``); returns its live ``Request``."""
+        ``AdmissionRejected``, whose ``retry_token`` names the seat held for the retry);
+        returns its live ``Request``. ``retry_token``: the seat it comes back for."""
         r = self.new_request(prompt, params, slo, arrival, grammar, cache_salt, tenant)
+        r.retry_token = retry_token
         self.scheduler.add(r)
         return r
 

@@ -41,7 +41,10 @@ def submit_error(
     if isinstance(e, AdmissionRejected):
         state.shed(cls, e.reason, tenant)
         return overloaded(
-            f"request shed by admission control ({e.reason}): {e}", e.reason, e.retry_after_s
+            f"request shed by admission control ({e.reason}): {e}",
+            e.reason,
+            e.retry_after_s,
+            e.retry_token,
         )
     if isinstance(e, ShuttingDown):
         state.shed(cls, SHUTDOWN, tenant, 503)

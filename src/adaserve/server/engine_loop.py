@@ -350,6 +350,7 @@ class EngineLoop:
                 grammar=h.grammar,
                 cache_salt=h.cache_salt,
                 tenant=h.tenant,
+                retry_token=h.retry_token,
             )
         except Exception as exc:  # handed to the awaiting handler
             self._emit(Rejected(h))

@@ -134,9 +134,11 @@ class Handle:
         grammar: Any = None,
         cache_salt: str | None = None,
         tenant: str | None = None,
+        retry_token: str | None = None,
     ):
         self.prompt_ids = prompt_ids
         self.tenant = tenant  # whose request (admission's fair share)
+        self.retry_token = retry_token  # the seat admission held for it (Retry-Token)
         self.cache_salt = cache_salt  # its prefix-cache salt (the tenant's group and its own)
         self.grammar = grammar  # the GrammarState of params.structured_outputs, or None
         self.drop_output = drop_output

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from adaserve.errors import AdaServeError
+from adaserve.errors import RETRY_TOKEN, AdaServeError
 from adaserve.server.protocol import ErrorBody, ErrorResponse
 
 if TYPE_CHECKING:
@@ -71,14 +71,18 @@ def context_error(message: str, param: str) -> ApiError:
     return ApiError(400, message, param=param, code="context_length_exceeded")
 
 
-def overloaded(message: str, reason: str, retry_s: float) -> ApiError:
-    """429: shed by admission control or the scheduler."""
+def overloaded(message: str, reason: str, retry_s: float, token: str | None = None) -> ApiError:
+    """429: shed by admission control or the scheduler; ``token``: the seat held for a
+    retry after ``retry_s`` (sent back in the ``Retry-Token`` header)."""
+    headers = retry_after(retry_s)
+    if token is not None:
+        headers[RETRY_TOKEN] = token
     return ApiError(
         429,
         message,
         type="overloaded_error",
         code="server_overloaded",
-        headers=retry_after(retry_s),
+        headers=headers,
         reason=reason,
     )
 

@@ -11,6 +11,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
+from adaserve.errors import RETRY_TOKEN
 from adaserve.ledger import OverBudget
 from adaserve.server.accounting import key_id_of
 from adaserve.server.config import Tenant
@@ -174,6 +175,7 @@ async def generate(
                         grammar=grammars[i * n + j],
                         cache_salt=tenant.cache_salt(body.cache_salt),
                         tenant=tenant.name,
+                        retry_token=(request.headers.get(RETRY_TOKEN) or "")[:64] or None,
                     )
                 )
                 if constraint is not None:

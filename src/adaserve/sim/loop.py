@@ -237,6 +237,7 @@ class _Run:
         self.uses_draft = bool(policy.uses_draft and cfg.has_draft)
         self._retry_at: list[tuple[float, int, WorkItem]] = []  # refused clients' retries
         self.retries = [0, 0]  # retries made, retries admitted
+        self._tokens: dict[int, str] = {}  # a refused client's retry token, by request
         if policy.uses_draft and not cfg.has_draft:
             raise ValueError(f"policy {self.name!r} needs a draft model")
 
@@ -248,6 +249,8 @@ class _Run:
             self.retries[1] += retry
         except AdmissionRejected as e:
             if self.cfg.retry_refused and not retry:  # once more, when it was told to
+                if e.retry_token is not None:
+                    self._tokens[it.idx] = e.retry_token
                 heapq.heappush(
                     self._retry_at,
                     (
@@ -267,6 +270,7 @@ class _Run:
         ``AdmissionRejected`` when shed, another ``AdaServeError`` when it can never run."""
         self.sched.check_prompt(it.prompt_len)
         r = SimRequest(it, slo)
+        r.retry_token = self._tokens.pop(it.idx, None)
         self.sched.add(r)
         if self.spread:
             r.easy_share = float(self.acc.request_shares(1, self.rng_req)[0])
