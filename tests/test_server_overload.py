@@ -135,9 +135,9 @@ def test_a_retry_token_brings_its_client_to_the_seat_held_for_it(srv):
     body = {"model": "tiny", "prompt": "x = ", "max_tokens": 2, "slo_class": "chat"}
     r = httpx.post(srv.url + "/v1/completions", json=body, headers={"Retry-Token": token})
     assert r.status_code == 200, r.text
-    seats = srv.state.loop.call(lambda e: dict(e.scheduler.admission._seats)).result(30)
-    assert token not in seats
-    assert srv.state.loop.call(lambda e: e.scheduler.admission._returns[-1]).result(30)
+    held = srv.state.loop.call(lambda e: token in e.scheduler.admission.seats).result(30)
+    assert not held
+    assert srv.state.loop.call(lambda e: e.scheduler.admission.seats.returns[-1]).result(30)
 
 
 def _reasons(outcomes) -> dict:

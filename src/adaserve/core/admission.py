@@ -76,13 +76,14 @@ from __future__ import annotations
 
 import itertools
 import math
-import secrets
 import statistics
 from collections import deque
 from typing import TYPE_CHECKING
 
 from adaserve.core.config import CAPACITY_RETRY_S, QUEUE_FULL_RETRY_S
+from adaserve.core.fair_share import FairShare
 from adaserve.core.promise import WINDOW, Calibration
+from adaserve.core.retry_seats import RetrySeats
 from adaserve.errors import AdmissionRejected
 
 # a class's measured pace counts for this long after it last decoded (a stale one,
@@ -116,9 +117,6 @@ TTFT_DEADLINE = "ttft_deadline"
 DEGRADABLE = ("capacity", "ttft")
 # reason of a request refused because the admitted work's KV would overflow the pool
 KV_FULL = "kv"
-# reason of a request refused because its tenant holds more than its fair share of a
-# batch another tenant was refused a place in
-FAIR_SHARE = "fair_share"
 # refusals for lack of room in the batch (decode capacity, KV): they make it contended
 # (a TTFT refusal is the prefill queue ahead, which deadlines order, not seats)
 _CONTENDED = ("capacity", KV_FULL)
@@ -138,7 +136,6 @@ _SPEED_PASSES = 32  # passes the measured speed is the median of
 _SEEN_WINDOW_S = 60.0  # a stricter class decoding this recently keeps its room
 _FINISH_WINDOW_S = 30.0  # finishes counted for the finish rate
 _MIN_FINISHES = 4  # below this many finishes in the window the rate is unknown
-_SEAT_GRACE_S = 2.0  # a held seat waits this long past its due time (or half the wait)
 
 
 def _mix(old: float | None, new: float, w: float = _EWMA) -> float:
@@ -172,11 +169,8 @@ class AdmissionControl:
         self.ttft_cal: dict[str, Calibration] = {}
         self.out_len: dict[str, float] = {}  # class -> output tokens of its finished requests
         self._arrived: deque[float] = deque()  # arrival times of the requests judged
-        self._starved: dict[str, float] = {}  # tenant -> when it was last refused room
-        # retry token -> (when its client is due back, when the seat is given up)
-        self._seats: dict[str, tuple[float, float]] = {}
-        self._seat_n = 0
-        self._returns: deque[bool] = deque(maxlen=WINDOW)  # held seats: came back or not
+        self.fair = FairShare(_FINISH_WINDOW_S)  # each tenant's share of a contended batch
+        self.seats = RetrySeats()  # held for refused clients' retries
         self.stay_s: float | None = None  # arrival to finish of the requests that finished
         # the last verdict's predictions for the request judged (promise, TPOT, TTFT)
         self._pred: tuple[float | None, float | None, float | None] = (None, None, None)
@@ -571,71 +565,23 @@ class AdmissionControl:
         """``seq`` was refused (``e``) at ``now``: a tenant refused room (capacity or KV)
         makes the batch contended (``fair_share_verdict``) for ``_FINISH_WINDOW_S``;
         a refusal for room holds a seat for the client's retry (``e.retry_token``)."""
-        if seq.tenant is not None and e.reason in _CONTENDED:
-            self._starved[seq.tenant] = now
         if e.reason in _CONTENDED:
-            self._seat_n += 1
-            token = f"{self._seat_n:x}-{secrets.token_hex(6)}"
-            due = now + e.retry_after_s
-            self._seats[token] = (due, due + max(_SEAT_GRACE_S, 0.5 * e.retry_after_s))
-            e.retry_token = token
+            self.fair.refused_room(seq.tenant, now)
+        if e.reason in _CONTENDED:
+            e.retry_token = self.seats.hold(now, e.retry_after_s)
 
     def use_seat(self, seq: SeqState) -> None:
         """``seq`` came back with its retry token and was judged: its seat is used."""
-        if seq.retry_token is not None and self._seats.pop(seq.retry_token, None):
-            self._returns.append(True)
+        self.seats.use(seq.retry_token)
 
     def held_seats(self, seq: SeqState, now: float) -> float:
-        """Seats held for refused clients still to come back, ahead of ``seq`` (every
-        one for a new request, those due before its own for a retry), times the share
-        of held seats whose client came back lately (clients that do not retry hold
-        none)."""
-        for t, (_, gone) in list(self._seats.items()):
-            if gone < now:
-                del self._seats[t]
-                self._returns.append(False)
-        if not self._returns:
-            return 0.0
-        back = sum(self._returns) / len(self._returns)  # the share that came back
-        mine = self._seats.get(seq.retry_token or "")
-        if mine is None:
-            return back * len(self._seats)
-        return back * sum(1 for t, (due, _) in self._seats.items() if due < mine[0])
+        """Seats held for retries ahead of ``seq`` (``RetrySeats.ahead``)."""
+        return self.seats.ahead(seq.retry_token, now)
 
     def fair_share_verdict(self, seq: SeqState, now: float) -> AdmissionRejected | None:
-        """A refusal when the batch is contended (another tenant was refused room in the
-        last ``_FINISH_WINDOW_S``) and ``seq``'s tenant would hold more than its fair
-        share of it: the batch's requests (running and queued, with ``seq``) over the
-        tenants that hold or want a place. A tenant within its quota thus cannot keep
-        the seats another tenant is refused: its own requests wait until its share
-        frees, whatever their class."""
-        me = seq.tenant
-        if me is None:
-            return None
-        for t, when in list(self._starved.items()):
-            if now - when > _FINISH_WINDOW_S:
-                del self._starved[t]
-        if not any(t != me for t in self._starved):
-            return None
+        """``FairShare.verdict`` on the scheduler's batch."""
         s = self.sched
-        held: dict[str | None, int] = {}
-        for r in itertools.chain(s.running, s.waiting):
-            held[r.tenant] = held.get(r.tenant, 0) + 1
-        tenants = {t for t in held if t is not None} | set(self._starved) | {me}
-        fair = (sum(held.values()) + 1) / len(tenants)
-        mine = held.get(me, 0) + 1
-        if mine <= fair:
-            return None
-        rate = self.finish_rate(now)
-        total = max(sum(held.values()), 1)
-        # its excess must finish: at the measured finish rate, its share of finishes
-        retry = (mine - fair) / (rate * held.get(me, 0) / total) if rate and held.get(me) else None
-        return AdmissionRejected(
-            f"tenant {me!r} would hold {mine} of the {sum(held.values()) + 1} requests in a "
-            f"batch another tenant was refused room in; its fair share is {fair:.1f}",
-            FAIR_SHARE,
-            max(1.0, retry) if retry else CAPACITY_RETRY_S,
-        )
+        return self.fair.verdict(seq, s.running, s.waiting, self.finish_rate(now), now)
 
     # ------------------------------------------------------------------ decisions
     def verdict(self, seq: SeqState, now: float) -> AdmissionRejected | None:
