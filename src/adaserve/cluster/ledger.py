@@ -86,6 +86,15 @@ class Ledger:
         self.claims: dict[str, list] = {}
         self.interrupted_usage: dict[str, UsageBook] = {}
         self.alive_after_s = 1.0  # a push this long after a claim: the replica lives
+        self.class_targets: dict | None = None  # the deployment's targets record
+
+    # ------------------------------------------------------------------ targets
+    def targets(self, replica_id: str, record: dict | None) -> dict | None:
+        """The deployment's class targets record: the first a replica offered
+        (``cluster.targets``), named by that replica; ``record`` is the caller's own."""
+        if self.class_targets is None and record is not None:
+            self.class_targets = {**record, "replica": replica_id}
+        return self.class_targets
 
     # ------------------------------------------------------------------ quotas
     def enter(self, replica_id: str, tenant: str, settlements: list | None = None) -> tuple:

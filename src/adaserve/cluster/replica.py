@@ -162,6 +162,7 @@ class EngineReplica:
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
         self.ledger = ray.get_actor(ledger_name, namespace=namespace)
+        await self._deployment_targets()
         self.quotas = SharedQuotaBook(self.ledger, self.replica_id)
         self.state.quotas = self.quotas
         self._outbox: list = []
@@ -174,6 +175,23 @@ class EngineReplica:
         self._sync = threading.Thread(target=self._sync_loop, name="adaserve-sync", daemon=True)
         self._sync.start()
         log.info("replica %s serving (pid %d)", self.replica_id, os.getpid())
+
+    async def _deployment_targets(self) -> None:
+        """Judge by the deployment's class targets (``cluster.targets``): offer this
+        replica's own record to the ledger, adopt the one it keeps."""
+        from adaserve.cluster.targets import adopt, own_record
+
+        own = await asyncio.wrap_future(self.eloop.call(own_record))
+        rec = await self.ledger.targets.remote(self.replica_id, own)
+        if rec is not None and rec.get("replica") != self.replica_id:
+
+            def go(e):
+                changed = adopt(e, rec)
+                if changed:
+                    self.eloop.refresh_class_slos()
+                return changed
+
+            await asyncio.wrap_future(self.eloop.call(go))
 
     # ------------------------------------------------------------------ requests
     async def http(self, route: dict, req: dict):

@@ -456,6 +456,11 @@ class EngineLoop:
             drift=_drift_of(e),
         )
 
+    def refresh_class_slos(self) -> None:
+        """The class targets read again from the engine (on the engine thread, after a
+        change of its hardware model's targets)."""
+        self._refresh_class_slos(force=True)
+
     def _refresh_class_slos(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._class_slos_at < 10.0:
