@@ -85,7 +85,7 @@ def replay_engine(eng, policy: str, requests, steps, cfg=None, num_blocks=None, 
     """``sim.replay.replay`` of a recorded run of engine ``eng`` under a fresh
     ``policy``, with the engine's config, profile and pool (``cfg`` / ``num_blocks``
     to replay with others)."""
-    from adaserve.sched.registry import make_policy
+    from adaserve.policies.registry import make_policy
     from adaserve.sim.replay import replay
 
     return replay(

@@ -18,8 +18,8 @@ from adaserve.core.scheduler import Scheduler
 from adaserve.core.seq import SeqState, Status
 from adaserve.core.trace import StepTrace
 from adaserve.errors import AdmissionRejected
-from adaserve.sched.base import Plan, Policy
-from adaserve.sched.hardware import HardwareModel
+from adaserve.policies.base import Plan, Policy
+from adaserve.policies.hardware import HardwareModel
 from adaserve.slo import SLO, SLOClass
 
 CLASSES = (

@@ -295,7 +295,7 @@ def test_pass_speed_is_measured_over_predicted():
     """Each run records how its passes compared with the profile (the figure that
     tells a slow round from a bad plan); passes without a prediction are left out."""
     from adaserve.core.trace import ModelCosts, RunRecorder, StepTrace
-    from adaserve.sched.base import Plan
+    from adaserve.policies.base import Plan
 
     rec = RunRecorder(ModelCosts())
     assert rec.pass_speed() is None

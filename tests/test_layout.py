@@ -9,7 +9,7 @@ import sys
 
 TORCH_FREE = (
     "adaserve.core",
-    "adaserve.sched",
+    "adaserve.policies",
     "adaserve.sim",
     "adaserve.structured",
     "adaserve.ledger",  # the usage ledger: `adaserve usage` reads it without the engine

@@ -15,10 +15,10 @@ from adaserve.bench.workload_spec import WorkItem, WorkloadSpec
 from adaserve.config import EngineConfig
 from adaserve.core.tree import CandidateTree
 from adaserve.errors import AdaServeError, InvalidRequestError
-from adaserve.sched.base import BatchView, ReqView
-from adaserve.sched.hardware import HardwareModel
-from adaserve.sched.oracle import OraclePolicy
-from adaserve.sched.registry import POLICY_NAMES, check_servable, make_policy
+from adaserve.policies.base import BatchView, ReqView
+from adaserve.policies.hardware import HardwareModel
+from adaserve.policies.oracle import OraclePolicy
+from adaserve.policies.registry import POLICY_NAMES, check_servable, make_policy
 from adaserve.sim import presets
 from adaserve.sim.acceptance import AcceptanceModel
 from adaserve.sim.acceptance_params import AcceptanceParams

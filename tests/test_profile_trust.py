@@ -16,9 +16,9 @@ from adaserve.config import EngineConfig
 from adaserve.core.clock import TickClock
 from adaserve.core.stalls import StallDetector
 from adaserve.engine.engine import Engine
+from adaserve.policies.hardware import HardwareModel
+from adaserve.policies.profile_stats import check_step
 from adaserve.sampling import SamplingParams
-from adaserve.sched.hardware import HardwareModel
-from adaserve.sched.profile_stats import check_step
 
 KV = 4 << 20
 

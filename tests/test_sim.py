@@ -11,10 +11,10 @@ import pytest
 from adaserve.bench.runner import class_slos
 from adaserve.bench.workload import build_workload
 from adaserve.bench.workload_spec import WorkItem, WorkloadSpec
-from adaserve.sched.base import top_f_nodes
-from adaserve.sched.calibration import Calibrator
-from adaserve.sched.hardware import HardwareModel
-from adaserve.sched.registry import make_policy
+from adaserve.policies.base import top_f_nodes
+from adaserve.policies.calibration import Calibrator
+from adaserve.policies.hardware import HardwareModel
+from adaserve.policies.registry import make_policy
 from adaserve.sim import presets
 from adaserve.sim.acceptance import (
     AcceptanceModel,

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from adaserve.core.config import SchedulerConfig
 from adaserve.errors import AdaServeError, InvalidRequestError
-from adaserve.sched.drift import DriftConfig
-from adaserve.sched.registry import check_servable
+from adaserve.policies.drift import DriftConfig
+from adaserve.policies.registry import check_servable
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class EngineConfig(SchedulerConfig):
                          leaves [``drift_low``, ``drift_high``] it is reported (log,
                          metric, dashboard), at most once per ``drift_min_interval_s``;
                          the profile is never re-measured inside the serving loop
-                         (see ``adaserve.sched.drift``)
+                         (see ``adaserve.policies.drift``)
     threads:             intra-op threads of the forward passes (None: ``$ADASERVE_NUM_THREADS``,
                          ``$OMP_NUM_THREADS``, else the usable cores less a reserve;
                          see ``adaserve.threads``)

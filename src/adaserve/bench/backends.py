@@ -47,7 +47,7 @@ class InProcessBackend:
         self.classes = self.cfg.classes
         self.factory = EngineFactory(self.cfg)
         self.policies = parse_policies(args.policies)
-        from adaserve.sched.registry import check_servable
+        from adaserve.policies.registry import check_servable
 
         for p in self.policies:  # before the models load
             check_servable(p)

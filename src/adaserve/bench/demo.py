@@ -196,7 +196,7 @@ def run(args) -> int:
     from adaserve.bench.metrics import summarize
     from adaserve.bench.report import write_report
     from adaserve.bench.runner import class_slos, run_http, server_targets
-    from adaserve.sched.registry import check_servable, make_policy
+    from adaserve.policies.registry import check_servable, make_policy
     from adaserve.slo import DEFAULT_CLASSES
     from adaserve.tokenizer import load_tokenizer
 

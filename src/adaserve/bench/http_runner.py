@@ -201,7 +201,7 @@ async def _measure_unloaded(client, model, n: int) -> float:
 
 async def _reported_unloaded(client) -> float | None:
     """The unloaded TPOT an adaserve server resolves its class targets with (its
-    ``/v1/slo/report``: the profile's, ``sched.hardware.unloaded_tpot_ms``); None from
+    ``/v1/slo/report``: the profile's, ``policies.hardware.unloaded_tpot_ms``); None from
     a server that reports none (a peer such as vLLM)."""
     try:
         r = await client.get("/v1/slo/report")

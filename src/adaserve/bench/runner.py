@@ -60,7 +60,7 @@ class EngineFactory:
 
 def set_policy(engine, policy: str) -> None:
     """Switch ``engine`` to ``policy``, loading the hardware profile if it needs one."""
-    from adaserve.sched.registry import make_policy
+    from adaserve.policies.registry import make_policy
 
     pol = make_policy(policy)
     if pol.uses_draft and engine.draft is None:

@@ -9,10 +9,10 @@ import time
 import numpy as np
 
 from adaserve.core.tree import CandidateTree
-from adaserve.sched.adaptive import AdaServePolicy
-from adaserve.sched.base import BatchView, ReqView
-from adaserve.sched.calibration import Calibrator
-from adaserve.sched.hardware import HardwareModel
+from adaserve.policies.base import BatchView, ReqView
+from adaserve.policies.budgeted import AdaServePolicy
+from adaserve.policies.calibration import Calibrator
+from adaserve.policies.hardware import HardwareModel
 
 # the reference experiment's 70B target on 4 A100s (design note, section 6)
 REFERENCE_HW = HardwareModel.from_dict(

@@ -458,7 +458,7 @@ def replica_stats(replica_id: str, scheduler, policy, now_s: float) -> ReplicaSt
     ``load_hints``. The planner's own pass is no load signal: it
     spends whatever slack there is on deeper trees and prefill.
     """
-    from adaserve.sched.typical_tree import gain_curve
+    from adaserve.policies.typical_tree import gain_curve
 
     cfg, hw = scheduler.cfg, scheduler.hw
     running, waiting = list(scheduler.running), list(scheduler.waiting)

@@ -44,7 +44,7 @@ from adaserve.core.step import Batch, SchedulerOutput, StepInputs, StepOutcome
 from adaserve.core.trace import StepTrace
 from adaserve.core.tree import scratch_slots_needed
 from adaserve.errors import InvalidRequestError, PromptTooLongError
-from adaserve.sched.base import BatchView, Plan, Policy, ReqView
+from adaserve.policies.base import BatchView, Plan, Policy, ReqView
 from adaserve.slo import SLO, SLOClass, looser_slo
 
 # context tokens per sequence assumed when pricing the full-batch capacity
@@ -83,7 +83,7 @@ class Scheduler:
         )
         self.max_model_len = int(max_model_len)
         self.hw = hw
-        self.power = power  # sched.power.PowerModel, handed to policies in the view
+        self.power = power  # policies.power.PowerModel, handed to policies in the view
         self.counters = counters if counters is not None else Counters()
         self._unloaded = unloaded_tpot_ms
         self._classes: dict[str, SLOClass] = {c.name: c for c in cfg.classes}

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from adaserve.core.seq import SeqState
 from adaserve.core.trace import StepTrace
-from adaserve.sched.base import BatchView, Plan
+from adaserve.policies.base import BatchView, Plan
 
 if TYPE_CHECKING:  # the scheduler imports this module
     from adaserve.core.scheduler import Scheduler

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from adaserve.core.counters import admission_summary
-from adaserve.sched.base import Plan
+from adaserve.policies.base import Plan
 
 
 @dataclass

@@ -28,13 +28,13 @@ from adaserve.engine.model_runner import ModelRunner
 from adaserve.engine.output import OutputProcessor
 from adaserve.engine.selection_log import SelectionLog
 from adaserve.errors import AdaServeError, InvalidRequestError, ModelLoadError
+from adaserve.policies.base import Policy
+from adaserve.policies.calibration import Calibrator
+from adaserve.policies.drift import DriftMonitor
+from adaserve.policies.power import PowerModel
+from adaserve.policies.registry import check_servable, make_policy
 from adaserve.request import Request
 from adaserve.sampling import SamplingParams
-from adaserve.sched.base import Policy
-from adaserve.sched.calibration import Calibrator
-from adaserve.sched.drift import DriftMonitor
-from adaserve.sched.power import PowerModel
-from adaserve.sched.registry import check_servable, make_policy
 from adaserve.slo import SLO
 from adaserve.structured.manager import StructuredOutputs
 from adaserve.structured.matcher import GrammarState

@@ -10,8 +10,8 @@ from adaserve.core.step import Commit
 from adaserve.core.tree import CandidateTree
 from adaserve.engine.model_runner import logprob_entries
 from adaserve.engine.verification import StepResult
+from adaserve.policies.calibration import Calibrator
 from adaserve.request import Request
-from adaserve.sched.calibration import Calibrator
 from adaserve.tokenizer import Tokenizer
 
 

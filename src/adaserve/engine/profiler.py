@@ -14,8 +14,8 @@ import torch
 from adaserve.kv.cache import KVCache
 from adaserve.models.attention import AttnMetadata, SeqSpec
 from adaserve.models.llama import LlamaModel
-from adaserve.sched.hardware import SCHEMA
-from adaserve.sched.profile_stats import (
+from adaserve.policies.hardware import SCHEMA
+from adaserve.policies.profile_stats import (
     PointStats,
     SanityLimits,
     check_profile,
@@ -221,8 +221,8 @@ def measure_step_overhead(engine, new_tokens: int = 24) -> list[float]:
     steps without speculation, the first two dropped as warm-up): the engine's whole
     iteration, forward pass, scheduling, metadata and sampling included. The host
     overhead is their median less the profiled one-token verification."""
+    from adaserve.policies.static import AutoregressivePolicy
     from adaserve.sampling import SamplingParams
-    from adaserve.sched.static import AutoregressivePolicy
     from adaserve.slo import SLO
 
     saved = engine.policy

@@ -10,7 +10,7 @@ import os
 import time
 
 from adaserve.core.tree import CandidateTree
-from adaserve.sched.base import BatchView, Plan, Policy
+from adaserve.policies.base import BatchView, Plan, Policy
 
 
 class SelectionLog:

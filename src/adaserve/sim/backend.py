@@ -27,7 +27,7 @@ class SimBackend:
 
     def __init__(self, args):
         from adaserve.bench.energy import device_energy
-        from adaserve.sched.power import PowerModel
+        from adaserve.policies.power import PowerModel
         from adaserve.sim import presets
         from adaserve.sim.acceptance import AcceptanceModel
         from adaserve.sim.loop import SimConfig, Simulator
@@ -106,7 +106,7 @@ class SimBackend:
         )
         self.policies = parse_policies(args.policies)
         if not self.cfg.has_draft:
-            from adaserve.sched.registry import make_policy
+            from adaserve.policies.registry import make_policy
 
             self.policies = [p for p in self.policies if not make_policy(p).uses_draft]
             if not self.policies:
@@ -141,7 +141,7 @@ class SimBackend:
     def run(self, spec, items, policy: str, progress: bool):
         from adaserve.bench.metrics import summarize
         from adaserve.bench.slo_targets import class_slos
-        from adaserve.sched.registry import make_policy
+        from adaserve.policies.registry import make_policy
 
         slos = class_slos(
             classes_of(spec, items),

@@ -35,7 +35,7 @@ from adaserve.cluster.routing import Router, RouteRequest, replica_stats, with_r
 from adaserve.core.counters import Counters
 from adaserve.core.trace import RunTimeline
 from adaserve.errors import AdaServeError, AdmissionRejected
-from adaserve.sched.base import Policy
+from adaserve.policies.base import Policy
 from adaserve.sim.loop import Simulator, _Run, run_recorder
 from adaserve.slo import SLO
 

@@ -45,9 +45,9 @@ from adaserve.core.step import (
 )
 from adaserve.core.trace import ModelCosts, RunRecorder, RunTimeline
 from adaserve.errors import AdaServeError, AdmissionRejected
-from adaserve.sched.base import BatchView, Plan, Policy
-from adaserve.sched.calibration import Calibrator
-from adaserve.sched.hardware import HardwareModel
+from adaserve.policies.base import BatchView, Plan, Policy
+from adaserve.policies.calibration import Calibrator
+from adaserve.policies.hardware import HardwareModel
 from adaserve.sim.acceptance import (
     AcceptanceModel,
     TreeBatch,
@@ -118,7 +118,7 @@ class Simulator:
         power=None,
     ):
         self.hw = hw
-        self.power = power  # sched.power.PowerModel for the planners' power constraints
+        self.power = power  # policies.power.PowerModel for the planners' power constraints
         self.acc = acceptance
         self.cfg = cfg or SimConfig()
         self.seed_stats = seed_stats

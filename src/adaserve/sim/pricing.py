@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from adaserve.sched.hardware import HardwareModel
+from adaserve.policies.hardware import HardwareModel
 
 
 @dataclass(frozen=True)

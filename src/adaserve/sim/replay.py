@@ -19,8 +19,8 @@ from adaserve.core.scheduler import Batch
 from adaserve.core.step import StepInputs, run_step
 from adaserve.core.trace import StepTrace
 from adaserve.errors import AdmissionRejected
-from adaserve.sched.base import BatchView, Plan, Policy
-from adaserve.sched.hardware import HardwareModel
+from adaserve.policies.base import BatchView, Plan, Policy
+from adaserve.policies.hardware import HardwareModel
 from adaserve.sim.acceptance import AcceptanceModel
 from adaserve.sim.acceptance_params import AcceptanceParams
 from adaserve.sim.loop import PassOutcome, SimConfig, SimRequest, Simulator, _Run

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from adaserve.errors import InvalidRequestError
-from adaserve.sched.base import Policy
-from adaserve.sched.static import AUTOREGRESSIVE_POLICIES, StaticSpecPolicy
+from adaserve.policies.base import Policy
+from adaserve.policies.static import AUTOREGRESSIVE_POLICIES, StaticSpecPolicy
 
 POLICY_NAMES = (
     "adaserve",
@@ -44,7 +44,7 @@ def make_policy(name: str, **kwargs) -> Policy:
         if head == "oracle":
             return _oracle(arg)
         if head in ("adaserve", "smartspec", "dyn-tree"):
-            from adaserve.sched.budgeted import make_adaptive
+            from adaserve.policies.budgeted import make_adaptive
 
             overrides = _overrides(name, arg)
             try:
@@ -63,7 +63,7 @@ def make_policy(name: str, **kwargs) -> Policy:
 def _oracle(arg: str) -> Policy:
     """``oracle`` / ``oracle:DxW`` / ``oracle[:DxW]:compose`` (ValueError for any other
     form). ``compose``: the prefill of adaserve's pass composition instead of FCFS."""
-    from adaserve.sched.oracle import ORACLE_DEPTH, ORACLE_WIDTH, OraclePolicy, composed_prefill
+    from adaserve.policies.oracle import ORACLE_DEPTH, ORACLE_WIDTH, OraclePolicy, composed_prefill
 
     parts = arg.lower().split(":") if arg else []
     compose = bool(parts) and parts[-1] == "compose"
@@ -106,7 +106,7 @@ def _overrides(name: str, arg: str) -> dict:
     """``key=value:key=value`` -> AdaptiveConfig fields, typed like their defaults."""
     import dataclasses
 
-    from adaserve.sched.budgeted import AdaptiveConfig
+    from adaserve.policies.budgeted import AdaptiveConfig
 
     fields = {f.name: f for f in dataclasses.fields(AdaptiveConfig)}
     defaults = AdaptiveConfig()

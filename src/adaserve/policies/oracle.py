@@ -25,7 +25,7 @@ import numpy as np
 
 from adaserve.core.tree import CandidateTree
 from adaserve.errors import AdaServeError
-from adaserve.sched.base import BatchView, ClairvoyantPolicy, Plan, chunk_prefills
+from adaserve.policies.base import BatchView, ClairvoyantPolicy, Plan, chunk_prefills
 
 ORACLE_DEPTH, ORACLE_WIDTH = 4, 4  # the study's oracle:4x4
 ORACLE_PREFILL_CHUNK = 256  # as AdaptiveConfig.prefill_chunk (dyn-tree's default)
@@ -100,10 +100,10 @@ class OraclePolicy(ClairvoyantPolicy):
 
 def composed_prefill() -> PrefillFn:
     """A prefill function that composes the pass as ``adaserve`` does (firm prefill
-    first, relaxed prefill into the on-pace decoders' slack, ``sched/composition.py``):
+    first, relaxed prefill into the on-pace decoders' slack, ``policies/composition.py``):
     the prefill of an ``adaserve`` plan for the same view. That plan prices its own
     trees rather than the oracle's, so the slack it sees is adaserve's."""
-    from adaserve.sched.budgeted import AdaServePolicy
+    from adaserve.policies.budgeted import AdaServePolicy
 
     inner = AdaServePolicy()
 

@@ -18,8 +18,8 @@ from functools import lru_cache
 import numpy as np
 
 from adaserve.core.tree import CandidateTree
-from adaserve.sched import plan_kernel
-from adaserve.sched.base import (
+from adaserve.policies import plan_kernel
+from adaserve.policies.base import (
     BatchView,
     LoadHints,
     Plan,
@@ -29,15 +29,15 @@ from adaserve.sched.base import (
     chunk_prefills,
     prefill_pairs,
 )
-from adaserve.sched.budgeted import exploration, pass_composition, phases, requirements
-from adaserve.sched.budgeted.columns import Columns
-from adaserve.sched.budgeted.config import DEPTHS, AdaptiveConfig
-from adaserve.sched.budgeted.constraints import PowerLimits, power_fallback
-from adaserve.sched.budgeted.evaluation import DepthEvaluation, ShapeChoice, evaluate_depths
-from adaserve.sched.budgeted.margin import MarginEstimate
-from adaserve.sched.budgeted.widths import AcceptanceByRank, load_width, reach, tree_widths
-from adaserve.sched.correction import OnlineCorrection
-from adaserve.sched.typical_tree import depth_curve
+from adaserve.policies.budgeted import exploration, pass_composition, phases, requirements
+from adaserve.policies.budgeted.columns import Columns
+from adaserve.policies.budgeted.config import DEPTHS, AdaptiveConfig
+from adaserve.policies.budgeted.constraints import PowerLimits, power_fallback
+from adaserve.policies.budgeted.evaluation import DepthEvaluation, ShapeChoice, evaluate_depths
+from adaserve.policies.budgeted.margin import MarginEstimate
+from adaserve.policies.budgeted.widths import AcceptanceByRank, load_width, reach, tree_widths
+from adaserve.policies.correction import OnlineCorrection
+from adaserve.policies.typical_tree import depth_curve
 
 # (score, rate, depth index, width index) of a candidate shape
 Candidate = tuple[float, float, int, int]

@@ -30,13 +30,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from adaserve.sched.base import Plan, ReqView
-from adaserve.sched.budgeted.columns import Columns
-from adaserve.sched.budgeted.config import AdaptiveConfig
-from adaserve.sched.budgeted.evaluation import DepthEvaluation, ShapeChoice
-from adaserve.sched.budgeted.overload import InfeasibleStreaks
-from adaserve.sched.budgeted.phases import slo_phase_counts
-from adaserve.sched.budgeted.planner import BudgetedPolicy, BudgetedState, Candidate
+from adaserve.policies.base import Plan, ReqView
+from adaserve.policies.budgeted.columns import Columns
+from adaserve.policies.budgeted.config import AdaptiveConfig
+from adaserve.policies.budgeted.evaluation import DepthEvaluation, ShapeChoice
+from adaserve.policies.budgeted.overload import InfeasibleStreaks
+from adaserve.policies.budgeted.phases import slo_phase_counts
+from adaserve.policies.budgeted.planner import BudgetedPolicy, BudgetedState, Candidate
 
 
 class AdaServePolicy(BudgetedPolicy):

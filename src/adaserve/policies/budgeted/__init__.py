@@ -13,11 +13,11 @@
 * ``policies``: the three policies and ``make_adaptive``
 """
 
-from adaserve.sched.budgeted.columns import Columns
-from adaserve.sched.budgeted.config import DEPTHS, EXTRAS, AdaptiveConfig
-from adaserve.sched.budgeted.evaluation import DepthEvaluation, ShapeChoice
-from adaserve.sched.budgeted.planner import BudgetedPolicy, BudgetedState
-from adaserve.sched.budgeted.policies import (
+from adaserve.policies.budgeted.columns import Columns
+from adaserve.policies.budgeted.config import DEPTHS, EXTRAS, AdaptiveConfig
+from adaserve.policies.budgeted.evaluation import DepthEvaluation, ShapeChoice
+from adaserve.policies.budgeted.planner import BudgetedPolicy, BudgetedState
+from adaserve.policies.budgeted.policies import (
     ADAPTIVE_POLICIES,
     AdaServePolicy,
     DynTreePolicy,

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from adaserve.sched.budgeted.columns import Columns
-from adaserve.sched.budgeted.config import AdaptiveConfig
+from adaserve.policies.budgeted.columns import Columns
+from adaserve.policies.budgeted.config import AdaptiveConfig
 
 
 def coefficients(a: Columns, cfg: AdaptiveConfig, margin: float) -> tuple[np.ndarray, np.ndarray]:

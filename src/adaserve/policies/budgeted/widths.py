@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from adaserve.sched.budgeted.config import AdaptiveConfig
-from adaserve.sched.typical_tree import gain_curve
+from adaserve.policies.budgeted.config import AdaptiveConfig
+from adaserve.policies.typical_tree import gain_curve
 
 
 class AcceptanceByRank:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from adaserve.sched.base import ReqView
+from adaserve.policies.base import ReqView
 
 
 @dataclass

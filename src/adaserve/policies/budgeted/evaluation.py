@@ -2,7 +2,7 @@
 this batch (``DepthEvaluation``), and the shape a plan takes (``ShapeChoice``).
 
 Per-batch constants are computed here, the per-depth, per-request work in compiled
-loops (``sched/plan_kernel.py``).
+loops (``policies/plan_kernel.py``).
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from adaserve.sched import plan_kernel
-from adaserve.sched.base import BatchView
-from adaserve.sched.budgeted.columns import Columns
-from adaserve.sched.budgeted.config import EXTRAS, AdaptiveConfig
-from adaserve.sched.typical_tree import curve_rows
+from adaserve.policies import plan_kernel
+from adaserve.policies.base import BatchView
+from adaserve.policies.budgeted.columns import Columns
+from adaserve.policies.budgeted.config import EXTRAS, AdaptiveConfig
+from adaserve.policies.typical_tree import curve_rows
 
 _EMPTY = np.zeros(0)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from adaserve.sched.base import Plan, ReqView
-from adaserve.sched.budgeted.columns import Columns
-from adaserve.sched.budgeted.config import AdaptiveConfig
-from adaserve.sched.budgeted.evaluation import ShapeChoice
+from adaserve.policies.base import Plan, ReqView
+from adaserve.policies.budgeted.columns import Columns
+from adaserve.policies.budgeted.config import AdaptiveConfig
+from adaserve.policies.budgeted.evaluation import ShapeChoice
 
 
 class InfeasibleStreaks:

@@ -47,7 +47,7 @@ class AdaptiveConfig:
     # (0 = the highest predicted rate; 0.03 was 2 points worse on the A100 preset at
     # 10 req/s and within noise on the CPU profile: docs/results/shape-choice.md)
     rate_tolerance: float = 0.0
-    # ``adaserve``: compose the pass (sched/composition.py): prefill of classes of rank
+    # ``adaserve``: compose the pass (policies/composition.py): prefill of classes of rank
     # >= defer_rank runs only into the on-pace decoders' slack until its latest start
     # (a request without a TTFT target is treated as one of no_ttft_defer_ms)
     compose: bool = True
@@ -68,7 +68,7 @@ class AdaptiveConfig:
     # to the strict ones. 0 = never automatically (docs/results/engine-issue30.md)
     sit_out_steepness: float = 2.5
     min_slack_tokens: int = 0  # soft prefill smaller than this waits (0: any slack is used)
-    # power as a constraint (sched/power.py; needs the view's PowerModel): shapes whose
+    # power as a constraint (policies/power.py; needs the view's PowerModel): shapes whose
     # predicted power (W, the deployment's) exceeds power_cap_w, or whose predicted
     # energy per expected accepted token (J) exceeds energy_per_token_j, are not
     # options; depth 0 always is (a plan whose depth 0 exceeds them notes

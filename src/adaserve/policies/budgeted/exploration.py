@@ -8,7 +8,7 @@ chains only drafts width-2 trees instead (``adaserve``; 0 = never).
 
 from __future__ import annotations
 
-from adaserve.sched.budgeted.config import AdaptiveConfig
+from adaserve.policies.budgeted.config import AdaptiveConfig
 
 
 def explored_widths(widths: tuple[int, ...], plans: int, cfg: AdaptiveConfig) -> tuple[int, ...]:

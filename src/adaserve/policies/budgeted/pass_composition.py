@@ -1,5 +1,5 @@
 """The ``adaserve`` pass: which prefill shares it (``compose``, built on
-``sched/composition.py``) and which relaxed decoders sit it out (``sit_out``)."""
+``policies/composition.py``) and which relaxed decoders sit it out (``sit_out``)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from adaserve.sched import composition
-from adaserve.sched.base import BatchView, ReqView
-from adaserve.sched.budgeted.columns import Columns
-from adaserve.sched.budgeted.config import AdaptiveConfig
-from adaserve.sched.budgeted.evaluation import ShapeChoice
-from adaserve.sched.budgeted.requirements import coefficients, requirements
-from adaserve.sched.budgeted.widths import reach
-from adaserve.sched.typical_tree import gain_curve
+from adaserve.policies import composition
+from adaserve.policies.base import BatchView, ReqView
+from adaserve.policies.budgeted.columns import Columns
+from adaserve.policies.budgeted.config import AdaptiveConfig
+from adaserve.policies.budgeted.evaluation import ShapeChoice
+from adaserve.policies.budgeted.requirements import coefficients, requirements
+from adaserve.policies.budgeted.widths import reach
+from adaserve.policies.typical_tree import gain_curve
 
 ShapeFn = Callable[[dict[int, int]], ShapeChoice]  # prefill -> the best shape for it
 
@@ -30,7 +30,7 @@ def compose(
     theta: np.ndarray,
     margin: float,
 ) -> tuple[dict[int, int], ShapeChoice]:
-    """The pass's prefill and tree shape, composed (``sched/composition.py``):
+    """The pass's prefill and tree shape, composed (``policies/composition.py``):
     firm prefill (strict classes, and requests at their latest start) first in
     TTFT-deadline order; soft prefill only into the slack the on-pace decoders
     leave under the plan made without it; then the trees re-planned around the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from adaserve.sched.budgeted.config import AdaptiveConfig
+from adaserve.policies.budgeted.config import AdaptiveConfig
 
 
 class MarginEstimate:
