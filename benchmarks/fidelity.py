@@ -113,7 +113,7 @@ def speed_trace(samples: list[dict], profile: Path, window: float) -> dict | Non
     factor). The measured time includes the policy's decisions, so simulate it with
     ``--selection-time none``. {"t_s": [...], "factor": [...]}, or None when the
     timeline does not record the iterations' work."""
-    from adaserve.policies.hardware import HardwareModel
+    from adaserve.hardware.model import HardwareModel
     from adaserve.sim.pricing import HostOverhead
 
     prof = json.loads(profile.read_text())

@@ -9,12 +9,12 @@ import pytest
 
 from adaserve.core.clock import ManualClock
 from adaserve.core.config import SchedulerConfig
+from adaserve.core.policy import BatchView, Plan, Policy, ReqView
 from adaserve.core.scheduler import Scheduler, looser_slo
 from adaserve.core.seq import SeqState
+from adaserve.hardware.model import HardwareModel
 from adaserve.policies import composition
-from adaserve.policies.base import BatchView, Plan, Policy, ReqView
 from adaserve.policies.budgeted import AdaptiveConfig, AdaServePolicy, DynTreePolicy
-from adaserve.policies.hardware import HardwareModel
 from adaserve.policies.typical_tree import gain_curve
 from adaserve.slo import SLO, SLOClass
 

@@ -27,8 +27,8 @@ from server_fixtures import (
 
 from adaserve import dashboard_page
 from adaserve.config import EngineConfig
+from adaserve.core.policy import Plan
 from adaserve.core.trace import StepTrace, sample
-from adaserve.policies.base import Plan
 from adaserve.server import parse_config
 from adaserve.server.auth import TenantRegistry
 from adaserve.server.config import tomllib

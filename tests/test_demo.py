@@ -16,8 +16,8 @@ from adaserve.bench.demo import (
     demo_workload,
     run,
 )
+from adaserve.engine.profile import targets_path_for
 from adaserve.errors import InvalidRequestError
-from adaserve.profile import targets_path_for
 
 _env = pytest.fixture(scope="module", autouse=True)(server_test_env)
 

@@ -26,7 +26,7 @@ TORCH_FREE_MODULES = (
     "adaserve.bench.arrivals",
     "adaserve.bench.datasets",
     "adaserve.bench.metrics",
-    "adaserve.bench.energy",
+    "adaserve.hardware.energy",
     "adaserve.bench.capacity",
     "adaserve.bench.tables",
     "adaserve.bench.markdown",

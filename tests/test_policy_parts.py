@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from adaserve.policies.base import BatchView, ClairvoyantPolicy, LoadHints, Policy, ReqView
+from adaserve.core.policy import BatchView, ClairvoyantPolicy, LoadHints, Policy, ReqView
+from adaserve.hardware.model import HardwareModel
 from adaserve.policies.budgeted import AdaptiveConfig, BudgetedState, DepthEvaluation
-from adaserve.policies.hardware import HardwareModel
 from adaserve.policies.oracle import OraclePolicy
 from adaserve.policies.registry import make_policy
 from adaserve.policies.static import (

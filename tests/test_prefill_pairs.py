@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adaserve import profile
-from adaserve.policies.base import BatchView, ReqView, prefill_pairs
+from adaserve.core.policy import BatchView, ReqView, prefill_pairs
+from adaserve.engine import profile
+from adaserve.hardware.model import HardwareModel
 from adaserve.policies.budgeted import AdaptiveConfig, AdaServePolicy, DynTreePolicy
-from adaserve.policies.hardware import HardwareModel
 
 PAIR = 2e-4  # ms per pair
 CURVE = {"tokens": [1, 64, 256, 1024], "latency_ms": [10.0, 14.0, 30.0, 90.0]}

@@ -10,16 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from adaserve import profile
 from adaserve.bench.runner import class_slos
 from adaserve.config import EngineConfig
 from adaserve.core.clock import TickClock
-from adaserve.engine import profiler
+from adaserve.engine import profile, profiler
 from adaserve.engine.engine import Engine, build_engine
 from adaserve.errors import InvalidRequestError
-from adaserve.policies.drift import DriftConfig, DriftMonitor
-from adaserve.policies.hardware import UNLOADED_KV_TOKENS, HardwareModel, unloaded_tpot_ms
-from adaserve.policies.profile_stats import SanityLimits, check_profile, summarize, time_points
+from adaserve.hardware.drift import DriftConfig, DriftMonitor
+from adaserve.hardware.model import UNLOADED_KV_TOKENS, HardwareModel, unloaded_tpot_ms
+from adaserve.hardware.profile_stats import SanityLimits, check_profile, summarize, time_points
 from adaserve.sampling import SamplingParams
 from adaserve.slo import DEFAULT_CLASSES
 

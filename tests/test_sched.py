@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 
 from adaserve import LLM, SLO, SamplingParams
 from adaserve.core.clock import TickClock
+from adaserve.core.policy import NO_BUDGET, BatchView, Plan, ReqView
 from adaserve.core.tree import CandidateTree, is_connected
 from adaserve.engine import Faults
-from adaserve.policies.base import NO_BUDGET, BatchView, Plan, ReqView
+from adaserve.hardware.calibration import Calibrator
+from adaserve.hardware.model import HardwareModel
 from adaserve.policies.budgeted import (
     DEPTHS,
     AdaptiveConfig,
@@ -28,8 +30,6 @@ from adaserve.policies.budgeted import (
 )
 from adaserve.policies.budgeted.columns import Columns
 from adaserve.policies.budgeted.config import EXTRAS
-from adaserve.policies.calibration import Calibrator
-from adaserve.policies.hardware import HardwareModel
 from adaserve.policies.typical_tree import gain_curve
 
 HW = HardwareModel.from_dict(

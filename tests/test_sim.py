@@ -11,9 +11,9 @@ import pytest
 from adaserve.bench.runner import class_slos
 from adaserve.bench.workload import build_workload
 from adaserve.bench.workload_spec import WorkItem, WorkloadSpec
-from adaserve.policies.base import top_f_nodes
-from adaserve.policies.calibration import Calibrator
-from adaserve.policies.hardware import HardwareModel
+from adaserve.core.policy import top_f_nodes
+from adaserve.hardware.calibration import Calibrator
+from adaserve.hardware.model import HardwareModel
 from adaserve.policies.registry import make_policy
 from adaserve.sim import presets
 from adaserve.sim.acceptance import (

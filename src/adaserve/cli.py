@@ -188,7 +188,7 @@ def _cmd_profile(args) -> int:
 
     from adaserve.config import EngineConfig
     from adaserve.engine import build_engine
-    from adaserve.profile import profile_engine
+    from adaserve.engine.profile import profile_engine
 
     model, draft, no_draft, shapes = args.model, args.draft, args.no_draft, None
     with tempfile.TemporaryDirectory() as tmp:
@@ -240,7 +240,7 @@ def _cmd_profile(args) -> int:
 def _profile_into_cache(eng, args) -> int:
     """``adaserve profile`` without ``--out``: measure, then adopt into the cache the
     server reads (kept out when slower than the stored spread, unless --reprofile)."""
-    from adaserve import profile
+    from adaserve.engine import profile
 
     path = profile.cached_profile_path(eng)
     prof = profile.measure_checked(eng, reps=args.reps)
@@ -345,7 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _attach("adaserve.server.cli", "add_arguments", s)
-    s.set_defaults(func=lambda a: _delegate("adaserve.server.cli", "run")(a))
+    s.set_defaults(
+        func=lambda a: _delegate("adaserve.server.cli", "run")(
+            a, _delegate("adaserve.cluster.serve_app", "run_replicas")
+        )
+    )
 
     u = sub.add_parser("usage", help="read the usage ledger (totals, rows, reports)")
     _attach("adaserve.ledger.cli", "add_arguments", u)

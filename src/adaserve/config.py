@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from adaserve.core.config import SchedulerConfig
 from adaserve.errors import AdaServeError, InvalidRequestError
-from adaserve.policies.drift import DriftConfig
+from adaserve.hardware.drift import DriftConfig
 from adaserve.policies.registry import check_servable
 
 
@@ -34,13 +34,13 @@ class EngineConfig(SchedulerConfig):
                          leaves [``drift_low``, ``drift_high``] it is reported (log,
                          metric, dashboard), at most once per ``drift_min_interval_s``;
                          the profile is never re-measured inside the serving loop
-                         (see ``adaserve.policies.drift``)
+                         (see ``adaserve.hardware.drift``)
     threads:             intra-op threads of the forward passes (None: ``$ADASERVE_NUM_THREADS``,
                          ``$OMP_NUM_THREADS``, else the usable cores less a reserve;
                          see ``adaserve.threads``)
     reprofile:           adopt a freshly measured profile even when it is slower than
                          the stored one's spread, and take its class targets
-                         (``--reprofile``; see ``adaserve.profile``)
+                         (``--reprofile``; see ``adaserve.engine.profile``)
     structured_outputs_backend: the grammar library of constrained requests:
                          "llguidance", "xgrammar" or "auto" (llguidance; see
                          ``adaserve.structured.compiler``)

@@ -8,11 +8,11 @@ import time
 
 import numpy as np
 
+from adaserve.core.policy import BatchView, ReqView
 from adaserve.core.tree import CandidateTree
-from adaserve.policies.base import BatchView, ReqView
+from adaserve.hardware.calibration import Calibrator
+from adaserve.hardware.model import HardwareModel
 from adaserve.policies.budgeted import AdaServePolicy
-from adaserve.policies.calibration import Calibrator
-from adaserve.policies.hardware import HardwareModel
 
 # the reference experiment's 70B target on 4 A100s (design note, section 6)
 REFERENCE_HW = HardwareModel.from_dict(

@@ -19,7 +19,7 @@ from adaserve.core.stalls import Probe
 from adaserve.core.step import DraftWork, SchedulerOutput, StepInputs, StepOutcome
 from adaserve.core.tree import CandidateTree, scratch_slots_needed
 from adaserve.engine.verification import accept
-from adaserve.policies.drift import predicted_pass_ms
+from adaserve.hardware.drift import predicted_pass_ms
 from adaserve.request import Request
 from adaserve.spec_decode.draft import DraftOutput
 

@@ -10,7 +10,7 @@ from adaserve.core.step import Commit
 from adaserve.core.tree import CandidateTree
 from adaserve.engine.model_runner import logprob_entries
 from adaserve.engine.verification import StepResult
-from adaserve.policies.calibration import Calibrator
+from adaserve.hardware.calibration import Calibrator
 from adaserve.request import Request
 from adaserve.tokenizer import Tokenizer
 

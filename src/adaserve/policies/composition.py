@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from adaserve.policies.base import ReqView, chunk_in_order
+from adaserve.core.policy import ReqView, chunk_in_order
 
 __all__ = ["chunk_in_order", "latest_start_ms", "pass_cap_ms", "slack_tokens", "split_prefill"]
 

@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from adaserve.core.policy import BatchView, ClairvoyantPolicy, Plan, chunk_prefills
 from adaserve.core.tree import CandidateTree
 from adaserve.errors import AdaServeError
-from adaserve.policies.base import BatchView, ClairvoyantPolicy, Plan, chunk_prefills
 
 ORACLE_DEPTH, ORACLE_WIDTH = 4, 4  # the study's oracle:4x4
 ORACLE_PREFILL_CHUNK = 256  # as AdaptiveConfig.prefill_chunk (dyn-tree's default)

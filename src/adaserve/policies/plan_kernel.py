@@ -39,7 +39,7 @@ def evaluate_depths(
     verified tokens ``base_d`` and the correction's fixed part ``fixed_d``. ``V``: the
     profile's verify ms by token count. ``extras`` [E]: goodput-phase node counts tried.
 
-    Power (``policies.power``): a pass at depth d with ``tot`` candidates lasting t ms
+    Power (``hardware.power``): a pass at depth d with ``tot`` candidates lasting t ms
     costs ``e0[d] + e_tok[d] * tot + static_w * t / 1000`` J. With ``cap_w`` > 0 an
     option whose predicted power (J over t) exceeds it is not an option; with ``ept_j``
     > 0 neither is one whose energy exceeds ``ept_j`` per expected accepted token (n

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from adaserve.core.policy import Policy
 from adaserve.errors import InvalidRequestError
-from adaserve.policies.base import Policy
 from adaserve.policies.static import AUTOREGRESSIVE_POLICIES, StaticSpecPolicy
 
 POLICY_NAMES = (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from adaserve.core.policy import BatchView, Plan, Policy, ReqView, chunk_prefills, top_f_nodes
 from adaserve.core.tree import CandidateTree
-from adaserve.policies.base import BatchView, Plan, Policy, ReqView, chunk_prefills, top_f_nodes
 
 WHOLE_PROMPT_BUDGET = 8192  # `ar` prefills whole prompts (vLLM v0 style)
 

@@ -444,9 +444,11 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     return ecfg, cfg
 
 
-def run(args) -> int:
+def run(args, replicas=None) -> int:
     """Serve until SIGINT/SIGTERM; 0 on a clean shutdown, 1 if start-up fails, 2 on a
-    configuration error."""
+    configuration error. ``replicas(args, ecfg, cfg)`` serves ``--replicas`` (the
+    cluster's ``serve_app.run_replicas``, handed down by ``adaserve serve``: the server
+    imports nothing of the cluster above it)."""
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
         format="%(levelname)s %(name)s: %(message)s",
@@ -487,7 +489,10 @@ def run(args) -> int:
             )
             return 1
     if getattr(args, "replicas", None) is not None or getattr(args, "ray_address", None):
-        return _run_replicas(args, ecfg, cfg)
+        if replicas is None:
+            print("adaserve serve: --replicas needs the cluster runner", file=sys.stderr)
+            return 2
+        return replicas(args, ecfg, cfg)
     # the app (FastAPI, the engine, torch) is imported once the configuration is valid
     from adaserve.server.app import create_app
     from adaserve.server.engine_loop import EngineLoop
@@ -526,28 +531,9 @@ def run(args) -> int:
     return 0 if server.started else 1
 
 
-def _run_replicas(args, ecfg: EngineConfig, cfg: ServerConfig) -> int:
-    if args.replicas is None:
-        print("adaserve serve: --ray-address needs --replicas N", file=sys.stderr)
-        return 2
-    if args.replicas < 1:
-        print("adaserve serve: --replicas must be at least 1", file=sys.stderr)
-        return 2
-    from adaserve.cluster.serve_app import ray_available, run
-
-    if not ray_available():
-        print(
-            "adaserve serve: --replicas needs Ray Serve, which is not installed "
-            "(pip install 'adaserve[ray]')",
-            file=sys.stderr,
-        )
-        return 2
-    return run(args, ecfg, cfg)
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, replicas=None) -> int:
     p = cli_args.Parser(
         prog="adaserve serve", description="OpenAI-compatible server with per-request SLOs"
     )
     add_arguments(p)
-    return run(p.parse_args(argv))
+    return run(p.parse_args(argv), replicas)

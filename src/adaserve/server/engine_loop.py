@@ -502,7 +502,7 @@ def engine_provenance(e, pinned: bool = False) -> dict:
 def reload_profile(e) -> dict:
     """The admin action, run on the engine thread: the profile read again from its
     file (what ``adaserve profile`` last adopted); returns its provenance."""
-    from adaserve.profile import reload_profile as load
+    from adaserve.engine.profile import reload_profile as load
 
     e.set_hardware(load(e))
     return e.hw.provenance()

@@ -26,8 +26,8 @@ class SimBackend:
     over the simulator."""
 
     def __init__(self, args):
-        from adaserve.bench.energy import device_energy
-        from adaserve.policies.power import PowerModel
+        from adaserve.hardware.energy import device_energy
+        from adaserve.hardware.power import PowerModel
         from adaserve.sim import presets
         from adaserve.sim.acceptance import AcceptanceModel
         from adaserve.sim.loop import SimConfig, Simulator

@@ -116,7 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="power cap (W, the whole deployment) of the budgeted policies' plans: sets "
-        "their power_cap_w (policies/power.py; 0 = off)",
+        "their power_cap_w (hardware/power.py; 0 = off)",
     )
     s.add_argument(
         "--energy-per-token-j",

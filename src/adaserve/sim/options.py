@@ -14,7 +14,7 @@ from adaserve.errors import AdaServeError
 # ---------------------------------------------------------------------- models
 def hardware_from_args(args):
     """(HardwareModel, info dict, Deployment | None) from ``--profile`` or ``--preset``."""
-    from adaserve.policies.hardware import HardwareModel, unloaded_tpot_ms
+    from adaserve.hardware.model import HardwareModel, unloaded_tpot_ms
     from adaserve.sim import presets
 
     if args.profile and args.preset:

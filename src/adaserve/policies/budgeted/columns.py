@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from adaserve.policies.base import ReqView
+from adaserve.core.policy import ReqView
 
 
 @dataclass

@@ -68,7 +68,7 @@ class AdaptiveConfig:
     # to the strict ones. 0 = never automatically (docs/results/engine-issue30.md)
     sit_out_steepness: float = 2.5
     min_slack_tokens: int = 0  # soft prefill smaller than this waits (0: any slack is used)
-    # power as a constraint (policies/power.py; needs the view's PowerModel): shapes whose
+    # power as a constraint (hardware/power.py; needs the view's PowerModel): shapes whose
     # predicted power (W, the deployment's) exceeds power_cap_w, or whose predicted
     # energy per expected accepted token (J) exceeds energy_per_token_j, are not
     # options; depth 0 always is (a plan whose depth 0 exceeds them notes

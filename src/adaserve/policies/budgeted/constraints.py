@@ -1,11 +1,11 @@
-"""Power as a constraint on the budgeted plans (``policies/power.py``): the limits a plan
+"""Power as a constraint on the budgeted plans (``hardware/power.py``): the limits a plan
 observes and the fallback it notes when even depth 0 breaks them."""
 
 from __future__ import annotations
 
 import warnings
 
-from adaserve.policies.base import BatchView
+from adaserve.core.policy import BatchView
 from adaserve.policies.budgeted.config import AdaptiveConfig
 
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from adaserve.core.policy import BatchView
 from adaserve.policies import plan_kernel
-from adaserve.policies.base import BatchView
 from adaserve.policies.budgeted.columns import Columns
 from adaserve.policies.budgeted.config import EXTRAS, AdaptiveConfig
 from adaserve.policies.typical_tree import curve_rows

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from adaserve.core.policy import BatchView, ReqView
 from adaserve.policies import composition
-from adaserve.policies.base import BatchView, ReqView
 from adaserve.policies.budgeted.columns import Columns
 from adaserve.policies.budgeted.config import AdaptiveConfig
 from adaserve.policies.budgeted.evaluation import ShapeChoice

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from adaserve.core.policy import BatchView, Plan
 from adaserve.core.tree import CandidateTree
-from adaserve.policies.base import BatchView, Plan
 
 # (view, plan, rids, F, caps, left) -> candidates per tree the SLO phase takes [R]
 SloPhase = Callable[[BatchView, Plan, list[int], np.ndarray, np.ndarray, int], np.ndarray]

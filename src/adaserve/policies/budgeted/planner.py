@@ -17,9 +17,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from adaserve.core.tree import CandidateTree
-from adaserve.policies import plan_kernel
-from adaserve.policies.base import (
+from adaserve.core.policy import (
     BatchView,
     LoadHints,
     Plan,
@@ -29,6 +27,8 @@ from adaserve.policies.base import (
     chunk_prefills,
     prefill_pairs,
 )
+from adaserve.core.tree import CandidateTree
+from adaserve.policies import plan_kernel
 from adaserve.policies.budgeted import exploration, pass_composition, phases, requirements
 from adaserve.policies.budgeted.columns import Columns
 from adaserve.policies.budgeted.config import DEPTHS, AdaptiveConfig

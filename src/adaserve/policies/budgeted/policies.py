@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from adaserve.policies.base import Plan, ReqView
+from adaserve.core.policy import Plan, ReqView
 from adaserve.policies.budgeted.columns import Columns
 from adaserve.policies.budgeted.config import AdaptiveConfig
 from adaserve.policies.budgeted.evaluation import DepthEvaluation, ShapeChoice

@@ -25,8 +25,8 @@ from adaserve.engine.profiler import (  # noqa: F401  (fit_prefill_pairs: re-exp
     measure_step_overhead,
     profile_calls,
 )
-from adaserve.policies.hardware import HardwareModel
-from adaserve.policies.profile_stats import SanityLimits, check_profile, summarize
+from adaserve.hardware.model import HardwareModel
+from adaserve.hardware.profile_stats import SanityLimits, check_profile, summarize
 
 # Part of the cache key: bump when the forward code's speed changes (e.g. the paged
 # attention kernel), so that cached profiles measured with the old code are not reused.
@@ -294,7 +294,7 @@ def attach_targets(engine, prof: dict, reprofile: bool = False) -> dict:
     """Give ``prof`` the pair's targets record (``targets_path``): the stored one, so
     that a re-measurement never moves the class targets; with ``reprofile``, or when
     none is stored, one made from this profile and stored. Returns the record."""
-    from adaserve.policies.hardware import HardwareModel, measured_unloaded_tpot_ms
+    from adaserve.hardware.model import HardwareModel, measured_unloaded_tpot_ms
 
     path = targets_path(engine)
     rec = None
@@ -362,7 +362,7 @@ def adopt(engine, new: dict, path: Path, reprofile: bool = False) -> tuple[dict,
         why = f"not cached: {busy}"
     else:
         why = f"cached in {path} (later starts load it)" if saved else "not cached"
-    from adaserve.policies.hardware import measured_unloaded_tpot_ms
+    from adaserve.hardware.model import measured_unloaded_tpot_ms
 
     own = measured_unloaded_tpot_ms(HardwareModel.from_dict({**new, "targets": None}))
     if own < 0.8 * float(rec["unloaded_tpot_ms"]):

@@ -62,7 +62,7 @@ class BatchView:
     hw: object | None = None  # HardwareModel when a profile is available
     num_waiting: int = 0
     acc_by_rank: tuple[float, ...] = ()  # calibrated acceptance of a child by sibling rank
-    power: object | None = None  # policies.power.PowerModel when the deployment's is known
+    power: object | None = None  # hardware.power.PowerModel when the deployment's is known
     # ms of host work per grammar mask of a constrained request's node (the engine's
     # live mean, else the profile's ``mask_ms_per_node``)
     mask_ms_per_node: float = 0.0

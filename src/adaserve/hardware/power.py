@@ -11,7 +11,7 @@ candidates it drafts), costs ::
             + kv_tokens x kv_bytes_per_token
     E (J) = (FLOPs x pj_per_flop + bytes x pj_per_byte) x 1e-12 + static_w x t
 
-(the ``RunRecorder``'s tally and ``bench.energy.DeviceEnergy``; ``static_w`` is an
+(the ``RunRecorder``'s tally and ``hardware.energy.DeviceEnergy``; ``static_w`` is an
 optional idle power of the deployment, 0 by default). Its predicted power is E over
 the predicted pass time t. FLOPs and bytes are those of the whole deployment (every
 tensor-parallel GPU), so a cap is the deployment's, not one GPU's.
@@ -39,7 +39,7 @@ class PowerModel:
     target/draft_flops_per_token: FLOPs per token each model processes (2 x params)
     target/draft_weight_bytes:    bytes of weights a forward pass reads
     kv_bytes_per_token:           KV bytes read per attended context token
-    pj_per_flop / pj_per_byte:    the device's energies (``bench.energy.DEVICES``)
+    pj_per_flop / pj_per_byte:    the device's energies (``hardware.energy.DEVICES``)
     static_w:                     idle power added over the pass time (0 = none)
     """
 

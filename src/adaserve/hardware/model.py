@@ -18,7 +18,7 @@ Profile JSON schema (``adaserve.profile/1``; written by ``adaserve profile``)::
       "kv_bytes_per_token": {"target": int, "draft": int},
       "threads": int,                          # intra-op threads it was measured with
       "targets": {"unloaded_tpot_ms": float,   # what the class targets multiply
-                  "recorded": "...", "from": "..."}   # (see adaserve.profile)
+                  "recorded": "...", "from": "..."}   # (see adaserve.engine.profile)
     }
 
 A reduced profile (for the simulator) may give only
@@ -52,7 +52,7 @@ def unloaded_tpot_ms(profile) -> float:
     ``benchmarks/fit_host_overhead.py``, which stores the original profile's value of
     this function) gives that value, so that its targets stay the engine's; so does one
     whose ``"targets"`` record keeps the targets of the first profile measured for the
-    pair on this machine (``adaserve.profile``), so that re-measuring never moves them."""
+    pair on this machine (``adaserve.engine.profile``), so that re-measuring never moves them."""
     if isinstance(profile, dict):
         rec = recorded_unloaded_tpot_ms(profile)
         if rec is not None:

@@ -165,7 +165,7 @@ def check_curve(
 
 def check_profile(prof: dict, limits: SanityLimits) -> dict:
     """``{"impossible": [...], "suspicious": [...]}`` of a measured profile dict (as
-    ``adaserve.profile.measure`` writes it: raw medians under each curve's
+    ``adaserve.engine.profile.measure`` writes it: raw medians under each curve's
     ``"spread"``, parameter counts and ``"bytes_per_param"``)."""
     impossible: list[str] = []
     suspicious: list[str] = []
