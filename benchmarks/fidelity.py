@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from adaserve import paths
+from adaserve.util import paths
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = ("--selection-time", "measured")  # the policy's decision time, as the engine pays it

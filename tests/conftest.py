@@ -169,7 +169,7 @@ def shipped_llm(profile: str, **kw):
 def fixed_generators(llm, n: int) -> None:
     """The next ``n`` unseeded requests of ``llm`` get generators seeded 0..n-1 (a
     sampling test that is reproducible)."""
-    from adaserve.logits import make_generator
+    from adaserve.spec_decode.logits import make_generator
 
     runner = llm.engine.runner
     fixed = iter(range(n))

@@ -632,11 +632,11 @@ def test_selection_takes_every_node_when_all_fit_and_one_fewer_at_the_edge(name)
 
 def test_compiled_loops_fall_back_to_per_process_compilation(monkeypatch):
     """Where numba finds no writable cache location it refuses ``cache=True`` at
-    decoration; ``adaserve.jit.compiled`` then compiles without a disk cache instead
+    decoration; ``adaserve.util.jit.compiled`` then compiles without a disk cache instead
     of failing the import of the planner and the simulator."""
     import numba
 
-    from adaserve import jit
+    from adaserve.util import jit
 
     def njit(*args, **kwargs):
         if kwargs.get("cache"):

@@ -16,7 +16,6 @@ import numba
 import pytest
 from conftest import random_prompts
 
-from adaserve import jit
 from adaserve.config import EngineConfig
 from adaserve.core.clock import TickClock
 from adaserve.engine import build_engine
@@ -24,6 +23,7 @@ from adaserve.engine.warmup import warm_up
 from adaserve.policies import plan_kernel  # noqa: F401 - its kernels are in the registry
 from adaserve.sampling import SamplingParams
 from adaserve.slo import SLO
+from adaserve.util import jit
 
 # the budgeted policies (numba planner) and the static ones, with variants whose
 # planner arguments differ (no catch-up horizon, a power cap)

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from adaserve import __version__, cli_args
+from adaserve import __version__
 from adaserve.errors import AdaServeError
+from adaserve.util import cli_args
 
 if TYPE_CHECKING:
     from adaserve.sampling import SamplingParams
@@ -37,9 +38,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _sampling_from_args(args) -> SamplingParams:
     """The flags over the model's generation_config.json defaults (unless
     ``--generation-config vllm``) over greedy decoding."""
-    from adaserve import paths
-    from adaserve.generation_config import sampling_defaults
     from adaserve.sampling import SamplingParams
+    from adaserve.text.generation_config import sampling_defaults
+    from adaserve.util import paths
 
     model_dir = args.model or paths.DEFAULT_TARGET
     kw = sampling_defaults(model_dir, args.generation_config)
@@ -171,9 +172,9 @@ def _shape_dirs(shapes: str, root) -> tuple[str, str | None, dict]:
 def _profile_kv_bytes(model: str | None, draft: str | None, dtype: str, device: str) -> int:
     """KV pool for profiling: 4,096 token slots of the pair (at least 64 MiB), room for
     the step and draft-host measurements whatever the models' size."""
-    from adaserve import paths
     from adaserve.models.config import ModelConfig
     from adaserve.models.loader import resolve_dtype
+    from adaserve.util import paths
 
     esize = resolve_dtype(dtype, device).itemsize
     per_slot = ModelConfig.from_dir(model or paths.DEFAULT_TARGET).kv_bytes_per_token(esize)

@@ -97,8 +97,8 @@ class HttpBackend:
     """Runs workloads against a server; class targets from the unloaded TPOT."""
 
     def __init__(self, args):
-        from adaserve import paths
-        from adaserve.tokenizer import load_tokenizer
+        from adaserve.text.tokenizer import load_tokenizer
+        from adaserve.util import paths
 
         self.args = args
         self.policies = [args.label]

@@ -190,7 +190,6 @@ def prepare(model: str | None, draft: str | None, record_targets: bool = False) 
 
 
 def run(args) -> int:
-    from adaserve import paths
     from adaserve.bench.backends import vocab_of as _vocab_of
     from adaserve.bench.demo_report import format_demo, load_line
     from adaserve.bench.metrics import summarize
@@ -198,7 +197,8 @@ def run(args) -> int:
     from adaserve.bench.runner import class_slos, run_http, server_targets
     from adaserve.policies.registry import check_servable, make_policy
     from adaserve.slo import DEFAULT_CLASSES
-    from adaserve.tokenizer import load_tokenizer
+    from adaserve.text.tokenizer import load_tokenizer
+    from adaserve.util import paths
 
     duration = float(getattr(args, "duration", 20.0) or 20.0)
     baseline = getattr(args, "baseline", None) or DEFAULT_BASELINE

@@ -30,8 +30,8 @@ import sys
 from pathlib import Path
 
 from adaserve.config import EngineConfig
-from adaserve.paths import cache_dir
 from adaserve.server.config import ServerConfig
+from adaserve.util.paths import cache_dir
 
 log = logging.getLogger("adaserve.cluster")
 

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from adaserve import paths
 from adaserve.config import EngineConfig
 from adaserve.core.blocks import CacheStats
 from adaserve.core.clock import Clock, WallClock
@@ -33,11 +32,12 @@ from adaserve.hardware.calibration import Calibrator
 from adaserve.hardware.drift import DriftMonitor
 from adaserve.hardware.power import PowerModel
 from adaserve.policies.registry import check_servable, make_policy
-from adaserve.request import Request
 from adaserve.sampling import SamplingParams
 from adaserve.slo import SLO
+from adaserve.spec_decode.request import Request
 from adaserve.structured.manager import StructuredOutputs
 from adaserve.structured.matcher import GrammarState
+from adaserve.util import paths
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from adaserve.core.step import DraftWork, SchedulerOutput, StepInputs, StepOutco
 from adaserve.core.tree import CandidateTree, scratch_slots_needed
 from adaserve.engine.verification import accept
 from adaserve.hardware.drift import predicted_pass_ms
-from adaserve.request import Request
 from adaserve.spec_decode.draft import DraftOutput
+from adaserve.spec_decode.request import Request
 
 if TYPE_CHECKING:
     from adaserve.engine.engine import Engine

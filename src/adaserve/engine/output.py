@@ -11,8 +11,8 @@ from adaserve.core.tree import CandidateTree
 from adaserve.engine.model_runner import logprob_entries
 from adaserve.engine.verification import StepResult
 from adaserve.hardware.calibration import Calibrator
-from adaserve.request import Request
-from adaserve.tokenizer import Tokenizer
+from adaserve.spec_decode.request import Request
+from adaserve.text.tokenizer import Tokenizer
 
 
 class OutputProcessor:

@@ -119,7 +119,7 @@ def profile_engine(engine, reps: int = 5, timer=None, progress=None) -> dict:
 
 
 def cached_profile_path(engine) -> Path:
-    from adaserve.paths import cache_root
+    from adaserve.util.paths import cache_root
 
     dtype = str(engine.dtype).removeprefix("torch.")
     key = profile_key(engine.model_dir, engine.draft_dir, engine.cfg.device, dtype)
@@ -137,7 +137,7 @@ def targets_path(engine) -> Path:
 
 def targets_path_for(model_dir, draft_dir, device: str = "cpu", dtype: str = "float32") -> Path:
     """``targets_path`` of a pair named by its directories."""
-    from adaserve.paths import cache_root
+    from adaserve.util.paths import cache_root
 
     fp = f"{fingerprint(model_dir)}-{fingerprint(draft_dir)}"
     return cache_root() / "targets" / f"{fp}-{device}-{dtype}-{platform.machine()}.json"

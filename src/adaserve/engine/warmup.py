@@ -110,9 +110,9 @@ def _warm_kernels(engine) -> None:
 
 
 def _jit():
-    """``adaserve.jit`` when numba is in use in this process, else None (an engine
+    """``adaserve.util.jit`` when numba is in use in this process, else None (an engine
     whose policy plans without numba does not import it)."""
-    return sys.modules.get("adaserve.jit")
+    return sys.modules.get("adaserve.util.jit")
 
 
 # ---------------------------------------------------------------------- the steps

@@ -18,8 +18,6 @@ import os
 import sys
 from pathlib import Path
 
-from adaserve import cli_args, threads
-from adaserve.chat_template import load_template_arg
 from adaserve.config import EngineConfig
 from adaserve.errors import AdaServeError, InvalidRequestError, ModelLoadError
 from adaserve.ledger.config import UsageConfigError
@@ -32,6 +30,8 @@ from adaserve.server.config import (
     key_digest,
     load_config,
 )
+from adaserve.text.chat_template import load_template_arg
+from adaserve.util import cli_args, threads
 
 log = logging.getLogger("adaserve.server")
 
@@ -312,8 +312,8 @@ def _check_model_len(ecfg: EngineConfig) -> None:
     engine checks it too), as vLLM refuses it rather than clamping."""
     if ecfg.max_model_len is None:
         return
-    from adaserve import paths
     from adaserve.models.config import ModelConfig
+    from adaserve.util import paths
 
     d = Path(ecfg.model) if ecfg.model else paths.DEFAULT_TARGET
     if not (d / "config.json").is_file():
@@ -463,7 +463,7 @@ def run(args, replicas=None) -> int:
         ecfg, cfg = build_configs(args)
         _check_model_len(ecfg)
         if cfg.chat_template is not None:  # a bad template fails before the engine loads
-            from adaserve.chat_template import ChatTemplate
+            from adaserve.text.chat_template import ChatTemplate
 
             ChatTemplate({"default": load_template_arg(cfg.chat_template)}).check()
     except (ConfigError, InvalidRequestError, ModelLoadError) as e:

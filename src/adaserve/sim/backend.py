@@ -12,13 +12,13 @@ from pathlib import Path
 from adaserve.bench.extras import class_energy, classes_of, run_extra, strict_class
 from adaserve.bench.options import parse_policies
 from adaserve.errors import AdaServeError
-from adaserve.resources import default_kv_budget
 from adaserve.sim.options import (
     acceptance_from_args,
     cluster_from_args,
     hardware_from_args,
     with_power_limits,
 )
+from adaserve.util.resources import default_kv_budget
 
 
 class SimBackend:
@@ -47,7 +47,7 @@ class SimBackend:
         mdir = _model_dir(args)
         self.tokenizer, self.vocab_size, max_len = None, None, args.max_model_len
         if mdir is not None and mdir.is_dir():
-            from adaserve.tokenizer import load_tokenizer
+            from adaserve.text.tokenizer import load_tokenizer
 
             self.tokenizer = load_tokenizer(mdir)
             cfgj = _read_json(mdir / "config.json")
@@ -271,7 +271,7 @@ def _default_kv_slots(hw, block_size: int = 16) -> int:
 
 
 def _model_dir(args) -> Path | None:
-    from adaserve import paths
+    from adaserve.util import paths
 
     if args.model:
         return Path(args.model)

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from adaserve.bench.options import add_sweep_arguments
-from adaserve.cli_args import int_at_least
+from adaserve.util.cli_args import int_at_least
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

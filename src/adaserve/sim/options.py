@@ -80,8 +80,8 @@ def hardware_from_args(args):
 
 def _acceptance_params(args, using_profile: bool):
     """AcceptanceParams from ``--stats`` / ``--accept`` / the shipped pair's stats."""
-    from adaserve import paths
     from adaserve.sim.acceptance_params import AcceptanceParams
+    from adaserve.util import paths
 
     try:
         if args.accept or args.topk_mass is not None:

@@ -14,10 +14,10 @@ from adaserve.config import EngineConfig
 from adaserve.core.clock import Clock
 from adaserve.engine import Engine, build_engine
 from adaserve.errors import InvalidRequestError, ModelLoadError
-from adaserve.generation_config import sampling_defaults
-from adaserve.request import Request
 from adaserve.sampling import SamplingParams
 from adaserve.slo import SLO
+from adaserve.spec_decode.request import Request
+from adaserve.text.generation_config import sampling_defaults
 
 
 @dataclass(frozen=True)
@@ -312,7 +312,7 @@ class LLM:
                 "this model has no tokenizer: chat is unavailable", "messages"
             )
         if chat_template is not None:
-            from adaserve.chat_template import ChatTemplate, load_template_arg
+            from adaserve.text.chat_template import ChatTemplate, load_template_arg
 
             tok = copy.copy(tok)
             tok.chat = ChatTemplate({"default": load_template_arg(chat_template)}, tok.config)

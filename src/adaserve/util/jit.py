@@ -34,7 +34,7 @@ import numba
 from numba import njit
 from numba.core import event
 
-from adaserve import paths
+from adaserve.util import paths
 
 _PACKAGE = Path(__file__).resolve().parent
 

@@ -1,5 +1,5 @@
 """Thin wrapper over a ``tokenizer.json`` (the ``tokenizers`` library), plus the chat
-templates of the checkpoint (``adaserve.chat_template``)."""
+templates of the checkpoint (``adaserve.text.chat_template``)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import functools
 import json
 from pathlib import Path
 
-from adaserve.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from adaserve.errors import ModelLoadError
+from adaserve.text.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 
 __all__ = ["DEFAULT_CHAT_TEMPLATE", "Tokenizer", "check_draft_tokenizer", "load_tokenizer"]
 
 
 class Tokenizer:
     """Encode/decode text; knows EOS and the chat templates of its checkpoint
-    (``adaserve.chat_template``)."""
+    (``adaserve.text.chat_template``)."""
 
     def __init__(self, tok, config: dict, chat: ChatTemplate | None = None):
         self._tok = tok
