@@ -36,7 +36,7 @@ from numba.core import event
 
 from adaserve.util import paths
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parents[1]  # src/adaserve
 
 
 def cache_folder() -> Path | None:
