@@ -12,11 +12,11 @@ import time
 
 import torch
 
-from adaserve import paths
 from adaserve.kv.cache import KVCache
 from adaserve.models import attention as A
 from adaserve.models.attention import AttnMetadata, SeqSpec
 from adaserve.models.loader import load_model
+from adaserve.util import paths
 
 torch.manual_seed(0)
 random.seed(0)

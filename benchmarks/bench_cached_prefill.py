@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from adaserve import paths
+from adaserve.engine.profile import load_or_profile
 from adaserve.kv.cache import KVCache
 from adaserve.models.attention import AttnMetadata, SeqSpec
 from adaserve.models.loader import load_model
-from adaserve.profile import load_or_profile
+from adaserve.util import paths
 
 
 def main() -> int:

@@ -179,7 +179,7 @@ def main() -> int:
     # one intra-op thread each, as Ray gives a replica with no CPU reservation (on a
     # small shared machine a thread pool per engine costs several times more than it
     # brings); --threads to change it for both
-    from adaserve import jit
+    from adaserve.util import jit
 
     env = {
         **os.environ,

@@ -14,7 +14,7 @@ import torch
 from common import Timer, heldout_code_prompts
 
 from adaserve import LLM, SamplingParams
-from adaserve.paths import DEFAULT_TARGET
+from adaserve.util.paths import DEFAULT_TARGET
 
 
 def hf_tokens_per_s(hf, tok, prompts, new_tokens):

@@ -16,7 +16,7 @@ import torch
 from common import Timer, heldout_code_prompts
 
 from adaserve import LLM, SamplingParams
-from adaserve.paths import DEFAULT_DRAFT, DEFAULT_TARGET
+from adaserve.util.paths import DEFAULT_DRAFT, DEFAULT_TARGET
 
 STATIC = ["spec-chain:4", "spec-chain:6", "spec-tree:4x2", "spec-tree:5x3", "spec-tree:6x2:12"]
 

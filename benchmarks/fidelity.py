@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from adaserve import paths
+from adaserve.util import paths
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = ("--selection-time", "measured")  # the policy's decision time, as the engine pays it
@@ -113,7 +113,7 @@ def speed_trace(samples: list[dict], profile: Path, window: float) -> dict | Non
     factor). The measured time includes the policy's decisions, so simulate it with
     ``--selection-time none``. {"t_s": [...], "factor": [...]}, or None when the
     timeline does not record the iterations' work."""
-    from adaserve.sched.hardware import HardwareModel
+    from adaserve.hardware.model import HardwareModel
     from adaserve.sim.pricing import HostOverhead
 
     prof = json.loads(profile.read_text())

@@ -168,8 +168,8 @@ def main() -> None:
     from adaserve.bench.runner import EngineFactory, run_in_process
     from adaserve.bench.workload import build_workload
     from adaserve.bench.workload_spec import WorkloadSpec
-    from adaserve.cli_args import byte_size as _bytes
     from adaserve.config import EngineConfig
+    from adaserve.util.cli_args import byte_size as _bytes
 
     kv = _bytes(args.kv_cache_bytes) if args.kv_cache_bytes else None
     factory = EngineFactory(EngineConfig(profile=args.profile, kv_cache_bytes=kv))

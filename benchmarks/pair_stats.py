@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from adaserve import paths
 from adaserve.models.loader import load_model
 from adaserve.train import corpus, stats
+from adaserve.util import paths
 
 
 def main() -> None:

@@ -27,10 +27,10 @@ BUSY = "while True: pass"
 
 
 def _child(args) -> None:
-    from adaserve import threads
     from adaserve.config import EngineConfig
     from adaserve.engine.engine import Engine
     from adaserve.sampling import SamplingParams
+    from adaserve.util import threads
 
     eng = Engine(EngineConfig(policy=args.policy, threads=args.threads[0]))
     if not args.no_pin:

@@ -85,7 +85,7 @@ def replay_engine(eng, policy: str, requests, steps, cfg=None, num_blocks=None, 
     """``sim.replay.replay`` of a recorded run of engine ``eng`` under a fresh
     ``policy``, with the engine's config, profile and pool (``cfg`` / ``num_blocks``
     to replay with others)."""
-    from adaserve.sched.registry import make_policy
+    from adaserve.policies.registry import make_policy
     from adaserve.sim.replay import replay
 
     return replay(
@@ -169,7 +169,7 @@ def shipped_llm(profile: str, **kw):
 def fixed_generators(llm, n: int) -> None:
     """The next ``n`` unseeded requests of ``llm`` get generators seeded 0..n-1 (a
     sampling test that is reproducible)."""
-    from adaserve.logits import make_generator
+    from adaserve.spec_decode.logits import make_generator
 
     runner = llm.engine.runner
     fixed = iter(range(n))

@@ -14,12 +14,12 @@ from adaserve.core.admission import PACE_TOLERANCE, TTFT_DEADLINE, TTFT_MARGIN
 from adaserve.core.clock import ManualClock
 from adaserve.core.config import SchedulerConfig
 from adaserve.core.counters import admission_summary
+from adaserve.core.policy import Plan, Policy
 from adaserve.core.scheduler import Scheduler
 from adaserve.core.seq import SeqState, Status
 from adaserve.core.trace import StepTrace
 from adaserve.errors import AdmissionRejected
-from adaserve.sched.base import Plan, Policy
-from adaserve.sched.hardware import HardwareModel
+from adaserve.hardware.model import HardwareModel
 from adaserve.slo import SLO, SLOClass
 
 CLASSES = (

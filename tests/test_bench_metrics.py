@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from adaserve.bench.energy import EnergyTally, device_energy
 from adaserve.bench.metrics import (
     RequestRecord,
     dist,
@@ -14,6 +13,7 @@ from adaserve.bench.metrics import (
     summarize,
 )
 from adaserve.bench.tables import format_class_table
+from adaserve.hardware.energy import EnergyTally, device_energy
 
 
 def _records():

@@ -294,8 +294,8 @@ def test_one_policy_has_no_comparisons_and_repeat_lines_name_missing_intervals()
 def test_pass_speed_is_measured_over_predicted():
     """Each run records how its passes compared with the profile (the figure that
     tells a slow round from a bad plan); passes without a prediction are left out."""
+    from adaserve.core.policy import Plan
     from adaserve.core.trace import ModelCosts, RunRecorder, StepTrace
-    from adaserve.sched.base import Plan
 
     rec = RunRecorder(ModelCosts())
     assert rec.pass_speed() is None

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import adaserve
-from adaserve import jit, paths
+from adaserve.util import jit, paths
 
 PACKAGE = Path(adaserve.__file__).resolve().parent
 SRC = PACKAGE.parent

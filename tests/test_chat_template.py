@@ -11,8 +11,8 @@ import json
 import pytest
 from server_fixtures import EOS, build_tokenizer
 
-from adaserve.chat_template import ChatTemplate, ChatTemplateError, load_template_arg
-from adaserve.tokenizer import load_tokenizer
+from adaserve.text.chat_template import ChatTemplate, ChatTemplateError, load_template_arg
+from adaserve.text.tokenizer import load_tokenizer
 
 DEFAULT = (
     "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}"
@@ -113,7 +113,7 @@ def test_template_errors_are_chat_template_errors():
     with pytest.raises(ChatTemplateError, match="no default"):
         ChatTemplate({"a": "x", "b": "y"}).render([])
     with pytest.raises(ChatTemplateError, match="chat_template\\[0\\]"):
-        from adaserve.chat_template import templates_from_config
+        from adaserve.text.chat_template import templates_from_config
 
         templates_from_config([{"name": "default"}], "tokenizer_config.json")
     # the sandbox: no attribute walks to Python internals

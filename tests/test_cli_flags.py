@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from adaserve.cli_args import byte_size, human_int, parse_byte_size, port
+from adaserve.util.cli_args import byte_size, human_int, parse_byte_size, port
 
 # (argv, text the one error line must contain)
 BAD = [

@@ -120,7 +120,7 @@ class LiveCluster:
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
-    from adaserve import jit
+    from adaserve.util import jit
 
     mp = pytest.MonkeyPatch()
     # the replicas inherit the environment: the numba kernels this process compiled

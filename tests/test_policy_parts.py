@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from adaserve.sched.base import BatchView, ClairvoyantPolicy, LoadHints, Policy, ReqView
-from adaserve.sched.budgeted import AdaptiveConfig, BudgetedState, DepthEvaluation
-from adaserve.sched.hardware import HardwareModel
-from adaserve.sched.oracle import OraclePolicy
-from adaserve.sched.registry import make_policy
-from adaserve.sched.static import (
+from adaserve.core.policy import BatchView, ClairvoyantPolicy, LoadHints, Policy, ReqView
+from adaserve.hardware.model import HardwareModel
+from adaserve.policies.budgeted import AdaptiveConfig, BudgetedState, DepthEvaluation
+from adaserve.policies.oracle import OraclePolicy
+from adaserve.policies.registry import make_policy
+from adaserve.policies.static import (
     AutoregressivePolicy,
     ChunkedAutoregressivePolicy,
     PriorityPolicy,
@@ -78,7 +78,7 @@ def test_a_budgeted_policy_hints_its_acceptance_margin_chunk_and_planned_tokens(
 
 def test_the_depth_evaluation_is_typed():
     pol = make_policy("adaserve")
-    from adaserve.sched.budgeted.columns import Columns
+    from adaserve.policies.budgeted.columns import Columns
 
     reqs = [rv(1), rv(2)]
     view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=10**6, hw=HW)

@@ -1,4 +1,4 @@
-"""Power as a constraint of the plan (sched/power.py, AdaptiveConfig.power_cap_w and
+"""Power as a constraint of the plan (hardware/power.py, AdaptiveConfig.power_cap_w and
 energy_per_token_j) and energy per accepted token per class in the reports."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from adaserve.bench.runner import class_slos
 from adaserve.bench.workload import build_workload
 from adaserve.bench.workload_spec import WorkloadSpec
 from adaserve.errors import InvalidRequestError
-from adaserve.sched.adaptive import AdaptiveConfig, BudgetedState
-from adaserve.sched.power import PowerModel
-from adaserve.sched.registry import make_policy
-from adaserve.sched.typical_tree import gain_curve
+from adaserve.hardware.power import PowerModel
+from adaserve.policies.budgeted import AdaptiveConfig, BudgetedState
+from adaserve.policies.registry import make_policy
+from adaserve.policies.typical_tree import gain_curve
 from adaserve.sim import presets
 from adaserve.sim.acceptance import AcceptanceModel
 from adaserve.sim.acceptance_params import AcceptanceParams
@@ -27,7 +27,7 @@ PRESET = "A100-80GB:llama-70b"
 
 def _power_model() -> PowerModel:
     """The preset's power model, as ``adaserve simulate`` builds it."""
-    from adaserve.bench.energy import device_energy
+    from adaserve.hardware.energy import device_energy
 
     dep = presets.deployment(PRESET)
     hw = dep.hardware_model()
@@ -168,8 +168,8 @@ def test_power_model_is_validated_and_prices_like_the_energy_model():
 
 
 def test_cap_without_a_power_model_is_off_with_a_warning():
-    from adaserve.sched.base import BatchView, ReqView
-    from adaserve.sched.hardware import HardwareModel
+    from adaserve.core.policy import BatchView, ReqView
+    from adaserve.hardware.model import HardwareModel
 
     hw = HardwareModel((1.0, 64.0), (10.0, 20.0), (1.0,), (1.0,))
     r = ReqView(1, "chat", 50.0, None, 5, 40.0, 50.0, 0, 100)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adaserve import profile
-from adaserve.sched.adaptive import AdaptiveConfig, AdaServePolicy, DynTreePolicy
-from adaserve.sched.base import BatchView, ReqView, prefill_pairs
-from adaserve.sched.hardware import HardwareModel
+from adaserve.core.policy import BatchView, ReqView, prefill_pairs
+from adaserve.engine import profile
+from adaserve.hardware.model import HardwareModel
+from adaserve.policies.budgeted import AdaptiveConfig, AdaServePolicy, DynTreePolicy
 
 PAIR = 2e-4  # ms per pair
 CURVE = {"tokens": [1, 64, 256, 1024], "latency_ms": [10.0, 14.0, 30.0, 90.0]}
@@ -93,7 +93,7 @@ def test_the_simulator_charges_the_pairs():
     from adaserve.bench.runner import class_slos
     from adaserve.bench.workload import build_workload
     from adaserve.bench.workload_spec import WorkloadSpec
-    from adaserve.sched.registry import make_policy
+    from adaserve.policies.registry import make_policy
     from adaserve.sim.acceptance import AcceptanceModel
     from adaserve.sim.acceptance_params import AcceptanceParams
     from adaserve.sim.loop import SimConfig, Simulator

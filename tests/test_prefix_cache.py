@@ -344,7 +344,7 @@ def test_simulator_prices_only_the_uncached_prefill():
     from adaserve.bench.runner import class_slos
     from adaserve.bench.workload import build_workload
     from adaserve.bench.workload_spec import WorkloadSpec
-    from adaserve.sched.registry import make_policy
+    from adaserve.policies.registry import make_policy
     from adaserve.sim import presets
     from adaserve.sim.acceptance import AcceptanceModel
     from adaserve.sim.acceptance_params import AcceptanceParams

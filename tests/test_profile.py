@@ -10,17 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from adaserve import profile
 from adaserve.bench.runner import class_slos
 from adaserve.config import EngineConfig
 from adaserve.core.clock import TickClock
-from adaserve.engine import profiler
+from adaserve.engine import profile, profiler
 from adaserve.engine.engine import Engine, build_engine
 from adaserve.errors import InvalidRequestError
+from adaserve.hardware.drift import DriftConfig, DriftMonitor
+from adaserve.hardware.model import UNLOADED_KV_TOKENS, HardwareModel, unloaded_tpot_ms
+from adaserve.hardware.profile_stats import SanityLimits, check_profile, summarize, time_points
 from adaserve.sampling import SamplingParams
-from adaserve.sched.drift import DriftConfig, DriftMonitor
-from adaserve.sched.hardware import UNLOADED_KV_TOKENS, HardwareModel, unloaded_tpot_ms
-from adaserve.sched.profile_stats import SanityLimits, check_profile, summarize, time_points
 from adaserve.slo import DEFAULT_CLASSES
 
 KV = 4 << 20

@@ -8,7 +8,7 @@ import pytest
 from server_fixtures import LiveServer, engine_config, model_pair, server_test_env
 
 from adaserve.bench.runner import class_slos, measure_unloaded_tpot
-from adaserve.sched.hardware import HardwareModel, unloaded_tpot_ms
+from adaserve.hardware.model import HardwareModel, unloaded_tpot_ms
 from adaserve.server import ServerConfig
 from adaserve.slo import DEFAULT_CLASSES
 

@@ -11,14 +11,14 @@ import json
 import pytest
 import torch
 
-from adaserve import profile
 from adaserve.config import EngineConfig
 from adaserve.core.clock import TickClock
 from adaserve.core.stalls import StallDetector
+from adaserve.engine import profile
 from adaserve.engine.engine import Engine
+from adaserve.hardware.model import HardwareModel
+from adaserve.hardware.profile_stats import check_step
 from adaserve.sampling import SamplingParams
-from adaserve.sched.hardware import HardwareModel
-from adaserve.sched.profile_stats import check_step
 
 KV = 4 << 20
 

@@ -320,7 +320,7 @@ def test_replica_stats_reads_a_real_scheduler_and_planner():
     from adaserve.bench.workload_spec import WorkItem
     from adaserve.core.clock import ManualClock
     from adaserve.core.scheduler import Scheduler
-    from adaserve.sched.registry import make_policy
+    from adaserve.policies.registry import make_policy
     from adaserve.sim import presets
     from adaserve.sim.loop import SimConfig, SimRequest
 

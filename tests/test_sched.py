@@ -14,23 +14,23 @@ from hypothesis import strategies as st
 
 from adaserve import LLM, SLO, SamplingParams
 from adaserve.core.clock import TickClock
+from adaserve.core.policy import NO_BUDGET, BatchView, Plan, ReqView
 from adaserve.core.tree import CandidateTree, is_connected
 from adaserve.engine import Faults
-from adaserve.sched.adaptive import (
-    _EXTRAS,
+from adaserve.hardware.calibration import Calibrator
+from adaserve.hardware.model import HardwareModel
+from adaserve.policies.budgeted import (
     DEPTHS,
     AdaptiveConfig,
     AdaServePolicy,
     BudgetedPolicy,
     DepthEvaluation,
     DynTreePolicy,
-    _Arrays,
     make_adaptive,
 )
-from adaserve.sched.base import NO_BUDGET, BatchView, Plan, ReqView
-from adaserve.sched.calibration import Calibrator
-from adaserve.sched.hardware import HardwareModel
-from adaserve.sched.typical_tree import gain_curve
+from adaserve.policies.budgeted.columns import Columns
+from adaserve.policies.budgeted.config import EXTRAS
+from adaserve.policies.typical_tree import gain_curve
 
 HW = HardwareModel.from_dict(
     {
@@ -358,7 +358,7 @@ def _static_ms(tokens, steps, reqs):
 def test_online_correction_learns_marginal_cost_of_tokens():
     """Iterations that cost 0.1 ms more per verified token than the profile says:
     the fitted correction recovers the slope, so bigger plans are priced higher."""
-    from adaserve.sched.correction import OnlineCorrection
+    from adaserve.policies.correction import OnlineCorrection
 
     corr = OnlineCorrection()
     rng = np.random.default_rng(0)
@@ -379,7 +379,7 @@ def test_online_correction_learns_a_slowdown_as_a_ratio():
     """The machine runs 1.4x slower than profiled and the policy only tried depths 2-3
     at 2-4 requests: a depth-8 plan is predicted 1.4x its profile, not priced out by a
     slope fitted on depth x requests (a chain's tokens are n x (1 + depth))."""
-    from adaserve.sched.correction import OnlineCorrection
+    from adaserve.policies.correction import OnlineCorrection
 
     corr = OnlineCorrection()
     rng = np.random.default_rng(1)
@@ -397,7 +397,7 @@ def test_online_correction_puts_a_constant_gap_on_few_plans_modestly():
     """Every iteration 5 ms slower than profiled, at the few pass sizes a policy tries:
     the gap is not extrapolated as a steep per-token cost that would price big trees
     out (at most proportionally to the profile)."""
-    from adaserve.sched.correction import OnlineCorrection
+    from adaserve.policies.correction import OnlineCorrection
 
     corr = OnlineCorrection()
     for i in range(200):
@@ -453,8 +453,8 @@ def _reference_depth(pol, view, reqs, d, w, P, kv, acc) -> dict:
         options = [[min(d, kmax)] * n]
     else:  # e more nodes, each to the request with the fewest (then the lowest index)
         options, a = [], list(alloc)
-        for step in range(int(_EXTRAS[-1]) + 1):
-            if step in _EXTRAS:
+        for step in range(int(EXTRAS[-1]) + 1):
+            if step in EXTRAS:
                 options.append(list(a))
             open_ = [i for i in range(n) if a[i] < kfill]
             if open_:
@@ -504,7 +504,7 @@ def test_vectorised_depth_evaluation_equals_the_per_request_reference(
     view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=free, hw=HW)
     acc = tuple(round(float(x), 2) for x in np.sort(rng.uniform(0.02, 0.9, 4))[::-1])
     depths = (0, 1, 2, 3, 4, 5, 6, 8)
-    fast = pol._evaluate_depths(view, _Arrays.of(reqs), depths, w, prefill, 5000.0, acc)
+    fast = pol._evaluate_depths(view, Columns.of(reqs), depths, w, prefill, 5000.0, acc)
     for i, d in enumerate(depths):
         ref = _reference_depth(pol, view, reqs, d, w, prefill, 5000.0, acc)
         assert fast.alloc[i].tolist() == ref["alloc"], d
@@ -541,7 +541,7 @@ def test_adaserve_takes_the_cheapest_shape_within_the_rate_tolerance(monkeypatch
     monkeypatch.setattr(BudgetedPolicy, "_evaluate_depths", fake)
     reqs = [req(0, 15.0), req(1, 40.0)]
     view = BatchView(now_ms=0.0, requests=reqs, free_kv_slots=10_000, hw=HW)
-    arr = _Arrays.of(reqs)
+    arr = Columns.of(reqs)
 
     def shape(name, tol):
         pol = make_adaptive(name, rate_tolerance=tol)
@@ -576,7 +576,7 @@ def test_a_prefill_chunk_does_not_deepen_the_trees():
     pol = AdaServePolicy()
     acc = (0.75, 0.1, 0.05, 0.02)
     shapes = {
-        P: pol._best_shape(view, _Arrays.of(reqs), DEPTHS, (1,), P, 800.0, acc)
+        P: pol._best_shape(view, Columns.of(reqs), DEPTHS, (1,), P, 800.0, acc)
         for P in (0, 64, 256)
     }
     assert 1 <= shapes[0].depth < max(DEPTHS)
@@ -586,7 +586,7 @@ def test_a_prefill_chunk_does_not_deepen_the_trees():
 
 def test_policy_names_take_config_overrides_and_reject_bad_ones():
     from adaserve.errors import InvalidRequestError
-    from adaserve.sched.registry import make_policy
+    from adaserve.policies.registry import make_policy
 
     p = make_policy("adaserve:slo_margin=0.1:max_depth=6:catch_up_tokens=0")
     assert (p.name, p.cfg.slo_margin, p.cfg.max_depth, p.cfg.catch_up_tokens) == (
@@ -632,11 +632,11 @@ def test_selection_takes_every_node_when_all_fit_and_one_fewer_at_the_edge(name)
 
 def test_compiled_loops_fall_back_to_per_process_compilation(monkeypatch):
     """Where numba finds no writable cache location it refuses ``cache=True`` at
-    decoration; ``adaserve.jit.compiled`` then compiles without a disk cache instead
+    decoration; ``adaserve.util.jit.compiled`` then compiles without a disk cache instead
     of failing the import of the planner and the simulator."""
     import numba
 
-    from adaserve import jit
+    from adaserve.util import jit
 
     def njit(*args, **kwargs):
         if kwargs.get("cache"):
@@ -661,7 +661,7 @@ def test_plan_budget_and_policy_explain():
     """``NO_BUDGET`` reads as no budget; a plan carries its predicted iteration time;
     ``explain`` gives the selection log's requirement (None
     for the baselines and for plans that predict no time)."""
-    from adaserve.sched.registry import make_policy
+    from adaserve.policies.registry import make_policy
 
     assert Plan().budget == NO_BUDGET and Plan().bounded_budget is None
     assert Plan(budget=12).bounded_budget == 12

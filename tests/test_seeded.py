@@ -140,7 +140,7 @@ def test_race_noise_is_exponential_independent_and_keyed_only():
     import numpy as np
     import torch
 
-    from adaserve.logits import noise_key, race_noise
+    from adaserve.spec_decode.logits import noise_key, race_noise
 
     keys = [noise_key(s, o) for s in range(16) for o in range(64)]  # [1024]
     e = race_noise(keys, 1000, "cpu").double()

@@ -25,7 +25,7 @@ from server_fixtures import (
 
 from adaserve.server import ServerConfig
 from adaserve.server.metrics import VLLM_NAMES
-from adaserve.tokenizer import DEFAULT_CHAT_TEMPLATE, load_tokenizer
+from adaserve.text.tokenizer import DEFAULT_CHAT_TEMPLATE, load_tokenizer
 
 MODEL = "target"
 

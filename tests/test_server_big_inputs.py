@@ -17,7 +17,7 @@ from server_fixtures import LiveServer, engine_config, model_pair, server_test_e
 
 from adaserve.server import parse_config
 from adaserve.server.config import tomllib
-from adaserve.tokenizer import load_tokenizer
+from adaserve.text.tokenizer import load_tokenizer
 
 CONFIG = """
 [server]

@@ -184,7 +184,7 @@ def test_gpu_memory_utilization_flag_and_its_validation(tmp_path):
 def test_gpu_kv_budget_fills_the_allowed_share_of_the_card():
     """The KV pool, one layer's gathered share of it, the activation reserve and what is
     in use already add up to the allowed share of the card, not more."""
-    from adaserve.resources import gpu_kv_budget
+    from adaserve.util.resources import gpu_kv_budget
 
     GB = 10**9
     total, used, act, layers = 141 * GB, 18 * GB, 5 * GB, 32

@@ -10,8 +10,7 @@ import json
 import pytest
 from server_fixtures import LiveServer, engine_config, model_pair, scrape, server_test_env
 
-from adaserve import profile
-from adaserve.engine import profiler
+from adaserve.engine import profile, profiler
 from adaserve.server import parse_config
 from adaserve.server.config import tomllib
 

@@ -27,8 +27,8 @@ from server_fixtures import LiveServer, scrape, server_test_env
 from structured_schemas import SCHEMAS, _s
 
 from adaserve.config import EngineConfig
-from adaserve.paths import DEFAULT_TARGET
 from adaserve.server import ServerConfig
+from adaserve.util.paths import DEFAULT_TARGET
 
 pytestmark = pytest.mark.skipif(not DEFAULT_TARGET.is_dir(), reason="shipped pair not present")
 _env = pytest.fixture(scope="module", autouse=True)(server_test_env)

@@ -25,7 +25,7 @@ from adaserve.server.errors import ApiError
 from adaserve.server.quotas import QuotaBook, TokenBucket
 from adaserve.server.slo_resolution import resolve_slo
 from adaserve.slo import DEFAULT_CLASSES, SLO
-from adaserve.tokenizer import load_tokenizer
+from adaserve.text.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

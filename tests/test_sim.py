@@ -11,10 +11,10 @@ import pytest
 from adaserve.bench.runner import class_slos
 from adaserve.bench.workload import build_workload
 from adaserve.bench.workload_spec import WorkItem, WorkloadSpec
-from adaserve.sched.base import top_f_nodes
-from adaserve.sched.calibration import Calibrator
-from adaserve.sched.hardware import HardwareModel
-from adaserve.sched.registry import make_policy
+from adaserve.core.policy import top_f_nodes
+from adaserve.hardware.calibration import Calibrator
+from adaserve.hardware.model import HardwareModel
+from adaserve.policies.registry import make_policy
 from adaserve.sim import presets
 from adaserve.sim.acceptance import (
     AcceptanceModel,
@@ -168,8 +168,8 @@ def test_regimes_fit_the_agreement_after_a_miss_when_it_is_measured():
     and still reproduces the chains."""
     from dataclasses import replace
 
-    from adaserve import paths
     from adaserve.sim.acceptance_params import _after_miss, fit_regimes
+    from adaserve.util import paths
 
     p = AcceptanceParams.from_stats(paths.DEFAULT_STATS)
     assert p.after_miss == pytest.approx(0.757, abs=0.001)
@@ -561,7 +561,7 @@ def test_request_spread_gives_requests_persistent_difficulty():
     0 nothing is drawn and the chain is the stationary one."""
     from dataclasses import replace
 
-    from adaserve import paths
+    from adaserve.util import paths
 
     # the chain fitted to the per-depth statistics alone (regimes lasting ~20 tokens)
     shipped = AcceptanceParams.from_stats(paths.DEFAULT_STATS)
@@ -639,7 +639,7 @@ def test_acceptance_follows_the_measured_agreement_along_the_output():
     with pytest.raises(ValueError, match="position shifts"):
         replace(params, position_shift=(float("nan"),))
     # the shipped pair's statistics carry the measurement (160 tokens of continuation)
-    from adaserve import paths
+    from adaserve.util import paths
 
     shipped = AcceptanceParams.from_stats(paths.DEFAULT_STATS)
     assert len(shipped.position_shift) == 5 and shipped.position_shift[-1] > 0.03

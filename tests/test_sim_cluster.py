@@ -10,8 +10,8 @@ import pytest
 from adaserve.bench.runner import class_slos
 from adaserve.bench.workload_spec import WorkItem
 from adaserve.cluster.routing import make_router
-from adaserve.sched.hardware import HardwareModel
-from adaserve.sched.registry import make_policy
+from adaserve.hardware.model import HardwareModel
+from adaserve.policies.registry import make_policy
 from adaserve.sim.acceptance import AcceptanceModel
 from adaserve.sim.acceptance_params import AcceptanceParams
 from adaserve.sim.cluster import run_cluster

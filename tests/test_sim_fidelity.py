@@ -21,8 +21,8 @@ import torch
 
 from adaserve.bench.runner import class_slos
 from adaserve.bench.workload_spec import WorkItem
-from adaserve.sched.hardware import HardwareModel
-from adaserve.sched.registry import make_policy
+from adaserve.hardware.model import HardwareModel
+from adaserve.policies.registry import make_policy
 from adaserve.sim.acceptance import AcceptanceModel
 from adaserve.sim.acceptance_params import AcceptanceParams
 from adaserve.sim.loop import SimConfig, Simulator
@@ -195,7 +195,7 @@ def test_speed_trace_of_a_real_run_is_measured_over_fitted_time_per_window(tmp_p
     timeline without the work fields gives no trace."""
     import json
 
-    from adaserve.sched.hardware import HardwareModel
+    from adaserve.hardware.model import HardwareModel
     from adaserve.sim.pricing import HostOverhead, forward_ms
 
     fid = _fidelity_script()

@@ -17,9 +17,9 @@ from conftest import (
 
 from adaserve import LLM, SLO, SamplingParams
 from adaserve.core.clock import TickClock
-from adaserve.logits import target_probs
 from adaserve.models.loader import load_model
-from adaserve.paths import DEFAULT_DRAFT, DEFAULT_TARGET
+from adaserve.spec_decode.logits import target_probs
+from adaserve.util.paths import DEFAULT_DRAFT, DEFAULT_TARGET
 
 POLICIES = ["spec-chain:4", "spec-tree", "spec-tree:3x2", "adaserve", "dyn-tree", "smartspec"]
 
@@ -260,7 +260,7 @@ def test_seeded_noise_shared_by_positions_fails_the_distribution_test(small_pair
     (keyed by the seed alone) gives each token the right marginal but not the joint:
     the noise must be independent from position to position."""
     import adaserve.spec_decode.batch as vb
-    from adaserve.logits import noise_key
+    from adaserve.spec_decode.logits import noise_key
 
     monkeypatch.setattr(vb, "noise_key", lambda seed, index: noise_key(seed, 0))
     target, draft = small_pair
@@ -321,7 +321,7 @@ def test_a_draft_with_another_tokenizer_is_refused():
     from tokenizers.models import WordLevel
 
     from adaserve.errors import ModelLoadError
-    from adaserve.tokenizer import Tokenizer, check_draft_tokenizer
+    from adaserve.text.tokenizer import Tokenizer, check_draft_tokenizer
 
     def tok(words):
         return Tokenizer(HFTokenizer(WordLevel({w: i for i, w in enumerate(words)}, "a")), {})

@@ -19,7 +19,7 @@ from adaserve.core.step import (
     StepOutcome,
     run_step,
 )
-from adaserve.sched.registry import make_policy
+from adaserve.policies.registry import make_policy
 from adaserve.sim.loop import SimConfig, SimRequest
 
 

@@ -32,10 +32,10 @@ from conftest import (
 from adaserve import LLM, SamplingParams
 from adaserve.core.clock import TickClock
 from adaserve.errors import InvalidRequestError
-from adaserve.logits import target_probs
 from adaserve.models.loader import load_model
-from adaserve.paths import DEFAULT_TARGET
+from adaserve.spec_decode.logits import target_probs
 from adaserve.structured.params import StructuredOutputsParams
+from adaserve.util.paths import DEFAULT_TARGET
 
 POLICIES = ["spec-chain:4", "spec-tree:3x2", "adaserve", "dyn-tree", "smartspec"]
 PERSON = {
@@ -302,7 +302,7 @@ def test_a_mask_one_node_off_fails_the_distribution_test(letter_pair, monkeypatc
 
 def test_letter_pair_copy_is_independent(letter_pair, tmp_path):
     """(the fixture's tokenizer gives one token per letter, as the test assumes)"""
-    from adaserve.tokenizer import load_tokenizer
+    from adaserve.text.tokenizer import load_tokenizer
 
     shutil.copytree(letter_pair[0], tmp_path / "t")
     tok = load_tokenizer(tmp_path / "t")

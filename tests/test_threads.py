@@ -9,10 +9,10 @@ import threading
 import pytest
 import torch
 
-from adaserve import threads
 from adaserve.config import EngineConfig
 from adaserve.engine.engine import Engine
 from adaserve.errors import InvalidRequestError
+from adaserve.util import threads
 
 
 def test_auto_keeps_a_reserve_for_the_http_loop():

@@ -9,9 +9,9 @@ import torch
 
 from adaserve import cli as adaserve_cli
 from adaserve.models.loader import load_model
-from adaserve.paths import DEFAULT_DRAFT, DEFAULT_STATS, DEFAULT_TARGET
 from adaserve.train import cli, corpus, stats
 from adaserve.train.tokenizer import EOS_TOKEN, load_tokenizer
+from adaserve.util.paths import DEFAULT_DRAFT, DEFAULT_STATS, DEFAULT_TARGET
 
 transformers = pytest.importorskip("transformers")
 

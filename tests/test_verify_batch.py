@@ -13,9 +13,9 @@ from conftest import chi_square, chi_square_rejects, ref_penalize
 from torch.overrides import TorchFunctionMode
 
 from adaserve.core.tree import CandidateTree
-from adaserve.logits import target_probs
 from adaserve.sampling import SamplingParams
 from adaserve.spec_decode.batch import VerifyBatch, compact_moves
+from adaserve.spec_decode.logits import target_probs
 from adaserve.spec_decode.verify import verify, verify_device
 
 
@@ -497,7 +497,7 @@ def test_batched_seeded_verification_matches_the_target_distribution(
 def seeded_chain(sp: SamplingParams, n: int) -> list[int]:
     """Non-speculative seeded sampling with the stand-in model: token o is
     ``argmax p / E`` with the noise of ``noise_key(seed, o)``."""
-    from adaserve.logits import noise_key, race_noise
+    from adaserve.spec_decode.logits import noise_key, race_noise
 
     prefix = PROMPT
     for o in range(n):

@@ -11,8 +11,8 @@ from server_fixtures import LiveServer, server_test_env
 
 from adaserve import SamplingParams
 from adaserve.config import EngineConfig
-from adaserve.paths import DEFAULT_TARGET
 from adaserve.server import ServerConfig
+from adaserve.util.paths import DEFAULT_TARGET
 
 _env = pytest.fixture(scope="module", autouse=True)(server_test_env)
 pytestmark = pytest.mark.skipif(not DEFAULT_TARGET.is_dir(), reason="shipped pair not present")

@@ -16,14 +16,14 @@ import numba
 import pytest
 from conftest import random_prompts
 
-from adaserve import jit
 from adaserve.config import EngineConfig
 from adaserve.core.clock import TickClock
 from adaserve.engine import build_engine
 from adaserve.engine.warmup import warm_up
+from adaserve.policies import plan_kernel  # noqa: F401 - its kernels are in the registry
 from adaserve.sampling import SamplingParams
-from adaserve.sched import plan_kernel  # noqa: F401 - its kernels are in the registry
 from adaserve.slo import SLO
+from adaserve.util import jit
 
 # the budgeted policies (numba planner) and the static ones, with variants whose
 # planner arguments differ (no catch-up horizon, a power cap)
@@ -108,7 +108,7 @@ def test_no_compile_or_new_specialisation_after_warm_up(engine, monkeypatch):
     assert rec.families == ("prefill", "decode", "chain", "tree") and rec.skipped is None
     assert not engine.has_work() and engine.policy is policy and policy._plans == 0
     assert engine.counters.generation_tokens == 0 and engine.last_trace is None
-    assert rec.specialisations["sched.plan_kernel.evaluate_depths"] >= 1
+    assert rec.specialisations["policies.plan_kernel.evaluate_depths"] >= 1
     before, compiles = jit.specialisations(), jit.compiles()
     assert rec.specialisations == before
 
@@ -118,7 +118,7 @@ def test_no_compile_or_new_specialisation_after_warm_up(engine, monkeypatch):
     assert jit.specialisations() == before
     assert jit.compiles() == compiles
     run_types = calls.take()
-    assert run_types["sched.plan_kernel.evaluate_depths"]  # the planner ran its kernel
+    assert run_types["policies.plan_kernel.evaluate_depths"]  # the planner ran its kernel
     for name, types in run_types.items():
         assert types <= warm_types.get(name, set()), name
 
@@ -137,7 +137,7 @@ def test_compiles_counts_real_compiles_only():
     disp(1.5)
     assert jit.compiles() == n + 2 and len(disp.signatures) == 2
     names = [f.name for f in jit.compiled_functions()]
-    assert "sched.plan_kernel.evaluate_depths" in names
+    assert "policies.plan_kernel.evaluate_depths" in names
     assert set(jit.specialisations()) == set(names)
 
 

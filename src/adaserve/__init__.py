@@ -12,7 +12,7 @@ def __getattr__(name: str):
     # the engine (and torch) load on first use: ``adaserve simulate`` and the policies
     # never need them
     if name in ("LLM", "RequestOutput"):
-        from adaserve import api
+        from adaserve.engine import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'adaserve' has no attribute {name!r}")

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from adaserve import __version__, cli_args
+from adaserve import __version__
 from adaserve.errors import AdaServeError
+from adaserve.util import cli_args
 
 if TYPE_CHECKING:
     from adaserve.sampling import SamplingParams
@@ -37,9 +38,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _sampling_from_args(args) -> SamplingParams:
     """The flags over the model's generation_config.json defaults (unless
     ``--generation-config vllm``) over greedy decoding."""
-    from adaserve import paths
-    from adaserve.generation_config import sampling_defaults
     from adaserve.sampling import SamplingParams
+    from adaserve.text.generation_config import sampling_defaults
+    from adaserve.util import paths
 
     model_dir = args.model or paths.DEFAULT_TARGET
     kw = sampling_defaults(model_dir, args.generation_config)
@@ -171,9 +172,9 @@ def _shape_dirs(shapes: str, root) -> tuple[str, str | None, dict]:
 def _profile_kv_bytes(model: str | None, draft: str | None, dtype: str, device: str) -> int:
     """KV pool for profiling: 4,096 token slots of the pair (at least 64 MiB), room for
     the step and draft-host measurements whatever the models' size."""
-    from adaserve import paths
     from adaserve.models.config import ModelConfig
     from adaserve.models.loader import resolve_dtype
+    from adaserve.util import paths
 
     esize = resolve_dtype(dtype, device).itemsize
     per_slot = ModelConfig.from_dir(model or paths.DEFAULT_TARGET).kv_bytes_per_token(esize)
@@ -188,7 +189,7 @@ def _cmd_profile(args) -> int:
 
     from adaserve.config import EngineConfig
     from adaserve.engine import build_engine
-    from adaserve.profile import profile_engine
+    from adaserve.engine.profile import profile_engine
 
     model, draft, no_draft, shapes = args.model, args.draft, args.no_draft, None
     with tempfile.TemporaryDirectory() as tmp:
@@ -240,7 +241,7 @@ def _cmd_profile(args) -> int:
 def _profile_into_cache(eng, args) -> int:
     """``adaserve profile`` without ``--out``: measure, then adopt into the cache the
     server reads (kept out when slower than the stored spread, unless --reprofile)."""
-    from adaserve import profile
+    from adaserve.engine import profile
 
     path = profile.cached_profile_path(eng)
     prof = profile.measure_checked(eng, reps=args.reps)
@@ -345,7 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _attach("adaserve.server.cli", "add_arguments", s)
-    s.set_defaults(func=lambda a: _delegate("adaserve.server.cli", "run")(a))
+    s.set_defaults(
+        func=lambda a: _delegate("adaserve.server.cli", "run")(
+            a, _delegate("adaserve.cluster.serve_app", "run_replicas")
+        )
+    )
 
     u = sub.add_parser("usage", help="read the usage ledger (totals, rows, reports)")
     _attach("adaserve.ledger.cli", "add_arguments", u)

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from adaserve.core.config import SchedulerConfig
 from adaserve.errors import AdaServeError, InvalidRequestError
-from adaserve.sched.drift import DriftConfig
-from adaserve.sched.registry import check_servable
+from adaserve.hardware.drift import DriftConfig
+from adaserve.policies.registry import check_servable
 
 
 @dataclass(frozen=True)
@@ -28,19 +28,19 @@ class EngineConfig(SchedulerConfig):
                          (profiling model shapes without their checkpoints)
     generation_config:   where default sampling parameters come from, as vLLM's flag:
                          "auto" (the model's generation_config.json), "vllm" (none),
-                         or a directory (see ``adaserve.generation_config``)
+                         or a directory (see ``adaserve.text.generation_config``)
     drift_detect:        watch for drift from the profile: when the median measured /
                          profiled iteration time over ``drift_window`` iterations
                          leaves [``drift_low``, ``drift_high``] it is reported (log,
                          metric, dashboard), at most once per ``drift_min_interval_s``;
                          the profile is never re-measured inside the serving loop
-                         (see ``adaserve.sched.drift``)
+                         (see ``adaserve.hardware.drift``)
     threads:             intra-op threads of the forward passes (None: ``$ADASERVE_NUM_THREADS``,
                          ``$OMP_NUM_THREADS``, else the usable cores less a reserve;
-                         see ``adaserve.threads``)
+                         see ``adaserve.util.threads``)
     reprofile:           adopt a freshly measured profile even when it is slower than
                          the stored one's spread, and take its class targets
-                         (``--reprofile``; see ``adaserve.profile``)
+                         (``--reprofile``; see ``adaserve.engine.profile``)
     structured_outputs_backend: the grammar library of constrained requests:
                          "llguidance", "xgrammar" or "auto" (llguidance; see
                          ``adaserve.structured.compiler``)
@@ -93,7 +93,7 @@ class EngineConfig(SchedulerConfig):
             raise InvalidRequestError(str(e), "drift") from None
         if self.device not in ("cpu",) and not self.device.startswith("cuda"):
             raise InvalidRequestError(f"unsupported device {self.device!r}", "device")
-        from adaserve.generation_config import check_source
+        from adaserve.text.generation_config import check_source
 
         try:
             check_source(self.generation_config)

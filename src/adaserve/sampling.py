@@ -1,5 +1,5 @@
 """Sampling parameters (no torch here: the policies, the simulator and the HTTP layer
-use them; the tensor side is ``adaserve.logits``)."""
+use them; the tensor side is ``adaserve.spec_decode.logits``)."""
 
 from __future__ import annotations
 
@@ -27,13 +27,13 @@ class SamplingParams:
     # with a seed, sample j is seeded ``seed + j`` (as the server's ``n``)
     n: int = 1
     # vLLM's penalties, applied to the raw logits before temperature / top-k / top-p /
-    # min-p (``adaserve.logits.apply_penalties``): presence and frequency over the
+    # min-p (``adaserve.spec_decode.logits.apply_penalties``): presence and frequency over the
     # output tokens (OpenAI's definition), repetition over prompt + output tokens
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     # seeded sampling: the token at output index o is drawn with noise keyed by
-    # (seed, o) only (``adaserve.logits.race_noise``), so the output does not depend
+    # (seed, o) only (``adaserve.spec_decode.logits.race_noise``), so the output does not depend
     # on the policy, the trees, the batch or the load; None = the request's generator
     seed: int | None = None
     stop: tuple[str, ...] | None = None

@@ -50,7 +50,7 @@ def gamma_arrivals(
     return np.asarray(out, dtype=float)
 
 
-# --trace names of the traces shipped in the package (adaserve.paths.TRACES)
+# --trace names of the traces shipped in the package (adaserve.util.paths.TRACES)
 NAMED_TRACES = {
     "azure-conv": "AzureLLMInferenceTrace_conv.csv",
     "azure-code": "AzureLLMInferenceTrace_code.csv",
@@ -59,7 +59,7 @@ NAMED_TRACES = {
 
 def trace_path(trace: str | Path) -> Path:
     """The file of ``trace``: a shipped trace's name (``NAMED_TRACES``) or a path."""
-    from adaserve.paths import TRACES
+    from adaserve.util.paths import TRACES
 
     name = str(trace)
     if name in NAMED_TRACES:

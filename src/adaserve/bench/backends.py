@@ -47,7 +47,7 @@ class InProcessBackend:
         self.classes = self.cfg.classes
         self.factory = EngineFactory(self.cfg)
         self.policies = parse_policies(args.policies)
-        from adaserve.sched.registry import check_servable
+        from adaserve.policies.registry import check_servable
 
         for p in self.policies:  # before the models load
             check_servable(p)
@@ -97,8 +97,8 @@ class HttpBackend:
     """Runs workloads against a server; class targets from the unloaded TPOT."""
 
     def __init__(self, args):
-        from adaserve import paths
-        from adaserve.tokenizer import load_tokenizer
+        from adaserve.text.tokenizer import load_tokenizer
+        from adaserve.util import paths
 
         self.args = args
         self.policies = [args.label]

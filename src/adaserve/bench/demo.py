@@ -165,7 +165,7 @@ def prepare(model: str | None, draft: str | None, record_targets: bool = False) 
     compile the planner's kernels and measure the pair's hardware profile (a progress
     bar on a terminal), both into the caches the servers then load. With
     ``record_targets``, measure anew and record the pair's class targets from it
-    (unless the machine is measured as busy: ``adaserve.profile.busy_reason``)."""
+    (unless the machine is measured as busy: ``adaserve.engine.profile.busy_reason``)."""
     from adaserve.config import EngineConfig
     from adaserve.engine import build_engine
     from adaserve.engine.warmup import warm_up
@@ -190,15 +190,15 @@ def prepare(model: str | None, draft: str | None, record_targets: bool = False) 
 
 
 def run(args) -> int:
-    from adaserve import paths
     from adaserve.bench.backends import vocab_of as _vocab_of
     from adaserve.bench.demo_report import format_demo, load_line
     from adaserve.bench.metrics import summarize
     from adaserve.bench.report import write_report
     from adaserve.bench.runner import class_slos, run_http, server_targets
-    from adaserve.sched.registry import check_servable, make_policy
+    from adaserve.policies.registry import check_servable, make_policy
     from adaserve.slo import DEFAULT_CLASSES
-    from adaserve.tokenizer import load_tokenizer
+    from adaserve.text.tokenizer import load_tokenizer
+    from adaserve.util import paths
 
     duration = float(getattr(args, "duration", 20.0) or 20.0)
     baseline = getattr(args, "baseline", None) or DEFAULT_BASELINE
@@ -238,7 +238,7 @@ def run(args) -> int:
             except AdaServeError as e:
                 raise AdaServeError(f"{e}\n--- server log tail ---\n{_tail(log_path)}") from None
             if config is None:  # one workload and one set of targets for every policy
-                # the pair's targets record on this machine (``adaserve.profile``): the
+                # the pair's targets record on this machine (``adaserve.engine.profile``): the
                 # first profile measured here fixed it, so every run judges alike
                 tpot, tpot_src = server_targets(base_url)
                 print(f"demo: unloaded TPOT {tpot:.3f} ms, from {tpot_src}", file=sys.stderr)

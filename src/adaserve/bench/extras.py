@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from adaserve.bench.energy import device_energy
 from adaserve.bench.metrics import shift_convergence
 from adaserve.bench.workload_spec import WorkloadSpec
+from adaserve.hardware.energy import device_energy
 
 
 def strict_class(spec: WorkloadSpec, classes) -> str:

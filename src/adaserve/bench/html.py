@@ -3,7 +3,7 @@
 One view per policy (a selector switches between them), built from what the report
 already holds: the per-class metrics (``bench.metrics.summarize``), the per-iteration
 timeline samples (``core.trace.sample``) and the request records. The page inlines the
-charting library and the data (``adaserve.dashboard_page``), so the one file opens
+charting library and the data (``adaserve.util.dashboard_page``), so the one file opens
 without a network. A timeline longer than ``MAX_POINTS`` iterations is drawn from
 every k-th one. Rolling attainment: the requests that finished in the last
 ``ROLLING_WINDOW_S`` seconds of the run. Torch-free.
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from adaserve import dashboard_page
 from adaserve.bench.tables import _class_order
+from adaserve.util import dashboard_page
 
 MAX_POINTS = 4000  # a longer timeline is drawn from every k-th iteration
 

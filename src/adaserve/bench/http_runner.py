@@ -201,7 +201,7 @@ async def _measure_unloaded(client, model, n: int) -> float:
 
 async def _reported_unloaded(client) -> float | None:
     """The unloaded TPOT an adaserve server resolves its class targets with (its
-    ``/v1/slo/report``: the profile's, ``sched.hardware.unloaded_tpot_ms``); None from
+    ``/v1/slo/report``: the profile's, ``hardware.model.unloaded_tpot_ms``); None from
     a server that reports none (a peer such as vLLM)."""
     try:
         r = await client.get("/v1/slo/report")
@@ -229,7 +229,7 @@ async def _unloaded_of(client, model, n: int) -> float:
 
 def server_targets(base_url: str, api_key: str | None = None) -> tuple[float, str]:
     """(the unloaded TPOT the server's class targets multiply, where it comes from):
-    an adaserve server reports its pair's targets record (``adaserve.profile``), the
+    an adaserve server reports its pair's targets record (``adaserve.engine.profile``), the
     one the bench, the demo and the simulator all read; a server that reports none is
     probed (``measure_unloaded_tpot``)."""
     import httpx

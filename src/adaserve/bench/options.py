@@ -17,8 +17,8 @@ from adaserve.bench.workload_spec import (
     parse_length_overrides,
     parse_shift,
 )
-from adaserve.cli_args import byte_size, int_at_least
 from adaserve.errors import AdaServeError
+from adaserve.util.cli_args import byte_size, int_at_least
 
 DEFAULT_POLICIES = "adaserve,ar,spec-chain:4,spec-tree,smartspec,dyn-tree"
 

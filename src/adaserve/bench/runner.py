@@ -60,13 +60,13 @@ class EngineFactory:
 
 def set_policy(engine, policy: str) -> None:
     """Switch ``engine`` to ``policy``, loading the hardware profile if it needs one."""
-    from adaserve.sched.registry import make_policy
+    from adaserve.policies.registry import make_policy
 
     pol = make_policy(policy)
     if pol.uses_draft and engine.draft is None:
         raise AdaServeError(f"policy {policy!r} needs a draft model")
     if pol.uses_draft and engine.hw is None:
-        from adaserve.profile import load_or_profile
+        from adaserve.engine.profile import load_or_profile
 
         engine.set_hardware(load_or_profile(engine, auto=engine.cfg.auto_profile))
     engine.set_policy(pol)

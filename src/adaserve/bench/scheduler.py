@@ -8,11 +8,11 @@ import time
 
 import numpy as np
 
+from adaserve.core.policy import BatchView, ReqView
 from adaserve.core.tree import CandidateTree
-from adaserve.sched.adaptive import AdaServePolicy
-from adaserve.sched.base import BatchView, ReqView
-from adaserve.sched.calibration import Calibrator
-from adaserve.sched.hardware import HardwareModel
+from adaserve.hardware.calibration import Calibrator
+from adaserve.hardware.model import HardwareModel
+from adaserve.policies.budgeted import AdaServePolicy
 
 # the reference experiment's 70B target on 4 A100s (design note, section 6)
 REFERENCE_HW = HardwareModel.from_dict(

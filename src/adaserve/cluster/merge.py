@@ -22,9 +22,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from adaserve.dashboard_page import RECENT_ITERATIONS, ROLLING_WINDOW_S, timeline_series
 from adaserve.server.dashboard import report_view
 from adaserve.server.report import ReportStore, rolling_counts, rolling_rates
+from adaserve.util.dashboard_page import RECENT_ITERATIONS, ROLLING_WINDOW_S, timeline_series
 
 
 class _Families:

@@ -458,7 +458,7 @@ def replica_stats(replica_id: str, scheduler, policy, now_s: float) -> ReplicaSt
     ``load_hints``. The planner's own pass is no load signal: it
     spends whatever slack there is on deeper trees and prefill.
     """
-    from adaserve.sched.typical_tree import gain_curve
+    from adaserve.policies.typical_tree import gain_curve
 
     cfg, hw = scheduler.cfg, scheduler.hw
     running, waiting = list(scheduler.running), list(scheduler.waiting)
@@ -473,7 +473,7 @@ def replica_stats(replica_id: str, scheduler, policy, now_s: float) -> ReplicaSt
     elif hw is not None:
         pass_ms = float(hw.iteration_ms(max(1, len(running)), kv))
     else:
-        pass_ms = float(scheduler._unloaded())
+        pass_ms = float(scheduler.unloaded_tpot_ms())
     pass_ms = max(pass_ms, 1e-3)
     budget = plan.bounded_budget if plan is not None else None
     if budget is None:

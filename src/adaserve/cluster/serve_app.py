@@ -30,8 +30,8 @@ import sys
 from pathlib import Path
 
 from adaserve.config import EngineConfig
-from adaserve.paths import cache_dir
 from adaserve.server.config import ServerConfig
+from adaserve.util.paths import cache_dir
 
 log = logging.getLogger("adaserve.cluster")
 
@@ -305,3 +305,21 @@ def run(args, ecfg: EngineConfig, cfg: ServerConfig) -> int:
     finally:
         cluster.shutdown()
     return 0 if server.started else 1
+
+
+def run_replicas(args, ecfg: EngineConfig, cfg: ServerConfig) -> int:
+    """``adaserve serve --replicas N``: checks, then ``run``."""
+    if args.replicas is None:
+        print("adaserve serve: --ray-address needs --replicas N", file=sys.stderr)
+        return 2
+    if args.replicas < 1:
+        print("adaserve serve: --replicas must be at least 1", file=sys.stderr)
+        return 2
+    if not ray_available():
+        print(
+            "adaserve serve: --replicas needs Ray Serve, which is not installed "
+            "(pip install 'adaserve[ray]')",
+            file=sys.stderr,
+        )
+        return 2
+    return run(args, ecfg, cfg)

@@ -39,12 +39,12 @@ from adaserve.core.blocks import BlockAllocator, BlockTable, OutOfBlocks, block_
 from adaserve.core.clock import Clock
 from adaserve.core.config import SchedulerConfig
 from adaserve.core.counters import Counters
+from adaserve.core.policy import BatchView, Plan, Policy, ReqView
 from adaserve.core.seq import SeqState, Status
 from adaserve.core.step import Batch, SchedulerOutput, StepInputs, StepOutcome
 from adaserve.core.trace import StepTrace
 from adaserve.core.tree import scratch_slots_needed
 from adaserve.errors import InvalidRequestError, PromptTooLongError
-from adaserve.sched.base import BatchView, Plan, Policy, ReqView
 from adaserve.slo import SLO, SLOClass, looser_slo
 
 # context tokens per sequence assumed when pricing the full-batch capacity
@@ -83,7 +83,7 @@ class Scheduler:
         )
         self.max_model_len = int(max_model_len)
         self.hw = hw
-        self.power = power  # sched.power.PowerModel, handed to policies in the view
+        self.power = power  # hardware.power.PowerModel, handed to policies in the view
         self.counters = counters if counters is not None else Counters()
         self._unloaded = unloaded_tpot_ms
         self._classes: dict[str, SLOClass] = {c.name: c for c in cfg.classes}
@@ -103,6 +103,10 @@ class Scheduler:
         self.expired: list[SeqState] = []
 
     # ------------------------------------------------------------------ classes
+    def unloaded_tpot_ms(self) -> float:
+        """The TPOT class targets are multiples of, now (the deployment's unloaded pass)."""
+        return self._unloaded()
+
     def class_slo(self, name: str) -> SLO:
         """The SLO of class ``name``, multiples resolved against the unloaded TPOT."""
         return self.cfg.class_by_name(name).resolve(self._unloaded())

@@ -3,7 +3,7 @@
 A pass more than ``factor`` times its profiled prediction is a stall. Its cause is the
 first of these that the probes saw during the pass:
 
-- ``compile``: a numba kernel was compiled (``adaserve.jit.compiles`` moved);
+- ``compile``: a numba kernel was compiled (``adaserve.util.jit.compiles`` moved);
 - ``gc``: Python's garbage collector ran a collection (``gc.get_stats`` moved);
 - ``slowed_machine``: the engine thread got less than ``cpu_share`` of the pass's
   wall time on a core (``time.thread_time``): another process, or the machine's own
@@ -32,7 +32,7 @@ def numba_compiles() -> int:
     """Compiles of adaserve's numba kernels so far (0 where numba is not loaded)."""
     import sys
 
-    jit = sys.modules.get("adaserve.jit")
+    jit = sys.modules.get("adaserve.util.jit")
     fn = getattr(jit, "compiles", None)
     return int(fn()) if fn is not None else 0
 

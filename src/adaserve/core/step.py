@@ -22,9 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from adaserve.core.policy import BatchView, Plan
 from adaserve.core.seq import SeqState
 from adaserve.core.trace import StepTrace
-from adaserve.sched.base import BatchView, Plan
 
 if TYPE_CHECKING:  # the scheduler imports this module
     from adaserve.core.scheduler import Scheduler

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from adaserve.core.counters import admission_summary
-from adaserve.sched.base import Plan
+from adaserve.core.policy import Plan
 
 
 @dataclass
@@ -71,7 +71,7 @@ class StepTrace:
 
 @dataclass
 class EnergyTally:
-    """Running totals of work, fed once per iteration (the model of ``bench.energy``)."""
+    """Running totals of work, fed once per iteration (the model of ``hardware.energy``)."""
 
     flops: float = 0.0
     bytes_moved: float = 0.0
@@ -98,7 +98,7 @@ class EnergyTally:
         )
 
     def summary(self, device, output_tokens: int) -> dict:
-        """The totals and their energy on ``device`` (a ``bench.energy.DeviceEnergy``)."""
+        """The totals and their energy on ``device`` (a ``hardware.energy.DeviceEnergy``)."""
         j = device.joules(self.flops, self.bytes_moved)
         return {
             **device.as_dict(),

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from adaserve import paths
 from adaserve.config import EngineConfig
 from adaserve.core.blocks import CacheStats
 from adaserve.core.clock import Clock, WallClock
 from adaserve.core.counters import Counters
+from adaserve.core.policy import Policy
 from adaserve.core.scheduler import Scheduler
 from adaserve.core.stalls import StallDetector
 from adaserve.core.step import run_step
@@ -28,16 +28,16 @@ from adaserve.engine.model_runner import ModelRunner
 from adaserve.engine.output import OutputProcessor
 from adaserve.engine.selection_log import SelectionLog
 from adaserve.errors import AdaServeError, InvalidRequestError, ModelLoadError
-from adaserve.request import Request
+from adaserve.hardware.calibration import Calibrator
+from adaserve.hardware.drift import DriftMonitor
+from adaserve.hardware.power import PowerModel
+from adaserve.policies.registry import check_servable, make_policy
 from adaserve.sampling import SamplingParams
-from adaserve.sched.base import Policy
-from adaserve.sched.calibration import Calibrator
-from adaserve.sched.drift import DriftMonitor
-from adaserve.sched.power import PowerModel
-from adaserve.sched.registry import check_servable, make_policy
 from adaserve.slo import SLO
+from adaserve.spec_decode.request import Request
 from adaserve.structured.manager import StructuredOutputs
 from adaserve.structured.matcher import GrammarState
+from adaserve.util import paths
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class Engine:
         if self.hw is not None and self.drift.observe(
             tr.predicted_ms, tr.duration_s * 1000, tr.t_end
         ):
-            from adaserve.profile import log_drift
+            from adaserve.engine.profile import log_drift
 
             log_drift(self)
         self.last_trace = tr
@@ -364,7 +364,7 @@ def build_engine(cfg: EngineConfig | None = None, clock: Clock | None = None, **
     """An engine ready to serve: constructed, then with its hardware profile loaded
     (or measured on first start, when ``cfg.auto_profile``) if its policy drafts or a
     profile was named. Profiling steps the engine; its statistics are reset after."""
-    from adaserve.profile import load_or_profile  # imports the engine's modules
+    from adaserve.engine.profile import load_or_profile  # imports the engine's modules
 
     eng = Engine(cfg, clock, **overrides)
     _say_threads(eng.thread_plan)
@@ -392,9 +392,9 @@ def _say_threads(plan) -> None:
 
 def _power_model(run: ModelRunner, device: str) -> PowerModel | None:
     """The planners' power model from the models' parameter counts, dtype and KV bytes
-    on ``device``'s energy figures (``bench.energy``); None when the counts are unknown
+    on ``device``'s energy figures (``hardware.energy``); None when the counts are unknown
     (a policy with a power cap then plans without it, and says so)."""
-    from adaserve.bench.energy import device_energy
+    from adaserve.hardware.energy import device_energy
 
     flops = (
         getattr(run, "flops_per_token_target", 0.0),

@@ -19,9 +19,9 @@ from adaserve.core.stalls import Probe
 from adaserve.core.step import DraftWork, SchedulerOutput, StepInputs, StepOutcome
 from adaserve.core.tree import CandidateTree, scratch_slots_needed
 from adaserve.engine.verification import accept
-from adaserve.request import Request
-from adaserve.sched.drift import predicted_pass_ms
+from adaserve.hardware.drift import predicted_pass_ms
 from adaserve.spec_decode.draft import DraftOutput
+from adaserve.spec_decode.request import Request
 
 if TYPE_CHECKING:
     from adaserve.engine.engine import Engine

@@ -15,22 +15,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from adaserve import paths, threads
 from adaserve.core.scheduler import Batch
 from adaserve.core.tree import CandidateTree, ancestor_mask
 from adaserve.errors import InvalidRequestError, ModelLoadError
 from adaserve.kv.cache import KVCache
-from adaserve.logits import add_logit_bias, bad_word_bans, ban_tokens, make_generator
 from adaserve.models.attention import AttnMetadata, SeqSpec
 from adaserve.models.config import ModelConfig
 from adaserve.models.loader import load_model, resolve_dtype
-from adaserve.request import Request
-from adaserve.resources import default_kv_budget, gpu_kv_budget
 from adaserve.spec_decode import grammar
 from adaserve.spec_decode.batch import VerifyBatch
 from adaserve.spec_decode.draft import DraftOutput, expand
+from adaserve.spec_decode.logits import add_logit_bias, bad_word_bans, ban_tokens, make_generator
 from adaserve.spec_decode.penalties import tree_paths
-from adaserve.tokenizer import Tokenizer, check_draft_tokenizer, load_tokenizer
+from adaserve.spec_decode.request import Request
+from adaserve.text.tokenizer import Tokenizer, check_draft_tokenizer, load_tokenizer
+from adaserve.util import paths, threads
+from adaserve.util.resources import default_kv_budget, gpu_kv_budget
 
 
 @dataclass

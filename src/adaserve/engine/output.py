@@ -10,9 +10,9 @@ from adaserve.core.step import Commit
 from adaserve.core.tree import CandidateTree
 from adaserve.engine.model_runner import logprob_entries
 from adaserve.engine.verification import StepResult
-from adaserve.request import Request
-from adaserve.sched.calibration import Calibrator
-from adaserve.tokenizer import Tokenizer
+from adaserve.hardware.calibration import Calibrator
+from adaserve.spec_decode.request import Request
+from adaserve.text.tokenizer import Tokenizer
 
 
 class OutputProcessor:

@@ -1,7 +1,7 @@
 """The measurements behind a hardware profile, with the engine's own forward code:
 verification, drafting and prefill passes over a grid of sizes, the engine's host
 overhead per step, the draft's host work and a grammar mask's cost
-(``adaserve.profile`` caches, checks and adopts what they measure)."""
+(``adaserve.engine.profile`` caches, checks and adopts what they measure)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ import time
 
 import torch
 
-from adaserve.kv.cache import KVCache
-from adaserve.models.attention import AttnMetadata, SeqSpec
-from adaserve.models.llama import LlamaModel
-from adaserve.sched.hardware import SCHEMA
-from adaserve.sched.profile_stats import (
+from adaserve.hardware.model import SCHEMA
+from adaserve.hardware.profile_stats import (
     PointStats,
     SanityLimits,
     check_profile,
     summarize,
     time_points,
 )
+from adaserve.kv.cache import KVCache
+from adaserve.models.attention import AttnMetadata, SeqSpec
+from adaserve.models.llama import LlamaModel
 
 VERIFY_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DRAFT_TOKENS = (1, 4, 16, 64, 256)
@@ -221,8 +221,8 @@ def measure_step_overhead(engine, new_tokens: int = 24) -> list[float]:
     steps without speculation, the first two dropped as warm-up): the engine's whole
     iteration, forward pass, scheduling, metadata and sampling included. The host
     overhead is their median less the profiled one-token verification."""
+    from adaserve.policies.static import AutoregressivePolicy
     from adaserve.sampling import SamplingParams
-    from adaserve.sched.static import AutoregressivePolicy
     from adaserve.slo import SLO
 
     saved = engine.policy

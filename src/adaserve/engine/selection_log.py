@@ -9,8 +9,8 @@ import json
 import os
 import time
 
+from adaserve.core.policy import BatchView, Plan, Policy
 from adaserve.core.tree import CandidateTree
-from adaserve.sched.base import BatchView, Plan, Policy
 
 
 class SelectionLog:

@@ -3,7 +3,7 @@
 A server says it is ready (``/health``) only once the engine has paid its first-use
 costs, as vLLM captures its CUDA graphs before it serves: the planner's numba kernel
 compiled or loaded from the on-disk cache for the argument types the planner passes
-(``sched.plan_kernel.warm_up``), and a few real engine steps with throwaway requests
+(``policies.plan_kernel.warm_up``), and a few real engine steps with throwaway requests
 that run each family of torch calls a serving run makes: a prefill, plain decodes, a
 speculative chain and a tree when the policy drafts; greedy and sampled rows, seeded
 and not, penalties, ``min_tokens``, logprobs and prompt logprobs.
@@ -100,19 +100,19 @@ def warm_up(engine, say: bool = True) -> WarmUp:
 
 def _warm_kernels(engine) -> None:
     """The numba kernels of the engine's policy, with the argument types its plans pass:
-    the budgeted policies' planner kernel (``sched.plan_kernel``). The simulator's
+    the budgeted policies' planner kernel (``policies.plan_kernel``). The simulator's
     kernels (``sim.kernels``) are on no serving path; the other policies use none."""
-    adaptive = sys.modules.get("adaserve.sched.budgeted.planner")  # a budgeted policy imports it
+    adaptive = sys.modules.get("adaserve.policies.budgeted.planner")  # a budgeted policy imports it
     if adaptive is not None and isinstance(engine.policy, adaptive.BudgetedPolicy):
-        from adaserve.sched import plan_kernel
+        from adaserve.policies import plan_kernel
 
         plan_kernel.warm_up()
 
 
 def _jit():
-    """``adaserve.jit`` when numba is in use in this process, else None (an engine
+    """``adaserve.util.jit`` when numba is in use in this process, else None (an engine
     whose policy plans without numba does not import it)."""
-    return sys.modules.get("adaserve.jit")
+    return sys.modules.get("adaserve.util.jit")
 
 
 # ---------------------------------------------------------------------- the steps
@@ -168,7 +168,7 @@ def _requests(engine, mixed: bool) -> list[tuple[list[int], SamplingParams]]:
 def _phases(engine) -> list[tuple[object, bool]]:
     """(policy, mixed) of each phase: a copy of the engine's policy with every kind of
     request; when it drafts, a static tree, a static chain and plain decoding too."""
-    from adaserve.sched.registry import make_policy
+    from adaserve.policies.registry import make_policy
 
     policy = engine.policy
     try:

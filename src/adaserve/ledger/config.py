@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from adaserve import paths
+from adaserve.util import paths
 
 NONE = "none"
 DB_FILE = "usage.db"

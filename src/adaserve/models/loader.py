@@ -104,7 +104,7 @@ def _check_fits(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> N
     or in the GPU's free memory, instead of an out-of-memory kill mid-load."""
     need = cfg.num_parameters() * dtype.itemsize
     if device.type == "cpu":
-        from adaserve.resources import available_ram
+        from adaserve.util.resources import available_ram
 
         have, where = available_ram(), "available RAM"
     elif device.type == "cuda" and torch.cuda.is_available():

@@ -2,6 +2,7 @@
 
 import sys
 
+from adaserve.cluster.serve_app import run_replicas
 from adaserve.server.cli import main
 
-sys.exit(main())
+sys.exit(main(replicas=run_replicas))

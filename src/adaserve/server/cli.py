@@ -18,8 +18,6 @@ import os
 import sys
 from pathlib import Path
 
-from adaserve import cli_args, threads
-from adaserve.chat_template import load_template_arg
 from adaserve.config import EngineConfig
 from adaserve.errors import AdaServeError, InvalidRequestError, ModelLoadError
 from adaserve.ledger.config import UsageConfigError
@@ -32,6 +30,8 @@ from adaserve.server.config import (
     key_digest,
     load_config,
 )
+from adaserve.text.chat_template import load_template_arg
+from adaserve.util import cli_args, threads
 
 log = logging.getLogger("adaserve.server")
 
@@ -312,8 +312,8 @@ def _check_model_len(ecfg: EngineConfig) -> None:
     engine checks it too), as vLLM refuses it rather than clamping."""
     if ecfg.max_model_len is None:
         return
-    from adaserve import paths
     from adaserve.models.config import ModelConfig
+    from adaserve.util import paths
 
     d = Path(ecfg.model) if ecfg.model else paths.DEFAULT_TARGET
     if not (d / "config.json").is_file():
@@ -444,9 +444,11 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     return ecfg, cfg
 
 
-def run(args) -> int:
+def run(args, replicas=None) -> int:
     """Serve until SIGINT/SIGTERM; 0 on a clean shutdown, 1 if start-up fails, 2 on a
-    configuration error."""
+    configuration error. ``replicas(args, ecfg, cfg)`` serves ``--replicas`` (the
+    cluster's ``serve_app.run_replicas``, handed down by ``adaserve serve``: the server
+    imports nothing of the cluster above it)."""
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
         format="%(levelname)s %(name)s: %(message)s",
@@ -461,7 +463,7 @@ def run(args) -> int:
         ecfg, cfg = build_configs(args)
         _check_model_len(ecfg)
         if cfg.chat_template is not None:  # a bad template fails before the engine loads
-            from adaserve.chat_template import ChatTemplate
+            from adaserve.text.chat_template import ChatTemplate
 
             ChatTemplate({"default": load_template_arg(cfg.chat_template)}).check()
     except (ConfigError, InvalidRequestError, ModelLoadError) as e:
@@ -487,7 +489,10 @@ def run(args) -> int:
             )
             return 1
     if getattr(args, "replicas", None) is not None or getattr(args, "ray_address", None):
-        return _run_replicas(args, ecfg, cfg)
+        if replicas is None:
+            print("adaserve serve: --replicas needs the cluster runner", file=sys.stderr)
+            return 2
+        return replicas(args, ecfg, cfg)
     # the app (FastAPI, the engine, torch) is imported once the configuration is valid
     from adaserve.server.app import create_app
     from adaserve.server.engine_loop import EngineLoop
@@ -526,28 +531,9 @@ def run(args) -> int:
     return 0 if server.started else 1
 
 
-def _run_replicas(args, ecfg: EngineConfig, cfg: ServerConfig) -> int:
-    if args.replicas is None:
-        print("adaserve serve: --ray-address needs --replicas N", file=sys.stderr)
-        return 2
-    if args.replicas < 1:
-        print("adaserve serve: --replicas must be at least 1", file=sys.stderr)
-        return 2
-    from adaserve.cluster.serve_app import ray_available, run
-
-    if not ray_available():
-        print(
-            "adaserve serve: --replicas needs Ray Serve, which is not installed "
-            "(pip install 'adaserve[ray]')",
-            file=sys.stderr,
-        )
-        return 2
-    return run(args, ecfg, cfg)
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, replicas=None) -> int:
     p = cli_args.Parser(
         prog="adaserve serve", description="OpenAI-compatible server with per-request SLOs"
     )
     add_arguments(p)
-    return run(p.parse_args(argv))
+    return run(p.parse_args(argv), replicas)

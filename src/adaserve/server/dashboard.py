@@ -54,13 +54,13 @@ from starlette.datastructures import Headers
 from starlette.requests import cookie_parser
 from starlette.responses import HTMLResponse, Response
 
-from adaserve import dashboard_page
 from adaserve.server.auth import TenantRegistry, client_of
 from adaserve.server.config import Tenant
 from adaserve.server.errors import ApiError
 from adaserve.server.protocol import ErrorResponse
 from adaserve.server.render import JSON, error_response
 from adaserve.server.usage import Usage
+from adaserve.util import dashboard_page
 
 if TYPE_CHECKING:  # the state holds the engine (torch): the front door imports this
     from adaserve.server.state import ServerState

@@ -30,12 +30,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from adaserve.api import request_metrics
 from adaserve.config import EngineConfig
 from adaserve.core.config import QUEUE_FULL_RETRY_S
+from adaserve.engine.api import request_metrics
 from adaserve.errors import AdmissionRejected
-from adaserve.generation_config import sampling_defaults
-from adaserve.request import Status
 from adaserve.server.engine_messages import (
     DISCONNECTED,
     ENGINE_ERROR,
@@ -58,6 +56,8 @@ from adaserve.server.engine_messages import (
     Traced,
 )
 from adaserve.slo import SLO
+from adaserve.spec_decode.request import Status
+from adaserve.text.generation_config import sampling_defaults
 
 if TYPE_CHECKING:
     from adaserve.engine.engine import Engine
@@ -213,8 +213,8 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             if isinstance(self._source, EngineConfig):
-                from adaserve import threads
                 from adaserve.engine import build_engine
+                from adaserve.util import threads
 
                 # the serving loop's thread (and the OpenMP team it starts) runs on the
                 # cores the thread plan leaves after the reserve; the HTTP loop does not
@@ -507,7 +507,7 @@ def engine_provenance(e, pinned: bool = False) -> dict:
 def reload_profile(e) -> dict:
     """The admin action, run on the engine thread: the profile read again from its
     file (what ``adaserve profile`` last adopted); returns its provenance."""
-    from adaserve.profile import reload_profile as load
+    from adaserve.engine.profile import reload_profile as load
 
     e.set_hardware(load(e))
     return e.hw.provenance()
@@ -549,7 +549,7 @@ def _clean(v):
 def model_name_of(source) -> str:
     """A default served model id: the checkpoint directory's name (``adaserve`` for the
     shipped pair)."""
-    from adaserve import paths
+    from adaserve.util import paths
 
     if isinstance(source, EngineConfig):
         return Path(source.model).name if source.model else "adaserve"

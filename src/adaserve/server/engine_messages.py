@@ -49,7 +49,7 @@ class EngineInfo:
     draft_dir: str | None
     max_model_len: int
     vocab_size: int
-    tokenizer: Any  # adaserve.tokenizer.Tokenizer | None (encode/decode are thread-safe)
+    tokenizer: Any  # adaserve.text.tokenizer.Tokenizer | None (encode/decode are thread-safe)
     classes: tuple[SLOClass, ...]
     default_class: str
     policy: str

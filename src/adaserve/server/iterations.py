@@ -4,7 +4,7 @@ The engine thread hands every step's ``StepTrace`` to ``IterationLog.record``, w
 keeps ``core.trace.sample`` of it (running / waiting, KV use, the chosen depth and
 budget B, tree nodes, accepted tokens and budget share per class) stamped in seconds
 from the log's start. ``series`` turns the newest samples into the column arrays the
-dashboard charts (``adaserve.dashboard_page``).
+dashboard charts (``adaserve.util.dashboard_page``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 from collections import deque
 
 from adaserve.core.trace import StepTrace, sample
-from adaserve.dashboard_page import timeline_series
+from adaserve.util.dashboard_page import timeline_series
 
 
 class IterationLog:

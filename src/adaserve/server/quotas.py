@@ -50,7 +50,7 @@ class TokenBucket:
 
 
 class QuotaBook:
-    """Per-tenant request/token buckets and in-flight counts (thread-safe: ``settle``
+    """Per-tenant spec_decode/request/token buckets and in-flight counts (thread-safe: ``settle``
     and ``refund`` come from the engine thread).
 
     A request takes its request-per-minute token and its concurrency slot (``enter``)

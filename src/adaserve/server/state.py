@@ -15,9 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from adaserve.chat_template import ChatTemplate
 from adaserve.core.counters import admission_summary
-from adaserve.generation_config import describe as describe_defaults
 from adaserve.ledger import Budget, BudgetBook, Ledger
 from adaserve.server.accounting import RowAcc, wall_of
 from adaserve.server.auth import TenantRegistry
@@ -31,6 +29,8 @@ from adaserve.server.quotas import QuotaBook, RetryHold
 from adaserve.server.report import Record, ReportStore
 from adaserve.server.stats_log import StatsLogger, startup_summary
 from adaserve.server.usage import UsageBook
+from adaserve.text.chat_template import ChatTemplate
+from adaserve.text.generation_config import describe as describe_defaults
 
 
 def engine_summary(loop: EngineLoop) -> dict:

@@ -36,7 +36,7 @@ from functools import lru_cache
 import numpy as np
 
 from adaserve.core.tree import CandidateTree
-from adaserve.sched.calibration import Calibrator
+from adaserve.hardware.calibration import Calibrator
 from adaserve.sim import kernels
 from adaserve.sim.acceptance_params import POSITION_BLOCK, AcceptanceParams, fit_regimes
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from adaserve.sched.calibration import DEFAULT_RANK_PRIOR
+from adaserve.hardware.calibration import DEFAULT_RANK_PRIOR
 
 
 @dataclass(frozen=True)

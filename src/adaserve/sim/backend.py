@@ -12,13 +12,13 @@ from pathlib import Path
 from adaserve.bench.extras import class_energy, classes_of, run_extra, strict_class
 from adaserve.bench.options import parse_policies
 from adaserve.errors import AdaServeError
-from adaserve.resources import default_kv_budget
 from adaserve.sim.options import (
     acceptance_from_args,
     cluster_from_args,
     hardware_from_args,
     with_power_limits,
 )
+from adaserve.util.resources import default_kv_budget
 
 
 class SimBackend:
@@ -26,8 +26,8 @@ class SimBackend:
     over the simulator."""
 
     def __init__(self, args):
-        from adaserve.bench.energy import device_energy
-        from adaserve.sched.power import PowerModel
+        from adaserve.hardware.energy import device_energy
+        from adaserve.hardware.power import PowerModel
         from adaserve.sim import presets
         from adaserve.sim.acceptance import AcceptanceModel
         from adaserve.sim.loop import SimConfig, Simulator
@@ -47,7 +47,7 @@ class SimBackend:
         mdir = _model_dir(args)
         self.tokenizer, self.vocab_size, max_len = None, None, args.max_model_len
         if mdir is not None and mdir.is_dir():
-            from adaserve.tokenizer import load_tokenizer
+            from adaserve.text.tokenizer import load_tokenizer
 
             self.tokenizer = load_tokenizer(mdir)
             cfgj = _read_json(mdir / "config.json")
@@ -106,7 +106,7 @@ class SimBackend:
         )
         self.policies = parse_policies(args.policies)
         if not self.cfg.has_draft:
-            from adaserve.sched.registry import make_policy
+            from adaserve.policies.registry import make_policy
 
             self.policies = [p for p in self.policies if not make_policy(p).uses_draft]
             if not self.policies:
@@ -141,7 +141,7 @@ class SimBackend:
     def run(self, spec, items, policy: str, progress: bool):
         from adaserve.bench.metrics import summarize
         from adaserve.bench.slo_targets import class_slos
-        from adaserve.sched.registry import make_policy
+        from adaserve.policies.registry import make_policy
 
         slos = class_slos(
             classes_of(spec, items),
@@ -271,7 +271,7 @@ def _default_kv_slots(hw, block_size: int = 16) -> int:
 
 
 def _model_dir(args) -> Path | None:
-    from adaserve import paths
+    from adaserve.util import paths
 
     if args.model:
         return Path(args.model)

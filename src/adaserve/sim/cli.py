@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from adaserve.bench.options import add_sweep_arguments
-from adaserve.cli_args import int_at_least
+from adaserve.util.cli_args import int_at_least
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -116,7 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="power cap (W, the whole deployment) of the budgeted policies' plans: sets "
-        "their power_cap_w (sched/power.py; 0 = off)",
+        "their power_cap_w (hardware/power.py; 0 = off)",
     )
     s.add_argument(
         "--energy-per-token-j",

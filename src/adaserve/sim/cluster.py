@@ -33,9 +33,9 @@ from adaserve.bench.metrics import RequestRecord
 from adaserve.bench.workload_spec import WorkItem, item_slo
 from adaserve.cluster.routing import Router, RouteRequest, replica_stats, with_routed
 from adaserve.core.counters import Counters
+from adaserve.core.policy import Policy
 from adaserve.core.trace import RunTimeline
 from adaserve.errors import AdaServeError, AdmissionRejected
-from adaserve.sched.base import Policy
 from adaserve.sim.loop import Simulator, _Run, run_recorder
 from adaserve.slo import SLO
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from adaserve.jit import compiled
+from adaserve.util.jit import compiled
 
 
 @compiled

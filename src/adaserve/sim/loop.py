@@ -34,6 +34,7 @@ from adaserve.bench.workload_spec import WorkItem, item_slo
 from adaserve.core.clock import ManualClock
 from adaserve.core.config import SchedulerConfig
 from adaserve.core.counters import Counters
+from adaserve.core.policy import BatchView, Plan, Policy
 from adaserve.core.scheduler import Batch, Scheduler
 from adaserve.core.step import (
     Commit,
@@ -45,9 +46,8 @@ from adaserve.core.step import (
 )
 from adaserve.core.trace import ModelCosts, RunRecorder, RunTimeline
 from adaserve.errors import AdaServeError, AdmissionRejected
-from adaserve.sched.base import BatchView, Plan, Policy
-from adaserve.sched.calibration import Calibrator
-from adaserve.sched.hardware import HardwareModel
+from adaserve.hardware.calibration import Calibrator
+from adaserve.hardware.model import HardwareModel
 from adaserve.sim.acceptance import (
     AcceptanceModel,
     TreeBatch,
@@ -118,7 +118,7 @@ class Simulator:
         power=None,
     ):
         self.hw = hw
-        self.power = power  # sched.power.PowerModel for the planners' power constraints
+        self.power = power  # hardware.power.PowerModel for the planners' power constraints
         self.acc = acceptance
         self.cfg = cfg or SimConfig()
         self.seed_stats = seed_stats

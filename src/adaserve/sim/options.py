@@ -14,7 +14,7 @@ from adaserve.errors import AdaServeError
 # ---------------------------------------------------------------------- models
 def hardware_from_args(args):
     """(HardwareModel, info dict, Deployment | None) from ``--profile`` or ``--preset``."""
-    from adaserve.sched.hardware import HardwareModel, unloaded_tpot_ms
+    from adaserve.hardware.model import HardwareModel, unloaded_tpot_ms
     from adaserve.sim import presets
 
     if args.profile and args.preset:
@@ -80,8 +80,8 @@ def hardware_from_args(args):
 
 def _acceptance_params(args, using_profile: bool):
     """AcceptanceParams from ``--stats`` / ``--accept`` / the shipped pair's stats."""
-    from adaserve import paths
     from adaserve.sim.acceptance_params import AcceptanceParams
+    from adaserve.util import paths
 
     try:
         if args.accept or args.topk_mass is not None:

@@ -75,7 +75,7 @@ def measured_profile(name: str) -> tuple[str, dict]:
     """(deployment name, profile dict) of the measured preset ``GPU:PAIR:measured``."""
     import json
 
-    from adaserve import paths
+    from adaserve.util import paths
 
     base = name.strip()[: -len(MEASURED_SUFFIX)]
     dep = deployment(base).name

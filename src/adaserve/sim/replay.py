@@ -15,12 +15,12 @@ from dataclasses import dataclass, fields
 
 from adaserve.bench.workload_spec import WorkItem
 from adaserve.core.config import SchedulerConfig
+from adaserve.core.policy import BatchView, Plan, Policy
 from adaserve.core.scheduler import Batch
 from adaserve.core.step import StepInputs, run_step
 from adaserve.core.trace import StepTrace
 from adaserve.errors import AdmissionRejected
-from adaserve.sched.base import BatchView, Plan, Policy
-from adaserve.sched.hardware import HardwareModel
+from adaserve.hardware.model import HardwareModel
 from adaserve.sim.acceptance import AcceptanceModel
 from adaserve.sim.acceptance_params import AcceptanceParams
 from adaserve.sim.loop import PassOutcome, SimConfig, SimRequest, Simulator, _Run

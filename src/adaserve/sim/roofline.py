@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from adaserve.sched.hardware import HardwareModel
+from adaserve.hardware.model import HardwareModel
 
 TOKENS_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 4096)
 

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from adaserve.core.tree import CandidateTree
-from adaserve.logits import noise_key
 from adaserve.sampling import SamplingParams
+from adaserve.spec_decode.logits import noise_key
 from adaserve.spec_decode.penalties import PenaltyRows, tree_paths
 
 

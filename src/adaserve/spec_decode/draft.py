@@ -30,12 +30,12 @@ import torch.nn.functional as F
 
 from adaserve.core.tree import CandidateTree
 from adaserve.kv.cache import KVCache
-from adaserve.logits import add_logit_bias, bad_word_bans, ban_tokens, target_probs
 from adaserve.models.attention import AttnMetadata, SeqSpec
 from adaserve.models.llama import LlamaModel
-from adaserve.request import Request
 from adaserve.spec_decode import grammar
+from adaserve.spec_decode.logits import add_logit_bias, bad_word_bans, ban_tokens, target_probs
 from adaserve.spec_decode.penalties import PenaltyRows
+from adaserve.spec_decode.request import Request
 
 
 @dataclass

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from adaserve.logits import apply_penalties
 from adaserve.sampling import SamplingParams
+from adaserve.spec_decode.logits import apply_penalties
 
 
 @dataclass(frozen=True)

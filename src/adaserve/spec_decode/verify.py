@@ -63,8 +63,8 @@ from dataclasses import dataclass
 
 import torch
 
-from adaserve.logits import race_noise, target_probs
 from adaserve.spec_decode.batch import VerifyBatch
+from adaserve.spec_decode.logits import race_noise, target_probs
 
 
 @dataclass

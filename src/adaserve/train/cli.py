@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from adaserve import cli_args
 from adaserve.models.loader import load_model, save_pretrained
 from adaserve.train import corpus, stats, tokenizer, trainer
+from adaserve.util import cli_args
 
 SIZE_LIMIT_BYTES = 48 * 1024 * 1024  # store fp32 only when both models fit comfortably
 

@@ -171,7 +171,7 @@ def engine_calibration(
     counts: acceptance of a tried child by (depth, draft-probability bucket) and by
     sibling rank. The engine seeds its online calibration from this table.
     """
-    from adaserve.api import LLM
+    from adaserve.engine.api import LLM
     from adaserve.sampling import SamplingParams
 
     llm = LLM(

@@ -1,4 +1,4 @@
-/* adaserve dashboard: renders one "view" (adaserve.dashboard_page.view) with uPlot.
+/* adaserve dashboard: renders one "view" (adaserve.util.dashboard_page.view) with uPlot.
    Sign-in mode (the server's 401 / 403 page) shows the form, which trades the admin key
    (sent once, as the Authorization header) for an HttpOnly session cookie and reloads;
    the key is kept nowhere. Live mode polls boot.data_url once a second with that
