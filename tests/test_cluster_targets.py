@@ -10,7 +10,7 @@ from adaserve.cluster.ledger import Ledger
 from adaserve.cluster.targets import adopt, own_record
 from adaserve.config import EngineConfig
 from adaserve.engine import Engine
-from adaserve.sched.hardware import HardwareModel
+from adaserve.hardware.model import HardwareModel
 
 KV = 8 * 2**20
 
