@@ -33,6 +33,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from adaserve.core.admission import DEGRADABLE, TTFT_DEADLINE, AdmissionControl
 from adaserve.core.blocks import BlockAllocator, BlockTable, OutOfBlocks, block_digest
@@ -46,6 +47,10 @@ from adaserve.core.tree import scratch_slots_needed
 from adaserve.errors import InvalidRequestError, PromptTooLongError
 from adaserve.sched.base import BatchView, Plan, Policy, ReqView
 from adaserve.slo import SLO, SLOClass, looser_slo
+
+if TYPE_CHECKING:
+    from adaserve.sched.hardware import HardwareModel
+    from adaserve.sched.power import PowerModel
 
 # context tokens per sequence assumed when pricing the full-batch capacity
 _CAPACITY_CONTEXT = 256.0
@@ -68,9 +73,9 @@ class Scheduler:
         *,
         max_model_len: int,
         unloaded_tpot_ms: Callable[[], float],
-        hw=None,
+        hw: HardwareModel | None = None,
         counters: Counters | None = None,
-        power=None,
+        power: PowerModel | None = None,
     ):
         self.cfg = cfg
         self.policy = policy
@@ -239,7 +244,7 @@ class Scheduler:
         """Schedule with ``policy`` from the next step on (only between runs)."""
         self.policy = policy
 
-    def set_hardware(self, hw) -> None:
+    def set_hardware(self, hw: HardwareModel | None) -> None:
         """The hardware model used for admission and handed to policies."""
         self.hw = hw
         self.admission.new_model()
@@ -338,7 +343,7 @@ class Scheduler:
         self.allocator.now = self.now
         self._admitted = []
         self._preempted = []
-        self._hits: dict[int, int] = {}
+        self._hits = {}
         if self._last is not None:  # the previous pass, its token counts filled in
             last = self._last
             # with work left after it, the next pass followed at once: start to start
