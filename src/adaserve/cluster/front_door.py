@@ -41,6 +41,7 @@ import math
 import threading
 import time
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers
 
@@ -54,6 +55,9 @@ from adaserve.server.errors import ApiError, retry_after
 from adaserve.server.render import dumps, error_response
 from adaserve.server.slo_resolution import SLO_HEADERS
 from adaserve.server.state import MAX_BODY_BYTES
+
+if TYPE_CHECKING:
+    from adaserve.ledger import Ledger
 
 log = logging.getLogger("adaserve.cluster")
 
@@ -203,7 +207,9 @@ class FrontDoor:
         self.dashboard = Dashboard(
             self.front.tenants, self._dashboard_data, title=f"adaserve dashboard: {model_name}"
         )
-        self._usage = None  # the usage ledger, opened at the first interrupted stream
+        self._usage: Ledger | None = (
+            None  # the usage ledger, opened at the first interrupted stream
+        )
         self._usage_lock = threading.Lock()
         self.failed = FailedRequests(model_name)  # answered replica_failed, by class
 

@@ -445,10 +445,10 @@ class Scheduler:
             r.slo = looser_slo(r.slo, self.class_slo(r.slo.cls), self.class_slo(c.degrade_to))
             self.counters.degraded += 1
 
-    def reserve(self, plan: Plan, can_draft: bool) -> Batch:
+    def reserve(self, plan: Plan, can_draft: bool) -> Batch[SeqState]:
         """Pick this pass's requests and give each the KV slots it needs: prefill chunks
         and decodes may preempt; draft scratch may not (fallback ``kv_memory``)."""
-        b = Batch()
+        b: Batch[SeqState] = Batch()
         for r in sorted(self.running, key=_by_admit):
             if r.status is not Status.RUNNING:
                 continue  # preempted by an earlier request in this loop

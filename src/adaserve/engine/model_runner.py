@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from adaserve import paths, threads
-from adaserve.core.scheduler import Batch
+from adaserve.core.step import Batch
 from adaserve.core.tree import CandidateTree, ancestor_mask
 from adaserve.errors import InvalidRequestError, ModelLoadError
 from adaserve.kv.cache import KVCache

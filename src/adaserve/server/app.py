@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
@@ -207,7 +207,7 @@ _ANY_BODY = Body(
 _bearer = HTTPBearer(auto_error=False, description="API key (not needed in open mode)")
 BearerKey = Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
 
-_ERRORS = {
+_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse},
     401: {"model": ErrorResponse},
     403: {"model": ErrorResponse},

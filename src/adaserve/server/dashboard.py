@@ -47,7 +47,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from starlette.datastructures import Headers
@@ -339,7 +339,7 @@ class Dashboard:
                 if _cookie(headers) is not None:  # a stale session: forget it here too
                     self._clear(resp, secure)
             return resp
-        boot = {
+        boot: dict[str, Any] = {
             "mode": "live",
             "data_url": DATA_URL,
             "session_url": SESSION_URL,
@@ -427,7 +427,10 @@ class Dashboard:
         await resp(scope, receive, send)
 
 
-_ERRORS = {401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorResponse},
+    403: {"model": ErrorResponse},
+}
 
 
 def create_dashboard(state: ServerState) -> APIRouter:

@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
@@ -31,6 +31,9 @@ from adaserve.server.quotas import QuotaBook, RetryHold
 from adaserve.server.report import Record, ReportStore
 from adaserve.server.stats_log import StatsLogger, startup_summary
 from adaserve.server.usage import UsageBook
+
+if TYPE_CHECKING:
+    from adaserve.server.dashboard import Dashboard
 
 
 def engine_summary(loop: EngineLoop) -> dict:
@@ -106,6 +109,8 @@ class RequestCtx:
 
 class ServerState:
     """Everything the routes share: engine loop, tenants, quotas, metrics, report."""
+
+    dashboard: Dashboard  # set by ``server.dashboard.create_dashboard``
 
     def __init__(self, loop: EngineLoop, cfg: ServerConfig, model_name: str, classes):
         self.loop = loop
