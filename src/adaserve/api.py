@@ -249,7 +249,7 @@ class LLM:
         stderr (when it is a terminal; a callable: the tqdm class to use, as vLLM).
         """
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+            prompts = [prompts]  # type: ignore[assignment]  # one prompt: a list of one
         n = len(prompts)
         params = _per_prompt(
             sampling_params or self.get_default_sampling_params(), n, "sampling_params"

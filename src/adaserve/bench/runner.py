@@ -28,6 +28,7 @@ from adaserve.errors import AdaServeError, AdmissionRejected
 from adaserve.slo import SLO
 
 if TYPE_CHECKING:
+    from adaserve.engine.engine import Engine
     from adaserve.request import Request
 
 log = logging.getLogger("adaserve.bench")
@@ -42,7 +43,7 @@ class EngineFactory:
     def __init__(self, cfg, reuse: bool = True):
         self.cfg = cfg
         self.reuse = reuse
-        self.engine = None
+        self.engine: Engine | None = None
 
     def _build(self, policy: str):
         from dataclasses import replace

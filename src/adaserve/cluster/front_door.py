@@ -266,7 +266,7 @@ class FrontDoor:
     async def _read_body(self, scope, receive) -> bytes:
         from adaserve.server.app import _Guard
 
-        replay = await _Guard(None, self.front)._buffer(scope, receive)
+        replay = await _Guard(None, self.front)._buffer(scope, receive)  # type: ignore[arg-type]  # _buffer reads only the body limits, which FrontState has
         return (await replay())["body"]
 
     # ------------------------------------------------------------------ forwarding

@@ -11,6 +11,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -206,7 +207,8 @@ class ModelRunner:
         are in that node order."""
         t0 = time.perf_counter()
         seqs, ids = [], []
-        vtrees, vreqs, first_rows, q_rows = [], [], [], []
+        vtrees, vreqs, first_rows = [], [], []
+        q_rows: list[Any] = []
         extra: list[tuple[Request, int, int, int]] = []  # (request, position, row, count)
         pos = 0
         for r, n in batch.prefill:
@@ -342,7 +344,8 @@ def mask_grammar(logits: torch.Tensor, vb, reqs: list[Request], trees, drafts) -
     drafted token the grammar forbids is never accepted, and the bonus is always
     allowed."""
     cu = vb.cu_nodes
-    rows, masks = [], []
+    rows: list[Any] = []
+    masks: list[Any] = []
     for i, r in enumerate(reqs):
         gs = r.grammar
         if gs is None:

@@ -23,6 +23,7 @@ import copy
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from adaserve.errors import AdaServeError
 from adaserve.sampling import SamplingParams
@@ -80,7 +81,8 @@ def warm_up(engine, say: bool = True) -> WarmUp:
     t0 = time.perf_counter()
     c0 = jit.compiles() if (jit := _jit()) is not None else 0
     _warm_kernels(engine)
-    steps, families, skipped = 0, (), None
+    steps, skipped = 0, None
+    families: tuple[str, ...] = ()
     if engine.has_work():
         skipped = "the engine holds requests"
     else:
@@ -203,7 +205,8 @@ def _warm_steps(engine) -> tuple[int, tuple[str, ...], str | None]:
     sel_log = getattr(engine, "_sel_log", None)
     seeds = getattr(engine.runner, "_seeds", None)  # the engine's ``seed`` stream
     seed_state = seeds.getstate() if seeds is not None else None
-    steps, seen, skipped = 0, set(), None
+    steps, skipped = 0, None
+    seen: set[Any] = set()
     added = []
     engine.on_step = None
     engine._sel_log = None

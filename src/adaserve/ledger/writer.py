@@ -70,7 +70,7 @@ class LedgerWriter:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything submitted before this call is committed or spooled."""
-        return self.submit(None).result(timeout) is not None  # type: ignore[arg-type]
+        return self.submit(None).result(timeout) is not None
 
     def close(self, timeout: float = 30.0) -> None:
         """Write what is queued, then stop the thread."""

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from adaserve.core.tree import CandidateTree
+
+if TYPE_CHECKING:
+    from adaserve.sched.hardware import HardwareModel
+    from adaserve.sched.power import PowerModel
 
 
 @dataclass(slots=True)
@@ -59,10 +64,10 @@ class BatchView:
     now_ms: float
     requests: list[ReqView]
     free_kv_slots: int
-    hw: object | None = None  # HardwareModel when a profile is available
+    hw: HardwareModel | None = None  # when a profile is available
     num_waiting: int = 0
     acc_by_rank: tuple[float, ...] = ()  # calibrated acceptance of a child by sibling rank
-    power: object | None = None  # sched.power.PowerModel when the deployment's is known
+    power: PowerModel | None = None  # when the deployment's is known
     # ms of host work per grammar mask of a constrained request's node (the engine's
     # live mean, else the profile's ``mask_ms_per_node``)
     mask_ms_per_node: float = 0.0

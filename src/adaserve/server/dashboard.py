@@ -330,7 +330,11 @@ class Dashboard:
         try:
             _, by_session = self.admin(headers, client)
         except ApiError as e:
-            boot = {"mode": "signin", "session_url": SESSION_URL, "message": e.message}
+            boot: dict[str, Any] = {
+                "mode": "signin",
+                "session_url": SESSION_URL,
+                "message": e.message,
+            }
             resp = HTMLResponse(
                 self._page(boot), status_code=e.status, headers={**_PAGE_HEADERS, **e.headers}
             )
@@ -339,7 +343,7 @@ class Dashboard:
                 if _cookie(headers) is not None:  # a stale session: forget it here too
                     self._clear(resp, secure)
             return resp
-        boot: dict[str, Any] = {
+        boot = {
             "mode": "live",
             "data_url": DATA_URL,
             "session_url": SESSION_URL,

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from adaserve.api import request_metrics
 from adaserve.config import EngineConfig
@@ -410,6 +410,7 @@ class EngineLoop:
         except Exception:
             log.exception("request_metrics failed")
             metrics = {"slo_class": r.slo.cls, "slo_attained": False}
+        logprobs: Any
         output_ids, logprobs = list(r.output_ids), r.logprobs
         if h.drop_output:
             text, output_ids, logprobs = "", [], ()

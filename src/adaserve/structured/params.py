@@ -153,7 +153,7 @@ def from_response_format(rf: dict | None) -> StructuredOutputsParams | None:
                 "response_format.json_schema.schema must be an object", "response_format"
             )
         # strict: OpenAI's own schema subset; any schema is enforced exactly here
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=schema)  # type: ignore[arg-type]  # a dict is kept as its JSON text (__post_init__)
     raise InvalidRequestError(
         f"response_format type must be text, json_object or json_schema (got {t!r})",
         "response_format",

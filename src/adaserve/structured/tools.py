@@ -77,7 +77,8 @@ def _json_values(text: str, start: int = 0) -> tuple[list[Any], int]:
     """The JSON values one after another from ``start`` (separated by whitespace, ``,``
     or ``;``); returns them and where parsing stopped."""
     dec = json.JSONDecoder()
-    out, i = [], start
+    out: list[Any] = []
+    i = start
     while True:
         while i < len(text) and text[i] in " \t\r\n,;":
             i += 1
@@ -186,9 +187,9 @@ class ToolMode:
     def constraint(self) -> StructuredOutputsParams | None:
         if self.kind == "named":
             tool = next(t for t in self.tools if t["function"]["name"] == self.function)
-            return StructuredOutputsParams(json=_params_schema(tool))
+            return StructuredOutputsParams(json=_params_schema(tool))  # type: ignore[arg-type]  # a dict is kept as its JSON text (__post_init__)
         if self.kind == "required":
-            return StructuredOutputsParams(json=required_schema(self.tools, self.parallel))
+            return StructuredOutputsParams(json=required_schema(self.tools, self.parallel))  # type: ignore[arg-type]  # a dict is kept as its JSON text (__post_init__)
         return None
 
     def parse(self, text: str) -> tuple[str | None, list[Call]]:
