@@ -47,6 +47,7 @@ from starlette.datastructures import Headers
 
 from adaserve.cluster.asgi import request_data
 from adaserve.cluster.merge import merge_dashboard, merge_metrics, merge_report
+from adaserve.jsonsafe import json_safe
 from adaserve.server.auth import AUTH_PATHS, TenantRegistry, client_of
 from adaserve.server.config import ServerConfig
 from adaserve.server.dashboard import Dashboard
@@ -428,9 +429,8 @@ class FrontDoor:
         rep = await asyncio.to_thread(merge_report, snaps, only, self.front.model_name)
         if only is None:  # (a tenant's report is its own requests: the failed are not named)
             self.failed.add_to(rep)
-        from adaserve.server.app import _jsonable
 
-        body = json.dumps(_jsonable(rep), ensure_ascii=True, allow_nan=False).encode()
+        body = json.dumps(json_safe(rep), ensure_ascii=True, allow_nan=False).encode()
         await _send(send, 200, body, "application/json")
 
     async def _dashboard_data(self) -> dict:

@@ -35,6 +35,7 @@ from adaserve.config import EngineConfig
 from adaserve.core.config import QUEUE_FULL_RETRY_S
 from adaserve.errors import AdmissionRejected
 from adaserve.generation_config import sampling_defaults
+from adaserve.jsonsafe import json_safe
 from adaserve.request import Status
 from adaserve.server.engine_messages import (
     DISCONNECTED,
@@ -420,7 +421,7 @@ class EngineLoop:
             text=text,
             output_ids=output_ids,
             prompt_tokens=len(r.prompt_ids),
-            metrics=_clean(metrics),
+            metrics=json_safe(metrics),
             token_times=tuple(r.token_times),
             arrival=r.arrival,
             finished_at=r.finished_at or time.perf_counter(),
@@ -529,17 +530,6 @@ def _pool_info(e) -> dict:
         "kv_bytes": blocks * bs * per_slot,
         "prefix_caching": bool(getattr(e.cfg, "enable_prefix_caching", False)),
     }
-
-
-def _clean(v):
-    """JSON-safe copy: NaN/inf floats become None."""
-    if isinstance(v, float):
-        return v if v == v and v not in (float("inf"), float("-inf")) else None
-    if isinstance(v, dict):
-        return {str(k): _clean(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_clean(x) for x in v]
-    return v
 
 
 def model_name_of(source) -> str:
