@@ -17,7 +17,7 @@ from adaserve.errors import InvalidRequestError, ModelLoadError
 from adaserve.generation_config import sampling_defaults
 from adaserve.request import Request
 from adaserve.sampling import SamplingParams
-from adaserve.slo import SLO
+from adaserve.slo import COMPLETE_REASONS, SLO, slo_met
 
 
 @dataclass(frozen=True)
@@ -161,13 +161,16 @@ def request_metrics(engine: Engine, r: Request) -> dict:
 
 
 def slo_attained(r: Request) -> bool:
-    """Mean TPOT within target and TTFT within target (where set)."""
+    """Whether ``r`` met its SLO (``slo.slo_met``: completed, mean TPOT and TTFT within
+    their targets where set)."""
     t = r.timing()
-    if r.slo.tpot_ms is not None and t["tpot_ms"] is not None and t["tpot_ms"] > r.slo.tpot_ms:
-        return False
-    if r.slo.ttft_ms is not None and t["ttft_ms"] is not None and t["ttft_ms"] > r.slo.ttft_ms:
-        return False
-    return r.finish_reason in ("stop", "length")
+    return slo_met(
+        r.finish_reason in COMPLETE_REASONS,
+        t["tpot_ms"],
+        t["ttft_ms"],
+        r.slo.tpot_ms,
+        r.slo.ttft_ms,
+    )
 
 
 class LLM:
