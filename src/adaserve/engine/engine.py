@@ -398,8 +398,8 @@ def _power_model(run: ModelRunner, device: str) -> PowerModel | None:
     from adaserve.bench.energy import device_energy
 
     flops = (
-        getattr(run, "flops_per_token_target", 0.0),
-        getattr(run, "flops_per_token_draft", 0.0),
+        run.flops_per_token_target,
+        run.flops_per_token_draft,
     )
     if not flops[0] > 0:
         return None

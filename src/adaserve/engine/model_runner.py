@@ -11,7 +11,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -32,6 +32,9 @@ from adaserve.spec_decode.batch import VerifyBatch
 from adaserve.spec_decode.draft import DraftOutput, expand
 from adaserve.spec_decode.penalties import tree_paths
 from adaserve.tokenizer import Tokenizer, check_draft_tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from adaserve.config import EngineConfig
 
 
 @dataclass
@@ -55,10 +58,10 @@ class VerifyPass:
 class ModelRunner:
     """Loads the pair named by an ``EngineConfig`` and runs its forwards."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         try:
-            self.thread_plan = threads.choose(getattr(cfg, "threads", None))
+            self.thread_plan = threads.choose(cfg.threads)
         except ValueError as e:
             raise InvalidRequestError(str(e), "threads") from None
         threads.apply(self.thread_plan)
@@ -116,7 +119,7 @@ class ModelRunner:
         self.kv_draft = (
             KVCache(self.draft.cfg, num_slots, self.device, self.dtype) if self.draft else None
         )
-        self._seeds = random.Random(cfg.seed) if getattr(cfg, "seed", None) is not None else None
+        self._seeds = random.Random(cfg.seed) if cfg.seed is not None else None
         self.model_time_s = 0.0  # seconds spent in forwards (read and reset by the engine)
         self._tpot_estimate: float | None = None
 

@@ -238,9 +238,7 @@ class EngineLoop:
                 default_class=e.cfg.default_class,
                 policy=e.policy.name,
                 flops_per_token_target=float(e.flops_per_token_target),
-                sampling_defaults=sampling_defaults(
-                    e.model_dir, getattr(e.cfg, "generation_config", "auto")
-                ),
+                sampling_defaults=sampling_defaults(e.model_dir, e.cfg.generation_config),
                 **_pool_info(e),
             )
             self._refresh_class_slos(force=True)
@@ -257,9 +255,8 @@ class EngineLoop:
             self.alive = False
             self._closed = True
             self._fail_pending()
-            close = getattr(self.engine, "close", None)
-            if self._owns_engine and close is not None:
-                close()
+            if self._owns_engine and self.engine is not None:
+                self.engine.close()
 
     def _loop(self) -> None:
         e = self.engine
@@ -464,8 +461,7 @@ class EngineLoop:
             return
         self._class_slos_at = now
         self.class_slos = {c.name: self.engine.class_slo(c.name) for c in self.engine.cfg.classes}
-        unloaded = getattr(self.engine, "unloaded_tpot_ms", None)
-        self.unloaded_tpot_ms = float(unloaded()) if unloaded is not None else None
+        self.unloaded_tpot_ms = float(self.engine.unloaded_tpot_ms())
         self.provenance = engine_provenance(self.engine, self.pinned)
 
     def _fail_pending(self) -> None:
@@ -484,15 +480,14 @@ class EngineLoop:
             self._publish()
 
 
-def _drift_of(e) -> dict:
-    d = getattr(e, "drift", None)
-    return d.as_dict() if d is not None else {}
+def _drift_of(e: Engine) -> dict:
+    return e.drift.as_dict()
 
 
-def engine_provenance(e, pinned: bool = False) -> dict:
+def engine_provenance(e: Engine, pinned: bool = False) -> dict:
     """Threads, profile and where the class targets come from (immutable once made)."""
-    plan = getattr(e, "thread_plan", None)
-    hw = getattr(e, "hw", None)
+    plan = e.thread_plan
+    hw = e.hw
     out: dict = {"threads": None, "profile": None}
     if plan is not None:
         out["threads"] = {**plan.as_dict(), "pinned": bool(pinned)}
@@ -516,19 +511,19 @@ def _step_tokens(e) -> int:
     return int(c.prompt_tokens) + int(c.generation_tokens)
 
 
-def _pool_info(e) -> dict:
+def _pool_info(e: Engine) -> dict:
     """Device, dtype and KV pool size of an engine (what its runner knows)."""
-    run = getattr(e, "runner", None)
-    blocks = int(getattr(run, "num_blocks", 0) or 0)
-    bs = int(getattr(e.cfg, "block_size", 0) or 0)
-    per_slot = int(getattr(run, "kv_bytes_per_slot", 0) or 0)
+    run = e.runner
+    blocks = int(run.num_blocks or 0)
+    bs = int(e.cfg.block_size or 0)
+    per_slot = int(run.kv_bytes_per_slot or 0)
     return {
-        "device": str(getattr(e, "device", "") or ""),
-        "dtype": str(getattr(e, "dtype", "") or "").removeprefix("torch."),
+        "device": str(e.device or ""),
+        "dtype": str(e.dtype or "").removeprefix("torch."),
         "kv_blocks": blocks,
         "block_size": bs,
         "kv_bytes": blocks * bs * per_slot,
-        "prefix_caching": bool(getattr(e.cfg, "enable_prefix_caching", False)),
+        "prefix_caching": bool(e.cfg.enable_prefix_caching),
     }
 
 
@@ -545,7 +540,6 @@ def model_name_of(source) -> str:
     return Path(md).name
 
 
-def _prefix_cache_of(e) -> dict:
-    """The engine's prefix-cache figures ({} for an engine without them)."""
-    stats = getattr(e, "prefix_cache_stats", None)
-    return stats() if stats is not None else {}
+def _prefix_cache_of(e: Engine) -> dict:
+    """The engine's prefix-cache figures."""
+    return e.prefix_cache_stats()
