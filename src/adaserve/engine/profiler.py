@@ -298,7 +298,7 @@ def measure_mask(engine, n: int = 300) -> float | None:
 
     from adaserve.structured.params import StructuredOutputsParams
 
-    so = getattr(engine, "structured", None)
+    so = engine.structured
     if so is None or engine.tokenizer is None:
         return None
     spec = StructuredOutputsParams(json=MASK_SCHEMA)  # type: ignore[arg-type]  # a dict is kept as its JSON text (__post_init__)

@@ -60,12 +60,12 @@ def engine_summary(loop: EngineLoop) -> dict:
         # admission: refusals by class and reason, promised against realised attainment
         "admission": admission_summary(c.get("shed_by_class"), c.get("promised")),
         # the thread plan, the profile and where the class targets come from
-        **getattr(loop, "provenance", {}),
+        **loop.provenance,
     }
 
 
 def _structured_summary(loop: EngineLoop) -> dict | None:
-    so = getattr(loop.engine, "structured", None)
+    so = getattr(loop.engine, "structured", None)  # no engine before the loop built it
     return so.summary() if so is not None else None
 
 
@@ -141,9 +141,7 @@ class ServerState:
             self.report.attainment,
             lambda: self.loop.class_slos,
         )
-        self.metrics._collector.threads_fn = lambda: getattr(self.loop, "provenance", {}).get(
-            "threads"
-        )
+        self.metrics._collector.threads_fn = lambda: self.loop.provenance.get("threads")
         self.metrics._collector.structured_fn = lambda: getattr(
             self.loop.engine, "structured", None
         )
