@@ -301,7 +301,7 @@ def measure_mask(engine, n: int = 300) -> float | None:
     so = engine.structured
     if so is None or engine.tokenizer is None:
         return None
-    spec = StructuredOutputsParams(json=MASK_SCHEMA)  # type: ignore[arg-type]  # a dict is kept as its JSON text (__post_init__)
+    spec = StructuredOutputsParams(json=MASK_SCHEMA)
     saved = (so.mask_s, so.masks)
     try:
         st = so.state_for(spec)

@@ -187,9 +187,9 @@ class ToolMode:
     def constraint(self) -> StructuredOutputsParams | None:
         if self.kind == "named":
             tool = next(t for t in self.tools if t["function"]["name"] == self.function)
-            return StructuredOutputsParams(json=_params_schema(tool))  # type: ignore[arg-type]  # a dict is kept as its JSON text (__post_init__)
+            return StructuredOutputsParams(json=_params_schema(tool))
         if self.kind == "required":
-            return StructuredOutputsParams(json=required_schema(self.tools, self.parallel))  # type: ignore[arg-type]  # a dict is kept as its JSON text (__post_init__)
+            return StructuredOutputsParams(json=required_schema(self.tools, self.parallel))
         return None
 
     def parse(self, text: str) -> tuple[str | None, list[Call]]:
