@@ -92,7 +92,7 @@ ALLOWED = {
     "sampling": {"errors", "structured"},
     "core": {"errors", "slo"},
     "hardware": {"core"},
-    "policies": {"core", "errors", "util"},
+    "policies": {"core", "errors", "hardware", "util"},
     "text": {"errors", "sampling"},
     "config": {"core", "errors", "hardware", "policies", "text"},
     "ledger": {"util"},

@@ -10,6 +10,27 @@ from adaserve.errors import InvalidRequestError
 # what admission may do with a request whose class's promise cannot be kept now
 ON_OVERLOAD = ("refuse", "degrade")
 
+# the finish reasons of a request that completed (not shed, aborted or failed)
+COMPLETE_REASONS = ("stop", "length")
+
+
+def slo_met(
+    completed: bool,
+    tpot_ms: float | None,
+    ttft_ms: float | None,
+    tpot_target_ms: float | None,
+    ttft_target_ms: float | None,
+) -> bool:
+    """SLO attainment, the one definition (the server's report and metrics, the bench
+    and simulator reports): the request completed, its mean TPOT within its target and
+    its TTFT within its target, each checked where both the target and the measurement
+    exist (a one-token answer has no TPOT)."""
+    if not completed:
+        return False
+    if tpot_target_ms is not None and tpot_ms is not None and tpot_ms > tpot_target_ms:
+        return False
+    return not (ttft_target_ms is not None and ttft_ms is not None and ttft_ms > ttft_target_ms)
+
 
 def _check_ms(name: str, v: float | None) -> None:
     if v is None:

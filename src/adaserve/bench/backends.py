@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from adaserve.bench.extras import class_energy, classes_of, energy_model, run_extra, strict_class
 from adaserve.bench.metrics import shift_convergence, summarize
@@ -137,7 +138,7 @@ class HttpBackend:
         ends = [r.finish_s for r in records if r.finish_s is not None]
         duration = max(ends) if ends else wall
         strict = strict_class(spec, DEFAULT_CLASSES)
-        extra = {"wall_s": wall}
+        extra: dict[str, Any] = {"wall_s": wall}
         if spec.shifts:
             conv = shift_convergence(
                 records,

@@ -99,16 +99,16 @@ def load_sharegpt(path: str | Path) -> list[_Entry]:
             continue
         slo = d.get("slo") if isinstance(d.get("slo"), dict) else {}
         cls = d.get("slo_class") if isinstance(d.get("slo_class"), str) else None
-        e = _Entry(text=text, cls=cls, reply=reply if isinstance(reply, str) else None)
+        ent = _Entry(text=text, cls=cls, reply=reply if isinstance(reply, str) else None)
         if isinstance(out_len, int) and out_len > 0:
-            e.output_len = out_len
+            ent.output_len = out_len
         elif isinstance(reply, str) and reply:
-            e.output_len = -len(reply)  # characters; converted with the tokenizer later
+            ent.output_len = -len(reply)  # characters; converted with the tokenizer later
         for k in ("tpot_ms", "ttft_ms"):
             v = slo.get(k)
             if isinstance(v, (int, float)) and v > 0:
-                setattr(e, k, float(v))
-        out.append(e)
+                setattr(ent, k, float(v))
+        out.append(ent)
     if not out:
         raise WorkloadError(f"dataset {path} has no usable entries")
     return out

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from adaserve.errors import AdaServeError
 
@@ -177,7 +178,7 @@ def prepare(model: str | None, draft: str | None, record_targets: bool = False) 
         file=sys.stderr,
         flush=True,
     )
-    kw = {"model": model, "draft": draft} if model else {}
+    kw: dict[str, Any] = {"model": model, "draft": draft} if model else {}
     eng = build_engine(EngineConfig(policy="adaserve", reprofile=record_targets, **kw))
     warm_up(eng, say=False)
     t = eng.hw.provenance() if eng.hw is not None else {}

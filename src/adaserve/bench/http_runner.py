@@ -14,6 +14,7 @@ import logging
 import statistics
 import sys
 import time
+from typing import Any
 
 from adaserve.bench.metrics import RequestRecord
 from adaserve.bench.slo_targets import class_ranks, class_slos
@@ -30,7 +31,7 @@ def _auth_headers(api_key: str | None) -> dict:
 
 async def _stream_one(client, body: dict, t0: float) -> dict:
     """Send one streaming completion; returns times (relative to t0) and counts."""
-    out = {
+    out: dict[str, Any] = {
         "sent": time.perf_counter() - t0,
         "first": None,
         "times": [],

@@ -4,6 +4,8 @@ point, the SLO capacity and the oracle share (sweep), in Markdown."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from adaserve.bench.tables import (
     AZURE_ATTRIBUTION,
     PAIR_LABELS,
@@ -90,7 +92,9 @@ def _overall_row(pol: str, m: dict) -> list[str]:
 def _per_class_md(results: dict) -> str:
     out = []
     for c in _class_order([results]):
-        first = next((r["per_class"][c] for r in results.values() if c in r["per_class"]), {})
+        first: dict[str, Any] = next(
+            (r["per_class"][c] for r in results.values() if c in r["per_class"]), {}
+        )
         tgt = (
             f"TPOT target {_f(first.get('tpot_target_ms'))} ms, "
             f"TTFT target {_f(first.get('ttft_target_ms'), '{:.0f}')} ms"

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-COMPLETE_REASONS = ("stop", "length")
+from adaserve.slo import COMPLETE_REASONS, slo_met
 
 
 @dataclass
@@ -103,21 +103,13 @@ class RequestRecord:
     @property
     def tpot_attained(self) -> bool:
         """Completed with mean TPOT within its target (TTFT not checked)."""
-        if not self.completed:
-            return False
-        tpot = self.tpot_ms
-        return not (
-            self.tpot_target_ms is not None and tpot is not None and tpot > self.tpot_target_ms
-        )
+        return slo_met(self.completed, self.tpot_ms, None, self.tpot_target_ms, None)
 
     @property
     def attained(self) -> bool:
-        """Completed with mean TPOT and TTFT within their targets (the SLO)."""
-        if not self.tpot_attained:
-            return False
-        ttft = self.ttft_ms
-        return not (
-            self.ttft_target_ms is not None and ttft is not None and ttft > self.ttft_target_ms
+        """The SLO met (``slo.slo_met``): completed, mean TPOT and TTFT within targets."""
+        return slo_met(
+            self.completed, self.tpot_ms, self.ttft_ms, self.tpot_target_ms, self.ttft_target_ms
         )
 
     @property

@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import httpx
 
@@ -225,7 +226,7 @@ def summarize(outcomes: list[Outcome], targets: dict[str, dict], slack_s: float 
             "retries_with_token": sum(o.retry is not None and bool(o.retry_token) for o in os),
         }
 
-    out = {"classes": {}}
+    out: dict[str, Any] = {"classes": {}}
     for cls in sorted({o.cls for o in outcomes}):
         out["classes"][cls] = block([o for o in outcomes if o.cls == cls], targets.get(cls, {}))
     tot = out["classes"].values()

@@ -9,6 +9,7 @@ the strict class's rolling attainment over time, shifts marked). sweep: ``sweep.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -79,7 +80,7 @@ def _plot_cdfs(out: Path, result: dict, records: dict) -> Path | None:
             ax = axes[i][j]
             target = None
             for p, rs in recs.items():
-                v = [getattr(r, metric) for r in rs if r.cls == c and r.completed]
+                v: Any = [getattr(r, metric) for r in rs if r.cls == c and r.completed]
                 v = np.sort(np.asarray([x for x in v if x is not None], dtype=float))
                 if v.size:
                     ax.plot(v, np.arange(1, v.size + 1) / v.size, label=p, drawstyle="steps-post")

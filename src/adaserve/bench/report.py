@@ -22,15 +22,13 @@ The tables are formatted in ``adaserve.bench.tables``, ``summary.md`` in
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
-
-import numpy as np
 
 from adaserve.bench.html import write_html
 from adaserve.bench.markdown import serve_summary_md, sweep_summary_md
 from adaserve.bench.plots import _plot_cdfs, _plot_overview, _plot_sweep, _plot_timeline
 from adaserve.bench.tables import format_class_table
+from adaserve.util.jsonsafe import json_safe
 
 # the documented entry points (docs/bench.md, "Python API"): the terminal table is
 # importable from here too
@@ -38,28 +36,12 @@ __all__ = ["format_class_table", "write_report"]
 
 
 def _dumps(x, **kw) -> str:
-    """JSON of x, cleaned (``_clean``) only when it needs it: the walk over every
+    """JSON of x, cleaned (``json_safe``) only when it needs it: the walk over every
     value costs seconds for an hour of simulated requests."""
     try:
         return json.dumps(x, allow_nan=False, **kw)
     except (TypeError, ValueError):  # numpy values, NaN or inf
-        return json.dumps(_clean(x), **kw)
-
-
-def _clean(x):
-    """JSON-safe copy: NaN/inf -> None, numpy scalars -> Python."""
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    if isinstance(x, (np.floating, float)):
-        v = float(x)
-        return v if math.isfinite(v) else None
-    if isinstance(x, np.integer):
-        return int(x)
-    if isinstance(x, np.bool_):
-        return bool(x)
-    return x
+        return json.dumps(json_safe(x), **kw)
 
 
 # ---------------------------------------------------------------------- entry point

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 # the HTTP runner and the class targets live in their own modules; callers import them here
 from adaserve.bench.http_runner import measure_unloaded_tpot, run_http, server_targets
@@ -25,6 +26,10 @@ from adaserve.core.clock import ManualClock
 from adaserve.core.trace import ModelCosts, RunRecorder, RunTimeline
 from adaserve.errors import AdaServeError, AdmissionRejected
 from adaserve.slo import SLO
+
+if TYPE_CHECKING:
+    from adaserve.engine.engine import Engine
+    from adaserve.spec_decode.request import Request
 
 log = logging.getLogger("adaserve.bench")
 
@@ -38,7 +43,7 @@ class EngineFactory:
     def __init__(self, cfg, reuse: bool = True):
         self.cfg = cfg
         self.reuse = reuse
-        self.engine = None
+        self.engine: Engine | None = None
 
     def _build(self, policy: str):
         from dataclasses import replace
@@ -138,7 +143,7 @@ def run_in_process(
         bar = tqdm(total=len(items), desc=policy, unit="req", leave=False)
 
     records: list[RequestRecord] = []
-    live: dict[int, tuple[WorkItem, object, SLO]] = {}
+    live: dict[int, tuple[WorkItem, Request, SLO]] = {}
     applied: list[dict] = []
     t0 = clock.now()
     recorder = RunRecorder(costs, t0=t0)

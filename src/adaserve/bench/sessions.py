@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -180,7 +181,8 @@ def build_sessions(spec: WorkloadSpec, tokenizer=None, vocab_size: int | None = 
     span = max(t[-1][0] if t else 0.0 for t in drawn)
     rate = spec.request_rate / mean_turns
     finite = math.isfinite(rate)
-    t, raw = (-span if finite else 0.0), []
+    t = -span if finite else 0.0
+    raw: list[Any] = []
     for s in itertools.count():
         t += float(r_arr.exponential(1.0 / rate)) if finite else 0.0
         if t > spec.duration_s or (spec.num_prompts and len(raw) >= spec.num_prompts):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -177,7 +178,7 @@ class Shift:
 
     at_s: float
     kind: str
-    value: object
+    value: Any
 
     @property
     def change(self) -> str:

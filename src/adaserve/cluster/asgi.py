@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 
 def request_data(scope: dict, body: bytes) -> dict:
@@ -74,7 +75,7 @@ async def call_app(app, req: dict, extra_headers: dict[str, str] | None = None, 
             msgs = [await out.get()]
             while not out.empty():  # what the app sent meanwhile goes in one item
                 msgs.append(out.get_nowait())
-            items = []
+            items: list[tuple[str, Any, Any]] = []
             for msg in msgs:
                 if msg is None:
                     done = True

@@ -41,6 +41,7 @@ import math
 import threading
 import time
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers
 
@@ -54,6 +55,10 @@ from adaserve.server.errors import ApiError, retry_after
 from adaserve.server.render import dumps, error_response
 from adaserve.server.slo_resolution import SLO_HEADERS
 from adaserve.server.state import MAX_BODY_BYTES
+from adaserve.util.jsonsafe import json_safe
+
+if TYPE_CHECKING:
+    from adaserve.ledger import Ledger
 
 log = logging.getLogger("adaserve.cluster")
 
@@ -203,7 +208,9 @@ class FrontDoor:
         self.dashboard = Dashboard(
             self.front.tenants, self._dashboard_data, title=f"adaserve dashboard: {model_name}"
         )
-        self._usage = None  # the usage ledger, opened at the first interrupted stream
+        self._usage: Ledger | None = (
+            None  # the usage ledger, opened at the first interrupted stream
+        )
         self._usage_lock = threading.Lock()
         self.failed = FailedRequests(model_name)  # answered replica_failed, by class
 
@@ -260,7 +267,7 @@ class FrontDoor:
     async def _read_body(self, scope, receive) -> bytes:
         from adaserve.server.app import _Guard
 
-        replay = await _Guard(None, self.front)._buffer(scope, receive)
+        replay = await _Guard(None, self.front)._buffer(scope, receive)  # type: ignore[arg-type]  # _buffer reads only the body limits, which FrontState has
         return (await replay())["body"]
 
     # ------------------------------------------------------------------ forwarding
@@ -422,9 +429,8 @@ class FrontDoor:
         rep = await asyncio.to_thread(merge_report, snaps, only, self.front.model_name)
         if only is None:  # (a tenant's report is its own requests: the failed are not named)
             self.failed.add_to(rep)
-        from adaserve.server.app import _jsonable
 
-        body = json.dumps(_jsonable(rep), ensure_ascii=True, allow_nan=False).encode()
+        body = json.dumps(json_safe(rep), ensure_ascii=True, allow_nan=False).encode()
         await _send(send, 200, body, "application/json")
 
     async def _dashboard_data(self) -> dict:

@@ -76,7 +76,7 @@ def route_request(route: dict, stats: list[ReplicaStats], default_class: str) ->
 class AdaServeRequestRouter(RequestRouter):
     """See the module docstring."""
 
-    def initialize_state(self, router: str = "slo", seed: int = 0, default_class: str = ""):
+    def initialize_state(self, router: str = "slo", seed: int = 0, default_class: str = ""):  # type: ignore[override]  # Ray passes its own keywords
         self.policy = make_router(router, seed=seed)
         self.default_class = default_class
         # per replica: (time, route) of the requests sent there since its last report

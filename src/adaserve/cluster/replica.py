@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 import time
+from typing import Any
 
 from adaserve.config import EngineConfig
 from adaserve.server.config import ServerConfig
@@ -78,7 +79,7 @@ def bind_serve_grpc_to_loopback() -> bool:
             address = "127.0.0.1:" + address[len("[::]:") :]
         return add(server, address)
 
-    add_on_loopback.adaserve_loopback = True
+    add_on_loopback.adaserve_loopback = True  # type: ignore[attr-defined]  # a marker on the function
     serve_replica.add_port_to_grpc_server = add_on_loopback
     return True
 
@@ -131,7 +132,7 @@ async def relay(app, req: dict, replica_id: str):
 class EngineReplica:
     """The body of the Ray Serve deployment (``serve_app`` wraps it)."""
 
-    async def __init__(
+    async def __init__(  # type: ignore[misc]  # Ray Serve awaits an async __init__
         self,
         ecfg: EngineConfig,
         cfg: ServerConfig,
@@ -302,7 +303,7 @@ class EngineReplica:
                 with self._outbox_lock:
                     recs, self._outbox = self._outbox, []
                 samples, seen = self.state.iterations.since(self._samples_seen)
-                ref = self.ledger.push.remote(
+                ref: Any = self.ledger.push.remote(
                     self.replica_id, self._report(), recs, self.quotas.take_pending(), samples
                 )
                 order = ray.get(ref, timeout=10)

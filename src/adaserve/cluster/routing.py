@@ -52,7 +52,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 ROUTERS = ("slo", "p2c", "rr")
 # the reference chain of the load model (``replica_stats``): candidates a request drafts
@@ -388,10 +388,11 @@ def with_routed(s: ReplicaStats, req: RouteRequest) -> ReplicaStats:
         replace(
             c,
             predicted_tpot_ms=c.predicted_tpot_ms + add,
-            **(
+            **cast(
+                "dict[str, Any]",
                 {"waiting": c.waiting + 1, "prefill_tokens": c.prefill_tokens + req.prompt_tokens}
                 if c.name == req.slo_class
-                else {}
+                else {},
             ),
         )
         for c in s.classes
@@ -418,7 +419,7 @@ def make_router(spec: str, seed: int = 0) -> Router:
     if not isinstance(spec, str):
         raise ValueError(f"router must be a string, one of {', '.join(ROUTERS)}")
     head, *opts = spec.strip().split(":")
-    kwargs: dict[str, float | str] = {}
+    kwargs: dict[str, Any] = {}
     for o in opts:
         k, eq, v = o.partition("=")
         if (

@@ -28,6 +28,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from adaserve.config import EngineConfig
 from adaserve.server.config import ServerConfig
@@ -156,8 +157,8 @@ class Cluster:
         self.seed = seed
         self.stats_period_s = stats_period_s
         self.max_ongoing_requests = max_ongoing_requests
-        self.ledger = None
-        self.handle = None
+        self.ledger: Any = None
+        self.handle: Any = None
         self._owns_ray = False
         self._watchdog = None
 
@@ -175,7 +176,9 @@ class Cluster:
         if not ray.is_initialized():
             src = str(Path(__file__).resolve().parents[2])  # the dir holding `adaserve`
             env = {"PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-            kw = dict(namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING)
+            kw: dict[str, Any] = dict(
+                namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING
+            )
             if self.ray_address:
                 ray.init(address=self.ray_address, **kw)
             else:
@@ -208,21 +211,21 @@ class Cluster:
 
         if self.router == "p2c":
             rrc = RequestRouterConfig(
-                request_routing_stats_period_s=self.stats_period_s,
-                request_routing_stats_timeout_s=5.0,
+                request_routing_stats_period_s=self.stats_period_s,  # type: ignore[arg-type]  # ray's stubs type these fields as dicts
+                request_routing_stats_timeout_s=5.0,  # type: ignore[arg-type]  # ray's stubs type these fields as dicts
             )
         else:
             from adaserve.cluster.ray_router import AdaServeRequestRouter
 
             rrc = RequestRouterConfig(
-                request_router_class=AdaServeRequestRouter,
+                request_router_class=AdaServeRequestRouter,  # type: ignore[arg-type]  # ray's stubs type these fields as dicts
                 request_router_kwargs={
                     "router": self.router,
                     "seed": self.seed,
                     "default_class": self.ecfg.default_class,
                 },
-                request_routing_stats_period_s=self.stats_period_s,
-                request_routing_stats_timeout_s=5.0,
+                request_routing_stats_period_s=self.stats_period_s,  # type: ignore[arg-type]  # ray's stubs type these fields as dicts
+                request_routing_stats_timeout_s=5.0,  # type: ignore[arg-type]  # ray's stubs type these fields as dicts
             )
         return serve.deployment(
             EngineReplica,

@@ -162,7 +162,7 @@ class AdmissionControl:
         self._finishes: deque[float] = deque()
         self._seen: dict[str, float] = {}  # class -> when it last decoded
         # class -> (time, prompt tokens, ttft) of the requests admitted lately
-        self._admits: dict[str, deque] = {}
+        self._admits: dict[str, deque[tuple[float, int, float]]] = {}
         # class -> log(realised / predicted) of its admitted requests' TPOT and TTFT
         # class -> (predicted pace / target at admission, TPOT met) of its admitted requests
         self.tpot_met: dict[str, deque[tuple[float, bool]]] = {}
@@ -178,7 +178,7 @@ class AdmissionControl:
 
     def reset(self) -> None:
         """Forget every measurement (after a profile run, whose passes are not load)."""
-        self.__init__(self.sched)
+        self.__init__(self.sched)  # type: ignore[misc]  # start over as new: every field
 
     def new_model(self) -> None:
         """The hardware model changed: the measured/predicted speed starts over."""
@@ -348,8 +348,8 @@ class AdmissionControl:
         s = self.sched
         ttft = seq.slo.ttft_ms
         deadline = seq.arrival + (ttft / 1000.0 if ttft is not None else math.inf)
-        tokens = seq.to_prefill
-        seats_ahead = 0
+        tokens: float = seq.to_prefill
+        seats_ahead: float = 0
         for r in itertools.chain(s.running, s.waiting):
             waiting = r not in s.running
             if not (waiting or r.in_prefill):

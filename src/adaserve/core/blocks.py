@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +40,7 @@ class OutOfBlocks(Exception):
     """The pool has fewer free blocks than a request needs (the engine preempts)."""
 
 
-def block_digest(parent: bytes, tokens, salt: str | None = None) -> bytes:
+def block_digest(parent: bytes, tokens: Sequence[int], salt: str | None = None) -> bytes:
     """The name of a full block: its token ids after the block ``parent`` names
     (``b""`` for the first block, which also carries the cache ``salt``). A
     cryptographic digest, so no tenant can make another's block collide with its own."""
@@ -54,7 +56,7 @@ class CacheStats:
 
     __slots__ = ("queries", "hits", "by_class", "evictions")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.queries = 0
         self.hits = 0
         self.evictions = 0
@@ -69,10 +71,10 @@ class CacheStats:
         c[2] += 1
         c[3] += 1 if hit else 0
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """Totals and per class: queried and cached prompt tokens, the token hit rate."""
 
-        def one(q, h, n, nh):
+        def one(q: int, h: int, n: int, nh: int) -> dict[str, Any]:
             return {
                 "queried_tokens": q,
                 "cached_tokens": h,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -63,13 +64,16 @@ class Counters:
         self.stalls[cause] = self.stalls.get(cause, 0) + 1
 
 
-def admission_summary(shed_by_class: dict, promised: dict) -> dict:
+def admission_summary(
+    shed_by_class: dict[str, dict[str, int]] | None,
+    promised: dict[str, list[float]] | None,
+) -> dict[str, dict[str, Any]]:
     """What admission did, per class: the refusals by reason and, of its admitted
     requests that finished with a promise, how many (``promised_n``), the mean
     predicted chance of meeting the SLO (``predicted_attainment``) and the share that
     met it (``realised_attainment``). Takes ``Counters.shed_by_class`` and
     ``Counters.promised`` (or their copies)."""
-    out: dict[str, dict] = {}
+    out: dict[str, dict[str, Any]] = {}
     for cls, by in (shed_by_class or {}).items():
         out.setdefault(cls, {})["refused"] = dict(by)
     for cls, (chance, n, met) in (promised or {}).items():

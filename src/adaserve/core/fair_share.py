@@ -10,6 +10,7 @@ seats another tenant is refused. Torch-free; time is the scheduler's clock.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from adaserve.core.config import CAPACITY_RETRY_S
@@ -36,7 +37,12 @@ class FairShare:
             self.starved[tenant] = now
 
     def verdict(
-        self, seq: SeqState, running, waiting, finish_rate: float | None, now: float
+        self,
+        seq: SeqState,
+        running: Iterable[SeqState],
+        waiting: Iterable[SeqState],
+        finish_rate: float | None,
+        now: float,
     ) -> AdmissionRejected | None:
         """A refusal when the batch (``running`` and ``waiting``) is contended (another
         tenant was refused room in the last ``window_s``) and ``seq``'s tenant would

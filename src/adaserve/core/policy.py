@@ -9,7 +9,9 @@ policy to ``select`` nodes from them. Policies see only plain numbers and numpy 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -59,10 +61,12 @@ class BatchView:
     now_ms: float
     requests: list[ReqView]
     free_kv_slots: int
-    hw: object | None = None  # HardwareModel when a profile is available
+    hw: Any = None  # a hardware.model.HardwareModel when a profile is available
     num_waiting: int = 0
     acc_by_rank: tuple[float, ...] = ()  # calibrated acceptance of a child by sibling rank
-    power: object | None = None  # hardware.power.PowerModel when the deployment's is known
+    # a hardware.power.PowerModel when the deployment's is known (Any: core imports
+    # nothing above it, types included)
+    power: Any = None
     # ms of host work per grammar mask of a constrained request's node (the engine's
     # live mean, else the profile's ``mask_ms_per_node``)
     mask_ms_per_node: float = 0.0
@@ -168,12 +172,12 @@ class Policy(ABC):
         (default: ignored)."""
         return None
 
-    def admission_key(self, waiting: ReqView) -> tuple:
+    def admission_key(self, waiting: ReqView) -> tuple[Any, ...]:
         """The sort key that orders waiting requests for admission (smallest first).
         Default FCFS."""
         return (-waiting.waited_ms,)
 
-    def explain(self, req: ReqView, plan: Plan) -> dict:
+    def explain(self, req: ReqView, plan: Plan) -> dict[str, Any]:
         """What the selection log records of ``req`` under ``plan``: at least
         ``{"requirement": accepted tokens it needs this iteration, or None}``."""
         return {"requirement": None}
@@ -199,7 +203,9 @@ class ClairvoyantPolicy(Policy):
         accept."""
 
 
-def chunk_prefills(view: BatchView, token_budget: int, order_key=None) -> dict[int, int]:
+def chunk_prefills(
+    view: BatchView, token_budget: int, order_key: Callable[[ReqView], Any] | None = None
+) -> dict[int, int]:
     """rid -> prefill tokens: ``token_budget`` shared among prefilling requests in
     ``order_key`` order (view order without one)."""
     reqs = view.prefilling
@@ -223,7 +229,7 @@ def prefill_pairs(view: BatchView, prefill: dict[int, int]) -> float:
     )
 
 
-def chunk_in_order(reqs, budget: int) -> dict[int, int]:
+def chunk_in_order(reqs: Iterable[ReqView], budget: int) -> dict[int, int]:
     """rid -> prefill tokens: ``budget`` tokens given out in the order of ``reqs``."""
     out: dict[int, int] = {}
     left = budget

@@ -33,6 +33,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from adaserve.core.admission import DEGRADABLE, TTFT_DEADLINE, AdmissionControl
 from adaserve.core.blocks import BlockAllocator, BlockTable, OutOfBlocks, block_digest
@@ -68,9 +69,9 @@ class Scheduler:
         *,
         max_model_len: int,
         unloaded_tpot_ms: Callable[[], float],
-        hw=None,
+        hw: Any = None,  # a hardware.model.HardwareModel (core imports nothing above it)
         counters: Counters | None = None,
-        power=None,
+        power: Any = None,
     ):
         self.cfg = cfg
         self.policy = policy
@@ -243,7 +244,7 @@ class Scheduler:
         """Schedule with ``policy`` from the next step on (only between runs)."""
         self.policy = policy
 
-    def set_hardware(self, hw) -> None:
+    def set_hardware(self, hw: Any) -> None:
         """The hardware model used for admission and handed to policies."""
         self.hw = hw
         self.admission.new_model()
@@ -342,7 +343,7 @@ class Scheduler:
         self.allocator.now = self.now
         self._admitted = []
         self._preempted = []
-        self._hits: dict[int, int] = {}
+        self._hits = {}
         if self._last is not None:  # the previous pass, its token counts filled in
             last = self._last
             # with work left after it, the next pass followed at once: start to start
@@ -444,10 +445,10 @@ class Scheduler:
             r.slo = looser_slo(r.slo, self.class_slo(r.slo.cls), self.class_slo(c.degrade_to))
             self.counters.degraded += 1
 
-    def reserve(self, plan: Plan, can_draft: bool) -> Batch:
+    def reserve(self, plan: Plan, can_draft: bool) -> Batch[SeqState]:
         """Pick this pass's requests and give each the KV slots it needs: prefill chunks
         and decodes may preempt; draft scratch may not (fallback ``kv_memory``)."""
-        b = Batch()
+        b: Batch[SeqState] = Batch()
         for r in sorted(self.running, key=_by_admit):
             if r.status is not Status.RUNNING:
                 continue  # preempted by an earlier request in this loop

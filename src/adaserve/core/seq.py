@@ -15,6 +15,7 @@ Invariants (kept by the ``Scheduler``):
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 from adaserve.core.blocks import BlockTable
 from adaserve.slo import SLO
@@ -109,7 +110,7 @@ class SeqState:
         """The output-token limit (``max_tokens``)."""
         raise NotImplementedError
 
-    def block_tokens(self, start: int, stop: int):
+    def block_tokens(self, start: int, stop: int) -> Sequence[int] | None:
         """Token ids at positions ``start..stop-1`` (what names a KV block); None when
         the request's tokens are unknown (it is never cached)."""
         return None

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from adaserve.core.policy import BatchView, Plan
 from adaserve.core.seq import SeqState
@@ -29,9 +29,12 @@ from adaserve.core.trace import StepTrace
 if TYPE_CHECKING:  # the scheduler imports this module
     from adaserve.core.scheduler import Scheduler
 
+# the request type of a batch: the engine's ``Request``, the simulator's ``SimRequest``
+S = TypeVar("S", bound=SeqState)
+
 
 @dataclass
-class Batch:
+class Batch(Generic[S]):
     """The requests of one pass, in admission order.
 
     prefill: (request, prefill tokens) for requests prefilling in this pass
@@ -39,9 +42,9 @@ class Batch:
     spec:    (request, (depth, width)) for decoding requests that draft a tree
     """
 
-    prefill: list[tuple[SeqState, int]] = field(default_factory=list)
-    decode: list[SeqState] = field(default_factory=list)
-    spec: list[tuple[SeqState, tuple[int, int]]] = field(default_factory=list)
+    prefill: list[tuple[S, int]] = field(default_factory=list)
+    decode: list[S] = field(default_factory=list)
+    spec: list[tuple[S, tuple[int, int]]] = field(default_factory=list)
 
     @property
     def kv_tokens(self) -> int:
@@ -91,7 +94,7 @@ class SchedulerOutput:
     t_start: float
     view: BatchView | None = None
     plan: Plan | None = None
-    batch: Batch | None = None
+    batch: Batch[SeqState] | None = None
     kv_tokens: int = 0
     prefill_pairs: int = 0
     plan_s: float = 0.0

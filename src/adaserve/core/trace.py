@@ -5,11 +5,20 @@ benchmark and the simulator alike."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
-from adaserve.core.counters import admission_summary
+from adaserve.core.counters import Counters, admission_summary
 from adaserve.core.policy import Plan
+
+
+class DeviceEnergy(Protocol):
+    """What a run's energy is priced with (``hardware.energy.DeviceEnergy``)."""
+
+    def joules(self, flops: float, bytes_moved: float) -> float: ...
+
+    def as_dict(self) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -97,7 +106,7 @@ class EnergyTally:
             + kv_tokens_attended * kv_bytes_per_token
         )
 
-    def summary(self, device, output_tokens: int) -> dict:
+    def summary(self, device: DeviceEnergy, output_tokens: int) -> dict[str, Any]:
         """The totals and their energy on ``device`` (a ``hardware.energy.DeviceEnergy``)."""
         j = device.joules(self.flops, self.bytes_moved)
         return {
@@ -122,8 +131,8 @@ class ModelCosts:
 class RunTimeline:
     """Per-iteration samples plus run-level facts (``info``)."""
 
-    samples: list[dict] = field(default_factory=list)
-    info: dict = field(default_factory=dict)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
 
 
 class RunRecorder:
@@ -194,14 +203,14 @@ class RunRecorder:
             acc[0] += flops * v / tot
             acc[1] += moved * v / tot
 
-    def power_steps(self) -> dict:
+    def power_steps(self) -> dict[str, np.ndarray]:
         """Per iteration: ``flops``, ``bytes``, ``duration_s``, the plan's predicted
         ``pred_j`` and ``pred_ms`` (NaN where it predicted none), as numpy arrays."""
         a = np.asarray(self._steps, dtype=float).reshape(-1, 5)
         keys = ("flops", "bytes", "duration_s", "pred_j", "pred_ms")
         return {k: a[:, i] for i, k in enumerate(keys)}
 
-    def pass_speed(self) -> dict | None:
+    def pass_speed(self) -> dict[str, Any] | None:
         """How the run's passes compared with the profile: the quartiles and p90 of
         measured / predicted time over every pass with a prediction (None without
         one). A run whose median is 1.3 ran on a machine 1.3x slower than when it
@@ -216,7 +225,9 @@ class RunRecorder:
 
         return {"n": len(q), "p25": at(0.25), "p50": at(0.5), "p75": at(0.75), "p90": at(0.9)}
 
-    def info(self, policy: str, counters, pool_bytes: float, slos: dict) -> dict:
+    def info(
+        self, policy: str, counters: Counters, pool_bytes: float, slos: dict[str, Any]
+    ) -> dict[str, Any]:
         """The run-level facts both runners report: iterations, fallbacks, sheds,
         degradations and preemptions (``counters``), peak KV, energy, SLO targets."""
         c, ft = counters, self.costs.flops_per_token
@@ -248,7 +259,7 @@ class RunRecorder:
         }
 
 
-def sample(tr: StepTrace, t: float) -> dict:
+def sample(tr: StepTrace, t: float) -> dict[str, Any]:
     """One timeline sample of ``tr`` stamped ``t`` (seconds from the run's start)."""
     nodes = tr.tree_nodes
     by_cls: dict[str, list[int]] = {}

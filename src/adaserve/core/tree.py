@@ -8,6 +8,7 @@ use it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,7 +71,7 @@ class CandidateTree:
         )
 
 
-def is_connected(parents: np.ndarray, nodes) -> bool:
+def is_connected(parents: np.ndarray, nodes: Iterable[int]) -> bool:
     """True when ``nodes`` contains the root and every node's parent."""
     s = set(int(n) for n in nodes)
     return 0 in s and all(int(parents[n]) in s for n in s)

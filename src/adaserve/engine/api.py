@@ -15,7 +15,7 @@ from adaserve.core.clock import Clock
 from adaserve.engine import Engine, build_engine
 from adaserve.errors import InvalidRequestError, ModelLoadError
 from adaserve.sampling import SamplingParams
-from adaserve.slo import SLO
+from adaserve.slo import COMPLETE_REASONS, SLO, slo_met
 from adaserve.spec_decode.request import Request
 from adaserve.text.generation_config import sampling_defaults
 
@@ -161,13 +161,16 @@ def request_metrics(engine: Engine, r: Request) -> dict:
 
 
 def slo_attained(r: Request) -> bool:
-    """Mean TPOT within target and TTFT within target (where set)."""
+    """Whether ``r`` met its SLO (``slo.slo_met``: completed, mean TPOT and TTFT within
+    their targets where set)."""
     t = r.timing()
-    if r.slo.tpot_ms is not None and t["tpot_ms"] is not None and t["tpot_ms"] > r.slo.tpot_ms:
-        return False
-    if r.slo.ttft_ms is not None and t["ttft_ms"] is not None and t["ttft_ms"] > r.slo.ttft_ms:
-        return False
-    return r.finish_reason in ("stop", "length")
+    return slo_met(
+        r.finish_reason in COMPLETE_REASONS,
+        t["tpot_ms"],
+        t["ttft_ms"],
+        r.slo.tpot_ms,
+        r.slo.ttft_ms,
+    )
 
 
 class LLM:
@@ -249,7 +252,7 @@ class LLM:
         stderr (when it is a terminal; a callable: the tqdm class to use, as vLLM).
         """
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+            prompts = [prompts]  # type: ignore[assignment]  # one prompt: a list of one
         n = len(prompts)
         params = _per_prompt(
             sampling_params or self.get_default_sampling_params(), n, "sampling_params"

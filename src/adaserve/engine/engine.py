@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from adaserve.config import EngineConfig
 from adaserve.core.blocks import CacheStats
@@ -140,7 +141,7 @@ class Engine:
         res = run_step(self.scheduler, self.executor)
         tr = res.trace
         if tr is None:
-            return res.finished
+            return cast("list[Request]", res.finished)
         if tr.stall is not None:
             self.counters.count_stall(tr.stall)
         if self.hw is not None and self.drift.observe(
@@ -155,7 +156,7 @@ class Engine:
             self._sel_log.write(self.policy, res.out.view, tr.plan, ex.trees, ex.accepted)
         if self.on_step is not None:
             self.on_step(self, tr)
-        return res.finished
+        return cast("list[Request]", res.finished)
 
     def run_until_done(self) -> None:
         """Step until no request is waiting or running."""
@@ -397,8 +398,8 @@ def _power_model(run: ModelRunner, device: str) -> PowerModel | None:
     from adaserve.hardware.energy import device_energy
 
     flops = (
-        getattr(run, "flops_per_token_target", 0.0),
-        getattr(run, "flops_per_token_draft", 0.0),
+        run.flops_per_token_target,
+        run.flops_per_token_draft,
     )
     if not flops[0] > 0:
         return None

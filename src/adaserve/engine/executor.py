@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from adaserve.core.scheduler import Batch
 from adaserve.core.stalls import Probe
-from adaserve.core.step import DraftWork, SchedulerOutput, StepInputs, StepOutcome
+from adaserve.core.step import Batch, DraftWork, SchedulerOutput, StepInputs, StepOutcome
 from adaserve.core.tree import CandidateTree, scratch_slots_needed
 from adaserve.engine.verification import accept
 from adaserve.hardware.drift import predicted_pass_ms

@@ -11,11 +11,12 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from adaserve.core.scheduler import Batch
+from adaserve.core.step import Batch
 from adaserve.core.tree import CandidateTree, ancestor_mask
 from adaserve.errors import InvalidRequestError, ModelLoadError
 from adaserve.kv.cache import KVCache
@@ -31,6 +32,9 @@ from adaserve.spec_decode.request import Request
 from adaserve.text.tokenizer import Tokenizer, check_draft_tokenizer, load_tokenizer
 from adaserve.util import paths, threads
 from adaserve.util.resources import default_kv_budget, gpu_kv_budget
+
+if TYPE_CHECKING:
+    from adaserve.config import EngineConfig
 
 
 @dataclass
@@ -54,10 +58,10 @@ class VerifyPass:
 class ModelRunner:
     """Loads the pair named by an ``EngineConfig`` and runs its forwards."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         try:
-            self.thread_plan = threads.choose(getattr(cfg, "threads", None))
+            self.thread_plan = threads.choose(cfg.threads)
         except ValueError as e:
             raise InvalidRequestError(str(e), "threads") from None
         threads.apply(self.thread_plan)
@@ -115,7 +119,7 @@ class ModelRunner:
         self.kv_draft = (
             KVCache(self.draft.cfg, num_slots, self.device, self.dtype) if self.draft else None
         )
-        self._seeds = random.Random(cfg.seed) if getattr(cfg, "seed", None) is not None else None
+        self._seeds = random.Random(cfg.seed) if cfg.seed is not None else None
         self.model_time_s = 0.0  # seconds spent in forwards (read and reset by the engine)
         self._tpot_estimate: float | None = None
 
@@ -206,7 +210,8 @@ class ModelRunner:
         are in that node order."""
         t0 = time.perf_counter()
         seqs, ids = [], []
-        vtrees, vreqs, first_rows, q_rows = [], [], [], []
+        vtrees, vreqs, first_rows = [], [], []
+        q_rows: list[Any] = []
         extra: list[tuple[Request, int, int, int]] = []  # (request, position, row, count)
         pos = 0
         for r, n in batch.prefill:
@@ -342,7 +347,8 @@ def mask_grammar(logits: torch.Tensor, vb, reqs: list[Request], trees, drafts) -
     drafted token the grammar forbids is never accepted, and the bonus is always
     allowed."""
     cu = vb.cu_nodes
-    rows, masks = [], []
+    rows: list[Any] = []
+    masks: list[Any] = []
     for i, r in enumerate(reqs):
         gs = r.grammar
         if gs is None:

@@ -5,8 +5,8 @@ speculation statistics of requests and of the engine."""
 from __future__ import annotations
 
 from adaserve.core.counters import Counters
-from adaserve.core.scheduler import Batch, Scheduler
-from adaserve.core.step import Commit
+from adaserve.core.scheduler import Scheduler
+from adaserve.core.step import Batch, Commit
 from adaserve.core.tree import CandidateTree
 from adaserve.engine.model_runner import logprob_entries
 from adaserve.engine.verification import StepResult

@@ -110,7 +110,7 @@ def profile_engine(engine, reps: int = 5, timer=None, progress=None) -> dict:
     prof["target"].update(path=str(engine.model_dir), fingerprint=fingerprint(engine.model_dir))
     if prof["draft"] is not None:
         prof["draft"].update(path=str(engine.draft_dir), fingerprint=fingerprint(engine.draft_dir))
-    plan = getattr(engine.runner, "thread_plan", None)
+    plan = engine.runner.thread_plan
     if plan is not None:
         prof["thread_plan"] = plan.as_dict()
     # the checks that need the whole iteration (the step overhead against the pass)

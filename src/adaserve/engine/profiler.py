@@ -8,6 +8,7 @@ from __future__ import annotations
 import platform
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -174,7 +175,7 @@ def measure(
     prefill_points = dict(zip(shapes, (float(v) for v in pst.raw_median)))
     per_pair = fit_prefill_pairs(prefill_points, per_kv)
     esize = torch.tensor([], dtype=dtype).element_size()
-    out = {
+    out: dict[str, Any] = {
         "schema": SCHEMA,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
@@ -297,7 +298,7 @@ def measure_mask(engine, n: int = 300) -> float | None:
 
     from adaserve.structured.params import StructuredOutputsParams
 
-    so = getattr(engine, "structured", None)
+    so = engine.structured
     if so is None or engine.tokenizer is None:
         return None
     spec = StructuredOutputsParams(json=MASK_SCHEMA)

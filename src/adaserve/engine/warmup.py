@@ -23,10 +23,15 @@ import copy
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from adaserve.errors import AdaServeError
 from adaserve.sampling import SamplingParams
 from adaserve.slo import SLO
+
+if TYPE_CHECKING:
+    from adaserve.core.policy import Policy
+    from adaserve.engine.engine import Engine
 
 # steps one phase may take before it is given up (its requests aborted): a phase needs
 # a prefill and a handful of decodes; more means the pool cannot hold its requests
@@ -72,7 +77,7 @@ class WarmUp:
         return f"warmed up {kernels} and {passes} in {self.seconds:.2f} s{note}"
 
 
-def warm_up(engine, say: bool = True) -> WarmUp:
+def warm_up(engine: Engine, say: bool = True) -> WarmUp:
     """Compile or load the kernels ``engine``'s serving uses and run one of each of its
     pass families (see the module docstring); once, at start-up, before the server says
     ready. The engine steps are left out when the engine already holds requests.
@@ -80,7 +85,8 @@ def warm_up(engine, say: bool = True) -> WarmUp:
     t0 = time.perf_counter()
     c0 = jit.compiles() if (jit := _jit()) is not None else 0
     _warm_kernels(engine)
-    steps, families, skipped = 0, (), None
+    steps, skipped = 0, None
+    families: tuple[str, ...] = ()
     if engine.has_work():
         skipped = "the engine holds requests"
     else:
@@ -165,7 +171,7 @@ def _requests(engine, mixed: bool) -> list[tuple[list[int], SamplingParams]]:
     return out
 
 
-def _phases(engine) -> list[tuple[object, bool]]:
+def _phases(engine: Engine) -> list[tuple[Policy, bool]]:
     """(policy, mixed) of each phase: a copy of the engine's policy with every kind of
     request; when it drafts, a static tree, a static chain and plain decoding too."""
     from adaserve.policies.registry import make_policy
@@ -194,16 +200,17 @@ def _families(trace, into: set) -> None:
             into.add("tree" if trace.spec.get(rid, (0, 1))[1] > 1 else "chain")
 
 
-def _warm_steps(engine) -> tuple[int, tuple[str, ...], str | None]:
+def _warm_steps(engine: Engine) -> tuple[int, tuple[str, ...], str | None]:
     """Run the phases (see ``_phases``); the engine as it was after (but its
     statistics reset). Returns (steps, families, why the steps stopped early or None)."""
     from adaserve.engine.engine import Faults
 
     saved_policy, saved_faults, saved_on_step = engine.policy, engine.faults, engine.on_step
-    sel_log = getattr(engine, "_sel_log", None)
-    seeds = getattr(engine.runner, "_seeds", None)  # the engine's ``seed`` stream
+    sel_log = engine._sel_log
+    seeds = engine.runner._seeds  # the engine's ``seed`` stream
     seed_state = seeds.getstate() if seeds is not None else None
-    steps, seen, skipped = 0, set(), None
+    steps, skipped = 0, None
+    seen: set[Any] = set()
     added = []
     engine.on_step = None
     engine._sel_log = None

@@ -126,22 +126,22 @@ class HardwareModel:
             kv = kv + self.prefill_ms_per_pair * (
                 prefill_pairs if np.ndim(prefill_pairs) == 0 else np.asarray(prefill_pairs)
             )
-        return self._vtab(tokens) + kv
+        return self._vtab(tokens) + kv  # type: ignore[attr-defined]  # a cache a frozen dataclass sets in __post_init__ (object.__setattr__)
 
     def verify_table(self, top: int) -> np.ndarray:
         """``verify_latency(t)`` without the KV term for t = 0, 1, ... (at least up to
         ``top``; read-only, grown on demand): the planner's hot path indexes it instead
         of interpolating."""
-        tab = self._vdense
+        tab = self._vdense  # type: ignore[attr-defined]  # a cache a frozen dataclass sets in __post_init__ (object.__setattr__)
         if top >= len(tab):
-            tab = self._vtab(np.arange(max(2 * len(tab), top + 1, 1024), dtype=float))
+            tab = self._vtab(np.arange(max(2 * len(tab), top + 1, 1024), dtype=float))  # type: ignore[attr-defined]  # a cache a frozen dataclass sets in __post_init__ (object.__setattr__)
             tab.flags.writeable = False
             object.__setattr__(self, "_vdense", tab)
         return tab
 
     def draft_latency(self, tokens):
         """Predicted ms of one batched draft step over ``tokens`` tokens."""
-        return self._dtab(tokens)
+        return self._dtab(tokens)  # type: ignore[attr-defined]  # a cache a frozen dataclass sets in __post_init__ (object.__setattr__)
 
     def iteration_ms(
         self,

@@ -120,7 +120,7 @@ class Ledger:
         """Yesterday's (UTC) per-class report as JSON, once."""
         day0 = (int(now // 86400) - 1) * 86400
         name = time.strftime("slo-report-%Y-%m-%d.json", time.gmtime(day0))
-        d = Path(self.cfg.report_dir)  # type: ignore[arg-type]
+        d = Path(self.cfg.report_dir)
         p = d / name
         if p.exists():
             return None

@@ -107,17 +107,17 @@ class Store:
                     h[k] += v
             keys = sorted(hours)
             for i in range(0, len(keys), CHUNK):
-                part = keys[i : i + CHUNK]
+                kpart = keys[i : i + CHUNK]
                 cur.execute(
-                    self.sql(UPSERT_HOURS.format(", ".join([HOUR_MARKS] * len(part)))),
-                    [v for k in part for v in (*k, *hours[k])],
+                    self.sql(UPSERT_HOURS.format(", ".join([HOUR_MARKS] * len(kpart)))),
+                    [v for k in kpart for v in (*k, *hours[k])],
                 )
             for i in range(0, len(refusals), CHUNK):
-                part = refusals[i : i + CHUNK]
+                rpart = refusals[i : i + CHUNK]
                 cur.execute(
-                    self.sql(INSERT_REFUSALS + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(part))
+                    self.sql(INSERT_REFUSALS + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(rpart))
                              + " ON CONFLICT (id) DO NOTHING RETURNING id"),
-                    [v for it in part
+                    [v for it in rpart
                      for v in (it.id, it.at, it.hour, it.tenant, it.cls, it.reason, it.status)],
                 )  # fmt: skip
                 new += len(cur.fetchall())

@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -56,7 +57,7 @@ class LedgerWriter:
         self.stats.spooling = self._spooling
         self._next_try = 0.0
         # callback(seconds from submit to committed or spooled), per item, writer thread
-        self.on_done = None
+        self.on_done: Callable[[float], None] | None = None
         self._thread = threading.Thread(target=self._run, name="adaserve-ledger", daemon=True)
         self._thread.start()
 
@@ -69,7 +70,7 @@ class LedgerWriter:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything submitted before this call is committed or spooled."""
-        return self.submit(None).result(timeout) is not None  # type: ignore[arg-type]
+        return self.submit(None).result(timeout) is not None
 
     def close(self, timeout: float = 30.0) -> None:
         """Write what is queued, then stop the thread."""

@@ -147,7 +147,7 @@ def _make_group(
     tok_idx = np.zeros((R, Q), dtype=np.int64)
     ctx = np.zeros((R, L), dtype=np.int64)
     mask = np.zeros((R, Q, L), dtype=bool)
-    valid = np.zeros((R, Q), dtype=bool)
+    valid: np.ndarray = np.zeros((R, Q), dtype=bool)
     for r, (s, start) in enumerate(zip(seqs, starts)):
         q, c = len(s.new_slots), len(s.prefix_slots)
         tok_idx[r, :q] = np.arange(start, start + q)

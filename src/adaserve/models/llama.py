@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -157,6 +158,8 @@ def _gpu_attention_backends(cuda: bool):
 class LlamaModel(nn.Module):
     """Decoder-only transformer; parameter names follow HF except the fused projections."""
 
+    inv_freq: torch.Tensor  # a buffer (register_buffer)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -186,7 +189,7 @@ class LlamaModel(nn.Module):
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # apply_rope_signed's
         with _gpu_attention_backends(x.is_cuda):
-            for layer, (kc, vc) in zip(self.layers, kv):
+            for layer, (kc, vc) in zip(cast("list[DecoderLayer]", self.layers), kv):
                 x = layer.forward_paged(x, cos, sin, meta, kc, vc)
         return self.norm(x)
 
@@ -216,7 +219,7 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
         cos, sin = self._cos_sin(pos, x.dtype)
-        for layer in self.layers:
+        for layer in cast("list[DecoderLayer]", self.layers):
             x = layer.forward_dense(x, cos, sin)
         return self.lm_head(self.norm(x))
 
@@ -300,7 +303,7 @@ class LlamaModel(nn.Module):
         }
         if not c.tie_word_embeddings:
             out["lm_head.weight"] = self.lm_head.weight
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast("list[DecoderLayer]", self.layers)):
             p = f"model.layers.{i}."
             out[p + "input_layernorm.weight"] = layer.input_layernorm.weight
             out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight

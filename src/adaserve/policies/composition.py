@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -81,7 +82,8 @@ def split_prefill(
     of them (earliest deadline first spends an overloaded pass on requests already
     lost and so loses the next ones too); it is firm after every other firm request,
     so it still finishes."""
-    order, lost = [], []
+    order: list[Any] = []
+    lost: list[Any] = []
     for r in sorted(prefilling, key=lambda r: ttft_deadline(r, no_ttft_ms)):
         ttft = r.ttft_ms if r.ttft_ms is not None else no_ttft_ms
         alone = r.waited_ms + math.ceil(r.prefill_left / max(chunk, 1)) * t_pass_ms

@@ -29,7 +29,7 @@ class OnlineCorrection:
         self.ridge = np.diag(np.array(self.PENALTY))
         self.A = self.ridge.copy()
         self.b = np.zeros(len(self.PENALTY))
-        self.theta = np.zeros(len(self.PENALTY))
+        self.theta: np.ndarray = np.zeros(len(self.PENALTY))
 
     @staticmethod
     def features(static_ms, tokens, steps, spec_requests) -> np.ndarray:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
@@ -66,6 +66,7 @@ from adaserve.server.state import ServerState
 from adaserve.server.tokenize import detokenize, parse_tokenize, tokenize
 from adaserve.server.usage_routes import create_usage_routes, past_report
 from adaserve.server.validation import is_json_content, json_encoding_error
+from adaserve.util.jsonsafe import json_safe
 
 log = logging.getLogger("adaserve.server")
 
@@ -207,7 +208,7 @@ _ANY_BODY = Body(
 _bearer = HTTPBearer(auto_error=False, description="API key (not needed in open mode)")
 BearerKey = Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
 
-_ERRORS = {
+_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse},
     401: {"model": ErrorResponse},
     403: {"model": ErrorResponse},
@@ -332,9 +333,9 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
         only = None if (state.tenants.open_mode or tenant.admin) else tenant.name
         q = request.query_params
         if "since" in q or "until" in q:  # a past window: from the usage ledger
-            return JSON(_jsonable(await past_report(state, request, only)))
+            return JSON(json_safe(await past_report(state, request, only)))
         rep = await asyncio.to_thread(state.slo_report, only)
-        return JSON(_jsonable(rep))
+        return JSON(json_safe(rep))
 
     @app.post("/v1/admin/profile", responses=_ERRORS)
     async def admin_profile(request: Request, _key: BearerKey):
@@ -354,7 +355,7 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
             prov = await asyncio.wrap_future(state.loop.reload_profile())
         except ValueError as e:
             raise ApiError(409, str(e), code="no_profile") from None
-        return JSON({"status": "reloaded", "profile": _jsonable(prov)})
+        return JSON({"status": "reloaded", "profile": json_safe(prov)})
 
     @app.post("/reset_prefix_cache", responses=_ERRORS)
     async def reset_prefix_cache(request: Request, _key: BearerKey):
@@ -407,13 +408,3 @@ def _render_metrics(state: ServerState, request: Request) -> bytes:
         return state.metrics.render(tenants=False)
     tenant = reg.authenticate(authorization, client_of(request.scope))
     return state.metrics.render(only_tenant=None if tenant.admin else tenant.name)
-
-
-def _jsonable(v):
-    if isinstance(v, float):
-        return v if v == v and abs(v) != float("inf") else None
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    return v

@@ -3,6 +3,8 @@ prompt, and the shape of a chat response (assistant message, streamed deltas).""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import Request
 
 from adaserve.errors import InvalidRequestError, ModelLoadError
@@ -106,7 +108,7 @@ def check_tools(state: ServerState, body: ChatCompletionRequest) -> ToolMode | N
     named function or "required" (constrained to the tools' schemas), "auto" (parsed
     by ``--tool-call-parser``; refused without ``--enable-auto-tool-choice``). Tools
     without a tool_choice mean "auto", as vLLM and OpenAI read them."""
-    choice = body.tool_choice
+    choice: Any = body.tool_choice
     if isinstance(choice, NamedToolChoice):
         choice = choice.model_dump()
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None

@@ -448,18 +448,18 @@ def parse_config(data: Mapping) -> ServerConfig:
     _check_keys("server", server, _SERVER_KEYS)
     tiers = data.get("service_tiers", {})
     _check_keys("service_tiers", tiers, set(SERVICE_TIERS))
-    classes = None
+    classes: tuple[SLOClass, ...] | None = None
     if "classes" in data:
         _check_keys("classes", data["classes"], set(data["classes"]))
-        classes = []
+        listed: list[SLOClass] = []
         for name, c in data["classes"].items():
             check_name("class", name)
             _check_keys(f"classes.{name}", c, _CLASS_KEYS)
             try:
-                classes.append(SLOClass(name=name, **c))
+                listed.append(SLOClass(name=name, **c))
             except (InvalidRequestError, TypeError) as e:
                 raise ConfigError(f"classes.{name}: {e}") from None
-        classes = tuple(classes)
+        classes = tuple(listed)
         if not classes:
             raise ConfigError("classes: at least one class is needed")
     tenants = tuple(_parse_tenant(n, t) for n, t in data.get("tenants", {}).items())
@@ -507,8 +507,8 @@ def check_against_classes(cfg: ServerConfig, classes: tuple[SLOClass, ...]) -> N
             need(f"tenants.{t.name}.classes", c)
         if t.default_class and not t.may_use(t.default_class):
             raise ConfigError(f"tenants.{t.name}: default_class is not among its classes")
-    for c in classes:
-        need(f"classes.{c.name}.degrade_to", c.degrade_to)
+    for sc in classes:
+        need(f"classes.{sc.name}.degrade_to", sc.degrade_to)
 
 
 def engine_config_for_server(ecfg: EngineConfig, cfg: ServerConfig) -> EngineConfig:

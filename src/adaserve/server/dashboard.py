@@ -47,7 +47,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from starlette.datastructures import Headers
@@ -330,7 +330,11 @@ class Dashboard:
         try:
             _, by_session = self.admin(headers, client)
         except ApiError as e:
-            boot = {"mode": "signin", "session_url": SESSION_URL, "message": e.message}
+            boot: dict[str, Any] = {
+                "mode": "signin",
+                "session_url": SESSION_URL,
+                "message": e.message,
+            }
             resp = HTMLResponse(
                 self._page(boot), status_code=e.status, headers={**_PAGE_HEADERS, **e.headers}
             )
@@ -427,7 +431,10 @@ class Dashboard:
         await resp(scope, receive, send)
 
 
-_ERRORS = {401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorResponse},
+    403: {"model": ErrorResponse},
+}
 
 
 def create_dashboard(state: ServerState) -> APIRouter:

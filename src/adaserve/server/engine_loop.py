@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from adaserve.config import EngineConfig
 from adaserve.core.config import QUEUE_FULL_RETRY_S
@@ -58,6 +58,7 @@ from adaserve.server.engine_messages import (
 from adaserve.slo import SLO
 from adaserve.spec_decode.request import Status
 from adaserve.text.generation_config import sampling_defaults
+from adaserve.util.jsonsafe import json_safe
 
 if TYPE_CHECKING:
     from adaserve.engine.engine import Engine
@@ -237,9 +238,7 @@ class EngineLoop:
                 default_class=e.cfg.default_class,
                 policy=e.policy.name,
                 flops_per_token_target=float(e.flops_per_token_target),
-                sampling_defaults=sampling_defaults(
-                    e.model_dir, getattr(e.cfg, "generation_config", "auto")
-                ),
+                sampling_defaults=sampling_defaults(e.model_dir, e.cfg.generation_config),
                 **_pool_info(e),
             )
             self._refresh_class_slos(force=True)
@@ -256,9 +255,8 @@ class EngineLoop:
             self.alive = False
             self._closed = True
             self._fail_pending()
-            close = getattr(self.engine, "close", None)
-            if self._owns_engine and close is not None:
-                close()
+            if self._owns_engine and self.engine is not None:
+                self.engine.close()
 
     def _loop(self) -> None:
         e = self.engine
@@ -410,6 +408,7 @@ class EngineLoop:
         except Exception:
             log.exception("request_metrics failed")
             metrics = {"slo_class": r.slo.cls, "slo_attained": False}
+        logprobs: Any
         output_ids, logprobs = list(r.output_ids), r.logprobs
         if h.drop_output:
             text, output_ids, logprobs = "", [], ()
@@ -419,7 +418,7 @@ class EngineLoop:
             text=text,
             output_ids=output_ids,
             prompt_tokens=len(r.prompt_ids),
-            metrics=_clean(metrics),
+            metrics=json_safe(metrics),
             token_times=tuple(r.token_times),
             arrival=r.arrival,
             finished_at=r.finished_at or time.perf_counter(),
@@ -467,8 +466,7 @@ class EngineLoop:
             return
         self._class_slos_at = now
         self.class_slos = {c.name: self.engine.class_slo(c.name) for c in self.engine.cfg.classes}
-        unloaded = getattr(self.engine, "unloaded_tpot_ms", None)
-        self.unloaded_tpot_ms = float(unloaded()) if unloaded is not None else None
+        self.unloaded_tpot_ms = float(self.engine.unloaded_tpot_ms())
         self.provenance = engine_provenance(self.engine, self.pinned)
 
     def _fail_pending(self) -> None:
@@ -487,15 +485,14 @@ class EngineLoop:
             self._publish()
 
 
-def _drift_of(e) -> dict:
-    d = getattr(e, "drift", None)
-    return d.as_dict() if d is not None else {}
+def _drift_of(e: Engine) -> dict:
+    return e.drift.as_dict()
 
 
-def engine_provenance(e, pinned: bool = False) -> dict:
+def engine_provenance(e: Engine, pinned: bool = False) -> dict:
     """Threads, profile and where the class targets come from (immutable once made)."""
-    plan = getattr(e, "thread_plan", None)
-    hw = getattr(e, "hw", None)
+    plan = e.thread_plan
+    hw = e.hw
     out: dict = {"threads": None, "profile": None}
     if plan is not None:
         out["threads"] = {**plan.as_dict(), "pinned": bool(pinned)}
@@ -519,31 +516,20 @@ def _step_tokens(e) -> int:
     return int(c.prompt_tokens) + int(c.generation_tokens)
 
 
-def _pool_info(e) -> dict:
+def _pool_info(e: Engine) -> dict:
     """Device, dtype and KV pool size of an engine (what its runner knows)."""
-    run = getattr(e, "runner", None)
-    blocks = int(getattr(run, "num_blocks", 0) or 0)
-    bs = int(getattr(e.cfg, "block_size", 0) or 0)
-    per_slot = int(getattr(run, "kv_bytes_per_slot", 0) or 0)
+    run = e.runner
+    blocks = int(run.num_blocks or 0)
+    bs = int(e.cfg.block_size or 0)
+    per_slot = int(run.kv_bytes_per_slot or 0)
     return {
-        "device": str(getattr(e, "device", "") or ""),
-        "dtype": str(getattr(e, "dtype", "") or "").removeprefix("torch."),
+        "device": str(e.device or ""),
+        "dtype": str(e.dtype or "").removeprefix("torch."),
         "kv_blocks": blocks,
         "block_size": bs,
         "kv_bytes": blocks * bs * per_slot,
-        "prefix_caching": bool(getattr(e.cfg, "enable_prefix_caching", False)),
+        "prefix_caching": bool(e.cfg.enable_prefix_caching),
     }
-
-
-def _clean(v):
-    """JSON-safe copy: NaN/inf floats become None."""
-    if isinstance(v, float):
-        return v if v == v and v not in (float("inf"), float("-inf")) else None
-    if isinstance(v, dict):
-        return {str(k): _clean(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_clean(x) for x in v]
-    return v
 
 
 def model_name_of(source) -> str:
@@ -559,7 +545,6 @@ def model_name_of(source) -> str:
     return Path(md).name
 
 
-def _prefix_cache_of(e) -> dict:
-    """The engine's prefix-cache figures ({} for an engine without them)."""
-    stats = getattr(e, "prefix_cache_stats", None)
-    return stats() if stats is not None else {}
+def _prefix_cache_of(e: Engine) -> dict:
+    """The engine's prefix-cache figures."""
+    return e.prefix_cache_stats()

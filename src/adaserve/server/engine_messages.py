@@ -31,6 +31,7 @@ from adaserve.slo import SLO, SLOClass
 if TYPE_CHECKING:
     from adaserve.core.trace import StepTrace
     from adaserve.engine.engine import Engine
+    from adaserve.spec_decode.request import Request
 
 SHUTDOWN = "server_shutdown"
 DISCONNECTED = "client_disconnected"
@@ -150,7 +151,7 @@ class Handle:
         self.ctx = ctx
         self.loop = asyncio.get_running_loop()
         self.arrival = time.perf_counter()
-        self.req = None  # engine Request, set on the engine thread
+        self.req: Request | None = None  # set on the engine thread
         self.sent = 0  # output tokens handed over so far (engine thread)
         self.final: Final | None = None  # set on the event loop when delivered
         self.aborted = False

@@ -4,6 +4,9 @@ scrape time (``EngineCollector``), so they always equal the engine's own numbers
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from adaserve.server.engine_loop import EngineSnapshot
@@ -18,9 +21,15 @@ class EngineCollector:
         self.attainment_fn = attainment_fn
         self.targets_fn = targets_fn  # () -> {class: SLO} (the current class targets)
         self.cache_info: dict | None = None
-        self.threads_fn = None  # () -> the thread plan dict (``engine_provenance``)
-        self.structured_fn = None  # () -> the engine's ``StructuredOutputs`` (or None)
-        self.ledger_fn = None  # () -> the usage ledger's ``LedgerWriter`` (or None)
+        self.threads_fn: Callable[[], Any] | None = (
+            None  # () -> the thread plan dict (``engine_provenance``)
+        )
+        self.structured_fn: Callable[[], Any] | None = (
+            None  # () -> the engine's ``StructuredOutputs`` (or None)
+        )
+        self.ledger_fn: Callable[[], Any] | None = (
+            None  # () -> the usage ledger's ``LedgerWriter`` (or None)
+        )
 
     def describe(self):
         return []

@@ -278,7 +278,7 @@ def http_protocol(cfg: ServerConfig | None = None):
     probation_s = min(header_timeout, PROBATION_S)
     book = _Connections()
 
-    class Protocol(base):
+    class Protocol(base):  # type: ignore[valid-type,misc]  # uvicorn's protocol class, chosen at run time
         _header_timer = None
         _body_timer = None
         _header_bytes = 0
@@ -295,7 +295,7 @@ def http_protocol(cfg: ServerConfig | None = None):
             self.peer = self.client[0] if self.client else ""
             self.opened_at = self.loop.time()
             self.mark = ConnectionMark()
-            app = self.app
+            app = self.app  # type: ignore[has-type]  # set by uvicorn's protocol
 
             async def marked(scope, receive, send, mark=self.mark):
                 scope[CONNECTION_KEY] = mark
@@ -465,8 +465,8 @@ def make_server(app, cfg: ServerConfig, log_level: str = "info", sockets=None):
         host=cfg.host,
         port=cfg.port,
         log_level=log_level,
-        timeout_graceful_shutdown=cfg.shutdown_grace_s + 5.0,
-        timeout_keep_alive=cfg.timeout_keep_alive_s,
+        timeout_graceful_shutdown=cfg.shutdown_grace_s + 5.0,  # type: ignore[arg-type]  # uvicorn takes seconds as float
+        timeout_keep_alive=cfg.timeout_keep_alive_s,  # type: ignore[arg-type]  # uvicorn takes seconds as float
         lifespan="on",
         http=http_protocol(cfg),
         # h11's own buffer limit above ours, so that ours answers first (414 / 431)

@@ -7,7 +7,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -15,6 +15,9 @@ from pydantic import BaseModel
 from adaserve.server.config import Tenant
 from adaserve.server.engine_loop import DISCONNECTED, Handle
 from adaserve.server.state import ServerState
+
+if TYPE_CHECKING:
+    from adaserve.server.accounting import RowAcc
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ class Job:
         self.sink: asyncio.Queue = asyncio.Queue()
         self.handles: list[Handle] = []
         self._closed = False
-        self.acc = None  # its ledger row (``accounting.RowAcc``)
+        self.acc: RowAcc | None = None  # its ledger row
 
     async def row_committed(self) -> None:
         """Wait for the request's ledger row (every choice has finished)."""

@@ -6,6 +6,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from adaserve.errors import InvalidRequestError
 from adaserve.server.config import Tenant
@@ -104,7 +105,7 @@ def resolve_slo(
         if v is not None:
             explicit[key] = v
     slo = dict(slo or {})
-    on_overload = slo.pop("on_overload", None) or tenant.on_overload
+    on_overload: Any = slo.pop("on_overload", None) or tenant.on_overload
     for k, v in slo.items():
         if v is not None:
             explicit[k] = float(v)

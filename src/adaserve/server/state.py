@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
@@ -31,6 +31,9 @@ from adaserve.server.stats_log import StatsLogger, startup_summary
 from adaserve.server.usage import UsageBook
 from adaserve.text.chat_template import ChatTemplate
 from adaserve.text.generation_config import describe as describe_defaults
+
+if TYPE_CHECKING:
+    from adaserve.server.dashboard import Dashboard
 
 
 def engine_summary(loop: EngineLoop) -> dict:
@@ -57,12 +60,12 @@ def engine_summary(loop: EngineLoop) -> dict:
         # admission: refusals by class and reason, promised against realised attainment
         "admission": admission_summary(c.get("shed_by_class"), c.get("promised")),
         # the thread plan, the profile and where the class targets come from
-        **getattr(loop, "provenance", {}),
+        **loop.provenance,
     }
 
 
 def _structured_summary(loop: EngineLoop) -> dict | None:
-    so = getattr(loop.engine, "structured", None)
+    so = getattr(loop.engine, "structured", None)  # no engine before the loop built it
     return so.summary() if so is not None else None
 
 
@@ -107,6 +110,8 @@ class RequestCtx:
 class ServerState:
     """Everything the routes share: engine loop, tenants, quotas, metrics, report."""
 
+    dashboard: Dashboard  # set by ``server.dashboard.create_dashboard``
+
     def __init__(self, loop: EngineLoop, cfg: ServerConfig, model_name: str, classes):
         self.loop = loop
         self.cfg = cfg
@@ -136,9 +141,7 @@ class ServerState:
             self.report.attainment,
             lambda: self.loop.class_slos,
         )
-        self.metrics._collector.threads_fn = lambda: getattr(self.loop, "provenance", {}).get(
-            "threads"
-        )
+        self.metrics._collector.threads_fn = lambda: self.loop.provenance.get("threads")
         self.metrics._collector.structured_fn = lambda: getattr(
             self.loop.engine, "structured", None
         )

@@ -88,7 +88,7 @@ class StatsLogger:
     @staticmethod
     def _counts(snap) -> tuple[int, ...]:
         c = snap.counters or {}
-        pc = getattr(snap, "prefix_cache", None) or {}
+        pc = snap.prefix_cache or {}
         return (
             int(c.get("prompt_tokens", 0)),
             int(c.get("generation_tokens", 0)),

@@ -187,4 +187,4 @@ class SSE(StreamingResponse):
             self._on_close()
             with anyio.CancelScope(shield=True):
                 with suppress(Exception):
-                    await self.body_iterator.aclose()
+                    await self.body_iterator.aclose()  # type: ignore[attr-defined]  # an async generator

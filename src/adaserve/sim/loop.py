@@ -26,6 +26,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -35,8 +36,9 @@ from adaserve.core.clock import ManualClock
 from adaserve.core.config import SchedulerConfig
 from adaserve.core.counters import Counters
 from adaserve.core.policy import BatchView, Plan, Policy
-from adaserve.core.scheduler import Batch, Scheduler
+from adaserve.core.scheduler import Scheduler
 from adaserve.core.step import (
+    Batch,
     Commit,
     DraftWork,
     SchedulerOutput,
@@ -362,11 +364,13 @@ class _Run:
         """One step (``core.step.run_step``), then the run's own records: requests that
         expired in the queue or finished, busy time, the recorder."""
         res = run_step(self.sched, self)
-        for r in res.out.expired:  # queued past their TTFT deadline: answered 429
+        for r in cast(
+            "list[SimRequest]", res.out.expired
+        ):  # queued past their TTFT deadline: answered 429
             self._fail(r.item, r.slo, f"shed: {r.finish_reason}", True)
         if res.trace is None:
             return
-        for r in res.outcome.finished:
+        for r in cast("list[SimRequest]", res.outcome.finished):
             self._collect(r)
         self.busy_s += res.outcome.ms / 1000.0
         self.recorder.record(res.trace)
@@ -499,7 +503,7 @@ class _Run:
             ms += sel_s * 1000.0
         # --- verify (sampled acceptance)
         accepted_n: dict[int, int] = {}
-        for g, (reqs, tb) in enumerate(batches):
+        for gi, (reqs, tb) in enumerate(batches):
             mask = np.zeros((len(reqs), tb.lay.n + 1), dtype=bool)
             for k, r in enumerate(reqs):
                 if sizes[r.rid] > 1:
@@ -509,7 +513,7 @@ class _Run:
             if full is None:
                 observe_batch(self.cal, tb, mask, on_path)
             else:  # the calibrator learns what the revealed full verification showed
-                observe_batch(self.cal, tb, *full[g])
+                observe_batch(self.cal, tb, *full[gi])
             bonus = tb.regimes[np.arange(len(reqs)), length].tolist()
             for r, a, reg in zip(reqs, length.tolist(), bonus):
                 accepted_n[r.rid] = a

@@ -11,6 +11,7 @@ the shapes of the measured H200 profile (``adaserve profile --shapes``). Archite
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from adaserve.sim.roofline import Deployment, Framework, GPUSpec, ModelSpec
 from adaserve.slo import DEFAULT_CLASSES, SLOClass
@@ -143,7 +144,7 @@ def compare_with_profile(dep: Deployment, prof: dict) -> list[dict]:
 def compare_with_paper(dep: Deployment) -> list[dict]:
     """Rows {tokens, paper_ms, roofline_ms, error} for the 70B verification profile,
     plus the draft step (tokens = 'draft')."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for t, ms in PAPER_70B_VERIFY_MS.items():
         pred = float(dep.verify_ms(t, 0.0))
         rows.append({"tokens": t, "paper_ms": ms, "roofline_ms": pred, "error": pred / ms - 1})

@@ -16,8 +16,7 @@ from dataclasses import dataclass, fields
 from adaserve.bench.workload_spec import WorkItem
 from adaserve.core.config import SchedulerConfig
 from adaserve.core.policy import BatchView, Plan, Policy
-from adaserve.core.scheduler import Batch
-from adaserve.core.step import StepInputs, run_step
+from adaserve.core.step import Batch, StepInputs, run_step
 from adaserve.core.trace import StepTrace
 from adaserve.errors import AdmissionRejected
 from adaserve.hardware.model import HardwareModel
@@ -120,7 +119,7 @@ class _ReplayRun(_Run):
         self.traces: list[StepTrace] = []
         self.refusals = refusals  # rid -> reason of the arrivals admission refused
 
-    def _arrive(self, it: WorkItem) -> None:
+    def _arrive(self, it: WorkItem, retry: bool = False) -> None:
         self.clock.set(max(self.clock.now(), it.arrival_s))
         self.sched.check_prompt(it.prompt_len)
         try:

@@ -24,6 +24,7 @@ pass and per draft step), which no roofline predicts. Torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -190,7 +191,7 @@ class Deployment:
         weights = m.compute_params * m.dtype_bytes / tp / bw
         kv = np.asarray(kv_tokens, dtype=float) * m.kv_bytes_per_token / max(1, tp) / bw
         compute = m.flops_per_token * t / tp / (g.peak_flops * g.mfu)
-        comm = 0.0
+        comm: float | np.ndarray = 0.0
         if tp > 1:
             per = 2.0 * (tp - 1) / tp * t * m.hidden * m.dtype_bytes / g.link_bw
             comm = m.layers * 2 * (per + fw.allreduce_latency_us * 1e-6)
@@ -238,7 +239,7 @@ class Deployment:
         grid = [int(x) for x in tokens_grid]
         v = [round(float(x), 4) for x in self.verify_ms(grid, 0.0)]
         kv_ms = self.target.kv_bytes_per_token / self.tp / (self.gpu.hbm_bw * self.gpu.mbu) * 1e3
-        d = {
+        d: dict[str, Any] = {
             "schema": "adaserve.profile/1",
             "device": f"{self.tp}x{self.gpu.name}",
             "dtype": "bfloat16" if self.target.dtype_bytes == 2 else f"{self.target.dtype_bytes}B",

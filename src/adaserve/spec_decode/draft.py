@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -279,7 +280,9 @@ def _banned(logits, grows, frontier, active, reqs) -> torch.Tensor:
 def _constrained(logits, grows, frontier, active, reqs) -> torch.Tensor:
     """logits [F, V] with each constrained request's frontier rows masked by the
     grammar state of that node's path (the masks are kept for the verifier)."""
-    rows, masks, row = [], [], 0
+    rows: list[Any] = []
+    masks: list[Any] = []
+    row = 0
     for i in active:
         r, g = reqs[i], grows[i]
         n = len(frontier[i])

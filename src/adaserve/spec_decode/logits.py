@@ -173,9 +173,9 @@ def race_noise(keys: Sequence[int], vocab: int, device: torch.device | str) -> t
     x = torch.arange(vocab, dtype=torch.int64, device=device)[None]  # [1, V]
     rows = max(1, (1 << (16 if device.type == "cpu" else 24)) // max(vocab, 1))
     for a in range(0, len(keys), rows):
-        k = kw[a : a + rows]
-        hi = _mix32(_mix32(x ^ k[:, 0:1]).bitwise_xor_(k[:, 1:2]))
-        lo = _mix32(_mix32(x ^ k[:, 2:3]).bitwise_xor_(k[:, 3:4]))
+        kr = kw[a : a + rows]
+        hi = _mix32(_mix32(x ^ kr[:, 0:1]).bitwise_xor_(kr[:, 1:2]))
+        lo = _mix32(_mix32(x ^ kr[:, 2:3]).bitwise_xor_(kr[:, 3:4]))
         v = hi.bitwise_left_shift_(21).bitwise_or_(lo.bitwise_right_shift_(11))  # [0, 2**53)
         u = v.double().add_(0.5).mul_(2.0**-53)
         out[a : a + rows] = u.log_().neg_()

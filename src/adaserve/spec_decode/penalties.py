@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,7 +61,10 @@ class PenaltyRows:
         rows:     per context, its rows as (logits row, path tokens below the root)"""
         if len(contexts) != len(rows):
             raise ValueError("contexts and rows differ in length")
-        row_at, ctx, path_m, path_t = [], [], [], []
+        row_at: list[Any] = []
+        ctx: list[Any] = []
+        path_m: list[Any] = []
+        path_t: list[Any] = []
         rep, freq, pres = [], [], []
         for c, ((_, _, sp), rs) in enumerate(zip(contexts, rows)):
             for row, path in rs:
@@ -122,7 +126,9 @@ class PenaltyRows:
         return logits.float().index_copy(0, self.rows, x)
 
 
-def tree_paths(parents: Sequence[int], tokens: Sequence[int]) -> list[list[int]]:
+def tree_paths(
+    parents: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray
+) -> list[list[int]]:
     """Per node of a tree (root 0, parents before children): the tokens on its path
     below the root, the root excluded and the node included (the root: none)."""
     paths: list[list[int]] = [[]]

@@ -85,7 +85,7 @@ class LLGuidanceBackend:
             schema = spec.schema()
             if spec.disable_additional_properties:
                 schema = _no_extra_props(schema)
-            opts: dict = {}
+            opts: Any = {}  # llguidance JsonCompileOptions
             if spec.disable_any_whitespace:
                 opts["whitespace_flexible"] = False
             else:

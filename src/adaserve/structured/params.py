@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json as _json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from adaserve.errors import InvalidRequestError
 
@@ -35,7 +35,7 @@ class StructuredOutputsParams:
     whitespace_pattern: the regex of JSON's optional whitespace
     """
 
-    json: str | None = None
+    json: str | dict[str, Any] | bool | None = None  # a dict or bool: kept as its JSON text
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
@@ -83,7 +83,7 @@ class StructuredOutputsParams:
                 )
         if self.json is not None:
             try:
-                schema = _json.loads(self.json)
+                schema = _json.loads(cast(str, self.json))  # text after __post_init__
             except ValueError as e:
                 raise InvalidRequestError(
                     f"structured_outputs.json is not JSON: {e}", "structured_outputs"
@@ -110,7 +110,7 @@ class StructuredOutputsParams:
     def schema(self) -> Any:
         """The JSON schema (json, json_object) as a Python value."""
         if self.json is not None:
-            return _json.loads(self.json)
+            return _json.loads(cast(str, self.json))
         return {"type": "object"}
 
     @classmethod

@@ -77,7 +77,8 @@ def _json_values(text: str, start: int = 0) -> tuple[list[Any], int]:
     """The JSON values one after another from ``start`` (separated by whitespace, ``,``
     or ``;``); returns them and where parsing stopped."""
     dec = json.JSONDecoder()
-    out, i = [], start
+    out: list[Any] = []
+    i = start
     while True:
         while i < len(text) and text[i] in " \t\r\n,;":
             i += 1

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 from adaserve.errors import ModelLoadError
 from adaserve.sampling import SamplingParams
@@ -65,7 +66,7 @@ def sampling_defaults(model_dir: str | Path | None, source: str | None = "auto")
     if not isinstance(data, dict):
         raise ModelLoadError(f"{f} is not a JSON object")
     known = {fl.name for fl in dataclasses.fields(SamplingParams)}
-    out = {}
+    out: dict[str, Any] = {}
     for key, name in _FIELDS.items():
         v = data.get(key)
         if v is None or name not in known or isinstance(v, bool):

@@ -21,7 +21,7 @@ class Parser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose errors are one line (``prog: error: message``,
     then ``--help`` for the usage) with exit status 2. Subparsers inherit the class."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 

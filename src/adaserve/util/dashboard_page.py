@@ -22,6 +22,8 @@ import math
 import re
 from importlib import resources
 
+from adaserve.util.jsonsafe import json_safe
+
 ROLLING_WINDOW_S = 60.0
 RECENT_ITERATIONS = 120  # the per-iteration means in the class table cover these
 
@@ -98,7 +100,7 @@ def view(
             col = ((recent_timeline or timeline).get(key) or {}).get(name) or []
             recent[key] = _mean(col[-RECENT_ITERATIONS:])
         cls_out.append({"name": name, **c, "recent": recent})
-    return _jsonable(
+    return json_safe(
         {
             "object": "dashboard",
             "title": title,
@@ -122,18 +124,6 @@ def view(
             ),
         }
     )
-
-
-def _jsonable(v):
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    if hasattr(v, "item"):  # numpy scalars
-        return _jsonable(v.item())
-    return v
 
 
 def _script_json(obj) -> str:

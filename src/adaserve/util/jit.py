@@ -56,12 +56,12 @@ def cache_folder() -> Path | None:
 @contextlib.contextmanager
 def _numba_cache_dir(folder: Path):
     """numba's ``CACHE_DIR`` set to ``folder`` for one decoration, then restored."""
-    old = numba.config.CACHE_DIR
-    numba.config.CACHE_DIR = str(folder)
+    old = numba.config.CACHE_DIR  # type: ignore[attr-defined]  # numba.config sets its attributes at import
+    numba.config.CACHE_DIR = str(folder)  # type: ignore[attr-defined]  # numba.config sets its attributes at import
     try:
         yield
     finally:
-        numba.config.CACHE_DIR = old
+        numba.config.CACHE_DIR = old  # type: ignore[attr-defined]  # numba.config sets its attributes at import
 
 
 def compiled(fn):

@@ -4,9 +4,13 @@ observes and the fallback it notes when even depth 0 breaks them."""
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 from adaserve.core.policy import BatchView
 from adaserve.policies.budgeted.config import AdaptiveConfig
+
+if TYPE_CHECKING:
+    from adaserve.hardware.power import PowerModel
 
 
 class PowerLimits:
@@ -19,7 +23,7 @@ class PowerLimits:
     def __init__(self, cfg: AdaptiveConfig, name: str) -> None:
         self.cfg, self.name, self.warned = cfg, name, False
 
-    def of(self, view: BatchView) -> tuple[object | None, float, float]:
+    def of(self, view: BatchView) -> tuple[PowerModel | None, float, float]:
         """(the view's PowerModel or None, power cap W, energy per token J): the
         constraints off (0) without a power model, with a warning once."""
         c = self.cfg

@@ -8,6 +8,7 @@ loops (``policies/plan_kernel.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,6 +17,9 @@ from adaserve.policies import plan_kernel
 from adaserve.policies.budgeted.columns import Columns
 from adaserve.policies.budgeted.config import EXTRAS, AdaptiveConfig
 from adaserve.policies.typical_tree import curve_rows
+
+if TYPE_CHECKING:
+    from adaserve.hardware.power import PowerModel
 
 _EMPTY = np.zeros(0)
 
@@ -99,7 +103,7 @@ def evaluate_depths(
     theta: np.ndarray,
     coef: tuple[np.ndarray, np.ndarray] | None,
     one_chain: bool,
-    power: tuple[object | None, float, float],
+    power: tuple[PowerModel | None, float, float],
 ) -> DepthEvaluation:
     """Predicted outcome of drafting each depth of ``ds`` (0 = no speculation) at width
     ``w`` for this batch of decoders ``arr`` with ``P`` prefill tokens (``pairs`` their
