@@ -105,7 +105,7 @@ ALLOWED = {
     },
     "train": {"engine", "models", "sampling", "util"},
     "bench": {
-        "config", "core", "engine", "errors", "hardware", "policies", "sampling", "slo",
+        "config", "core", "engine", "errors", "hardware", "policies", "sampling", "slo", "spec_decode",
         "text", "train", "util",
     },
     "server": {
