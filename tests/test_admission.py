@@ -192,7 +192,7 @@ def test_a_pace_measured_lately_at_the_load_is_trusted_over_the_model_s_scaling(
     ac = sched.admission
     bar = 30.0 * (1 + PACE_TOLERANCE)
     # the model's scaling alone would put interactive off pace at 24
-    was = ac.decode_pass_ms(ac.class_batch["interactive"])
+    was = ac.decode_pass_ms(ac.paces.batch["interactive"])
     assert ac.decode_pass_ms(24) / was * ac.pace_ms("interactive") > bar
     assert ac.pace_at("interactive", 24, 30.0, t) == pytest.approx(28.0, rel=0.01)
     clock.set(t)
@@ -556,26 +556,26 @@ def test_a_refusal_for_room_holds_a_seat_for_its_retry():
     ac.refused(first, e, 0.0)
     assert e.retry_token is not None
     new = _Req(2, _slo("chat"), 0.5)
-    assert ac.held_seats(new, 0.5) == 0.0  # no client has come back yet: no evidence
+    assert ac.seats.ahead(new.retry_token, 0.5) == 0.0  # no client has come back yet: no evidence
     # its client comes back with the token: the seat is used and counts as a return
     back = _Req(3, _slo("chat"), 3.0)
     back.retry_token = e.retry_token
-    assert ac.held_seats(back, 3.0) == 0.0
+    assert ac.seats.ahead(back.retry_token, 3.0) == 0.0
     ac.use_seat(back)
     assert e.retry_token not in ac.seats
     # two more refusals: new arrivals now count both seats (every client came back)
     e2, e3 = AdmissionRejected("full", "capacity", 2.0), AdmissionRejected("full", "kv", 4.0)
     ac.refused(_Req(4, _slo("chat"), 3.0), e2, 3.0)
     ac.refused(_Req(5, _slo("chat"), 3.0), e3, 3.0)
-    assert ac.held_seats(_Req(6, _slo("chat"), 3.1), 3.1) == pytest.approx(2.0)
+    assert ac.seats.ahead(None, 3.1) == pytest.approx(2.0)
     # the later retry counts only the seat due before its own
     late = _Req(7, _slo("chat"), 3.1)
     late.retry_token = e3.retry_token
-    assert ac.held_seats(late, 3.1) == pytest.approx(1.0)
+    assert ac.seats.ahead(late.retry_token, 3.1) == pytest.approx(1.0)
     # a seat whose client never came back lapses, and weighs the share down
-    assert ac.held_seats(_Req(8, _slo("chat"), 9.5), 9.5) == 0.0
+    assert ac.seats.ahead(None, 9.5) == 0.0
     ac.refused(_Req(9, _slo("chat"), 9.5), AdmissionRejected("full", "capacity", 1.0), 9.5)
-    assert ac.held_seats(_Req(10, _slo("chat"), 9.6), 9.6) == pytest.approx(1 / 3)
+    assert ac.seats.ahead(None, 9.6) == pytest.approx(1 / 3)
     # a refusal that is not for room holds nothing
     q = AdmissionRejected("queue", "queue_full", 1.0)
     ac.refused(_Req(11, _slo("chat"), 9.6), q, 9.6)

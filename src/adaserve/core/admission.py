@@ -4,17 +4,10 @@ kept, and never let a queued request wait past its TTFT deadline unanswered.
 Every class gets its own decision (not only the strictest):
 
 * **queue**: the waiting queue is bounded (``max_waiting``);
-* **KV memory**: the KV the admitted work will hold (every running and queued
-  request's context now, plus the output it is expected to still produce: its class's
-  measured mean output, capped by its ``max_tokens``, plus its measured tree) and the
-  new request's must fit the pool; else it is refused (``kv``), not admitted into a
-  preemption storm;
-* **fair share** (judged last, of a request every other check admits): once a tenant
-  has been refused room (capacity or KV) in the last ``_FINISH_WINDOW_S``, the
-  batch is contended, and a tenant that would hold more than its fair share of it (its
-  requests, running and queued, against the batch over the tenants that hold or want a
-  place) is refused (``fair_share``): within its quota it still cannot keep the seats
-  another tenant is refused;
+* **KV memory** (``core.kv_room``): the KV the admitted work is expected to hold and
+  the new request's must fit the pool (``kv``);
+* **fair share** (``core.fair_share``; judged last): a tenant over its fair share of a
+  batch another tenant was refused room in is refused (``fair_share``);
 * **decode pace**: with the new request the batch holds ``N`` requests (every running
   and queued one, up to ``max_num_seqs``); over the new request's life it holds ``N'``
   on average (``load_over_life``: the batch relaxes toward its steady size, the
@@ -45,28 +38,21 @@ Every class gets its own decision (not only the strictest):
   other class's measured admission rate, those arriving while their deadline would
   still fall before its own.
 
-**Promises: predicted, then counted.** A prediction is a point; a request's realised
-TPOT and TTFT spread around it. Every admitted request gets a predicted chance of
-meeting its SLO (``SeqState.promise``), counted per class at its finish against whether
-it did (``Counters.promised``: predicted against realised attainment, in the report).
-TTFT is a prediction proper: per class, admission fits what its admitted requests
-realised on what was predicted (``Calibration``) and counts the chance of a prediction
-from the fit's recent errors. The measured pace is not: the planner holds every request
-near its target while the load is feasible, so the pace says how loaded the batch is,
-and the chance at a load is the share of the class's requests admitted that loaded
-that met their TPOT. Neither is the bar for admitting: as bars, in the simulator, they
-refused more below capacity and kept less of the strict class's promise at 3x than the
-margin and tolerance above (docs/results/admission-issue31.md).
+**Promises: predicted, then counted.** Every admitted request gets a predicted chance
+of meeting its SLO (``SeqState.promise``: the TTFT part from a per-class fit of realised
+on predicted TTFT, ``core.promise.Calibration``; the TPOT part the share of the class's
+requests admitted at that load that met their TPOT), counted at its finish against
+whether it did (``Counters.promised``). Neither chance is the bar for admitting: as
+bars they did worse than the margin and tolerance (docs/results/admission-issue31.md).
 
 An idle engine (nothing running or waiting) admits every request: it is served alone
 and at once, so no prediction of load applies.
 
 A refusal is ``AdmissionRejected`` with a Retry-After near the time the promise could
 be kept again: the time, at the measured finish rate, until enough requests leave the
-batch (pace, KV) or the queue ahead drains by the excess (TTFT). A queued request that was never started and is past its TTFT deadline is
-ended with reason ``ttft_deadline`` (the server answers 429) as soon as it can no longer
-make its deadline: under a burst the prediction can be wrong, and the answer must
-still come by the deadline.
+batch (pace, KV) or the queue ahead drains by the excess (TTFT). A refusal for room
+holds a seat for the client's retry (``core.retry_seats``). A queued request never
+started that can no longer make its TTFT deadline is ended (``ttft_deadline``, a 429).
 
 Torch-free; the engine and the simulator both run it through the ``Scheduler``. Time
 comes from the scheduler's clock, never the wall clock.
@@ -82,6 +68,8 @@ from typing import TYPE_CHECKING
 
 from adaserve.core.config import CAPACITY_RETRY_S, QUEUE_FULL_RETRY_S
 from adaserve.core.fair_share import FairShare
+from adaserve.core.kv_room import KV_FULL, kv_verdict
+from adaserve.core.pace import CLASS_EWMA, ClassPaces
 from adaserve.core.promise import WINDOW, Calibration
 from adaserve.core.retry_seats import RetrySeats
 from adaserve.errors import AdmissionRejected
@@ -115,8 +103,6 @@ TTFT_MARGIN = 0.2
 TTFT_DEADLINE = "ttft_deadline"
 # refusals a looser class can avoid (a full queue is full for every class)
 DEGRADABLE = ("capacity", "ttft")
-# reason of a request refused because the admitted work's KV would overflow the pool
-KV_FULL = "kv"
 # refusals for lack of room in the batch (decode capacity, KV): they make it contended
 # (a TTFT refusal is the prefill queue ahead, which deadlines order, not seats)
 _CONTENDED = ("capacity", KV_FULL)
@@ -124,14 +110,6 @@ _CONTENDED = ("capacity", KV_FULL)
 # this share of the chunk
 _PREFILL_PASS_SHARE = 0.5
 _EWMA = 0.1  # weight of the newest observation in the running means
-_CLASS_EWMA = 0.05
-# a class's pace by load (``pace_by_load``): buckets of decoders 20% apart, each a
-# running mean (weight of the newest pass) that counts for this long after its last pass.
-# Chosen in the simulator (docs/results/admission-issue31.md, third pass): 10 s and 30 s
-# gave 9.7/1.4/1.4% and 9.4/0.3/0.7% refused at 0.8x capacity (seeds 1-3), 60 s 9.0/0.3/0.7%
-_LOAD_BUCKET = 1.2
-_LOAD_EWMA = 0.1
-_LOAD_FRESH_S = 30.0
 _SPEED_PASSES = 32  # passes the measured speed is the median of
 _SEEN_WINDOW_S = 60.0  # a stricter class decoding this recently keeps its room
 _FINISH_WINDOW_S = 30.0  # finishes counted for the finish rate
@@ -154,13 +132,8 @@ class AdmissionControl:
         self.nodes_per_decode: float | None = None  # candidates verified per decode
         self.prefill_per_pass: float | None = None  # prefill tokens per pass
         self.context: float | None = None  # context tokens per request in a pass
-        self.tokens_per_pass: dict[str, float] = {}  # class -> tokens per decode pass
-        self.class_pass_ms: dict[str, float] = {}  # class -> ms of the passes it decoded in
-        self.class_batch: dict[str, float] = {}  # class -> decoders in those passes
-        # class -> load bucket -> [ms per pass, tokens per pass, when last seen]
-        self.pace_by_load: dict[str, dict[int, list[float]]] = {}
+        self.paces = ClassPaces()  # each class's measured pace, overall and by load
         self._finishes: deque[float] = deque()
-        self._seen: dict[str, float] = {}  # class -> when it last decoded
         # class -> (time, prompt tokens, ttft) of the requests admitted lately
         self._admits: dict[str, deque[tuple[float, int, float]]] = {}
         # class -> log(realised / predicted) of its admitted requests' TPOT and TTFT
@@ -207,20 +180,7 @@ class AdmissionControl:
                 if cls is not None:
                     got.setdefault(cls, []).append(1.0 + tr.accepted.get(rid, 0))
             for cls, toks in got.items():
-                tpp = self.tokens_per_pass
-                tpp[cls] = _mix(tpp.get(cls), sum(toks) / len(toks), _CLASS_EWMA)
-                self.class_pass_ms[cls] = _mix(self.class_pass_ms.get(cls), dur_ms, _CLASS_EWMA)
-                self._seen[cls] = tr.t_end
-                self.class_batch[cls] = _mix(self.class_batch.get(cls), float(b), _CLASS_EWMA)
-                cells = self.pace_by_load.setdefault(cls, {})
-                cell = cells.get(_bucket(b))
-                tp = sum(toks) / len(toks)
-                if cell is None:
-                    cells[_bucket(b)] = [dur_ms, tp, tr.t_end]
-                else:
-                    cell[0] = _mix(cell[0], dur_ms, _LOAD_EWMA)
-                    cell[1] = _mix(cell[1], tp, _LOAD_EWMA)
-                    cell[2] = tr.t_end
+                self.paces.observe(cls, toks, dur_ms, b, tr.t_end)
         n = b + len(tr.prefill)
         if n:
             self.context = _mix(self.context, tr.kv_tokens / n)
@@ -241,8 +201,8 @@ class AdmissionControl:
             return
         cls, slo = seq.slo.cls, seq.slo
         if seq.finish_reason in ("stop", "length"):
-            self.out_len[cls] = _mix(self.out_len.get(cls), float(seq.num_output), _CLASS_EWMA)
-            self.stay_s = _mix(self.stay_s, t - seq.arrival, _CLASS_EWMA)
+            self.out_len[cls] = _mix(self.out_len.get(cls), float(seq.num_output), CLASS_EWMA)
+            self.stay_s = _mix(self.stay_s, t - seq.arrival, CLASS_EWMA)
         ttft = (seq.first_token_at - seq.arrival) * 1000.0
         tpot = (
             (t - seq.first_token_at) * 1000.0 / (seq.num_output - 1)
@@ -382,40 +342,33 @@ class AdmissionControl:
         return t
 
     def pace_ms(self, cls: str) -> float | None:
-        """The ms per token class ``cls`` runs at now: its measured ms per pass over its
-        measured tokens per pass (None until measured)."""
-        ms = self.class_pass_ms.get(cls)
-        return None if ms is None else ms / self.tokens_per_pass[cls]
+        """The ms per token class ``cls`` runs at now (``ClassPaces.pace_ms``)."""
+        return self.paces.pace_ms(cls)
 
     def pace_at(self, cls: str, n: float, target: float, now: float) -> float | None:
         """The predicted ms per token of class ``cls`` with ``n`` requests in the batch:
         its measured pace scaled by the predicted pass time at ``n`` over that of the
         batch the pace was measured at; or, when lower, the pace the class was measured
-        at in the last ``_LOAD_FRESH_S`` at the nearest load at least ``n``
-        (``pace_by_load``): as the batch grows the planner shrinks the trees, so the
+        at lately at the nearest load at least ``n``
+        (``ClassPaces.measured_at``): as the batch grows the planner shrinks the trees, so the
         model's pass time at the measured tree size overstates what the load costs,
         and a load seen kept on pace lately is evidence the model does not have. None when it is not to be kept on pace: not
         measured lately (admitting is how it is measured again), or hopeless (its
         ``target`` missed ``HOPELESS`` times over even for a request alone: load is not
         the cause, and refusing work cannot meet it; the class runs best effort)."""
         pace = self.pace_ms(cls)
-        if pace is None or now - self._seen.get(cls, -math.inf) > PACE_FRESH_S:
+        if pace is None or now - self.paces.seen.get(cls, -math.inf) > PACE_FRESH_S:
             return None
-        was_ms = self.decode_pass_ms(self.class_batch[cls])
+        was_ms = self.decode_pass_ms(self.paces.batch[cls])
         n = min(n, self.sched.cfg.max_num_seqs)
         then_ms = self.decode_pass_ms(n)
         if not was_ms or then_ms is None:
             return None
         if pace * self.decode_pass_ms(1) / was_ms > HOPELESS * target:
             return None
-        cells = self.pace_by_load.get(cls, {})
-        k = _bucket(n)
-        above = [b for b, c in cells.items() if b >= k and now - c[2] <= _LOAD_FRESH_S]
         scaled = pace * then_ms / was_ms
-        if above:
-            c = cells[min(above)]
-            return min(scaled, c[0] / c[1])
-        return scaled
+        seen = self.paces.measured_at(cls, n, now)
+        return scaled if seen is None else min(scaled, seen)
 
     def prior_spread(self) -> float:
         """The spread of log(measured / predicted) pass time over the recent passes: a
@@ -453,12 +406,12 @@ class AdmissionControl:
         # the classes to keep on pace: those at or above rank in the batch, and every
         # stricter class seen decoding lately (its next request must still find room)
         targets: dict[str, float] = {}
-        for cls, seen in self._seen.items():
+        for cls, seen in self.paces.seen.items():
             if s.rank_of(cls) < rank and now - seen <= _SEEN_WINDOW_S:
                 t = s.class_slo(cls).tpot_ms if s.knows_class(cls) else None
                 if t:
                     targets[cls] = t
-        n = 1 + self.held_seats(seq, now)
+        n = 1 + self.seats.ahead(seq.retry_token, now)  # seats held for retries
         for r in itertools.chain(s.running, s.waiting, (seq,)):
             if r is not seq:
                 n += 1
@@ -531,36 +484,19 @@ class AdmissionControl:
             m -= 1
         return max(1.0, (n - m) / rate)
 
-    # ------------------------------------------------------------------ memory
-    def kv_need(self, r: SeqState) -> float:
-        """KV slots ``r`` is expected to hold at its longest: its context now, the
-        output still expected (its class's measured mean output, capped by its
-        ``max_tokens``; none until measured) and its measured tree."""
-        mean = self.out_len.get(r.slo.cls)
-        left = max(r.max_new_tokens - r.num_output, 0)
-        more = min(left, max(mean - r.num_output, 0.0)) if mean is not None else 0.0
-        return r.num_tokens + more + (self.nodes_per_decode or 0.0)
-
     def kv_verdict(self, seq: SeqState, now: float) -> AdmissionRejected | None:
-        """A refusal when the KV that the admitted work and ``seq`` are expected to hold
-        exceeds the pool (cached prefix blocks ``seq`` would share do not count)."""
+        """``kv_room.kv_verdict`` on the scheduler's running and queued requests."""
         s = self.sched
-        pool = s.allocator.num_blocks * s.cfg.block_size
-        held = [self.kv_need(r) for r in itertools.chain(s.running, s.waiting)]
-        need = sum(held) + self.kv_need(seq) - seq.prefix_hint
-        if need <= pool:
-            return None
-        rate = self.finish_rate(now)
-        per = sum(held) / max(len(held), 1)
-        retry = math.ceil((need - pool) / max(per, 1.0)) / rate if rate else CAPACITY_RETRY_S
-        return AdmissionRejected(
-            f"the admitted requests are expected to hold {need - seq.num_tokens:.0f} KV "
-            f"slots and this one {seq.num_tokens}; the KV cache holds {pool}",
-            KV_FULL,
-            max(1.0, retry),
+        return kv_verdict(
+            seq,
+            itertools.chain(s.running, s.waiting),
+            s.allocator.num_blocks * s.cfg.block_size,
+            self.out_len,
+            self.nodes_per_decode,
+            self.finish_rate(now),
         )
 
-    # ------------------------------------------------------------------ fairness
+    # ------------------------------------------------------------------ room
     def refused(self, seq: SeqState, e: AdmissionRejected, now: float) -> None:
         """``seq`` was refused (``e``) at ``now``: a tenant refused room (capacity or KV)
         makes the batch contended (``fair_share_verdict``) for ``_FINISH_WINDOW_S``;
@@ -573,10 +509,6 @@ class AdmissionControl:
     def use_seat(self, seq: SeqState) -> None:
         """``seq`` came back with its retry token and was judged: its seat is used."""
         self.seats.use(seq.retry_token)
-
-    def held_seats(self, seq: SeqState, now: float) -> float:
-        """Seats held for retries ahead of ``seq`` (``RetrySeats.ahead``)."""
-        return self.seats.ahead(seq.retry_token, now)
 
     def fair_share_verdict(self, seq: SeqState, now: float) -> AdmissionRejected | None:
         """``FairShare.verdict`` on the scheduler's batch."""
@@ -657,11 +589,6 @@ class AdmissionControl:
             and (now - r.arrival) * 1000.0 + (alone := self.alone_ms(r)) > r.slo.ttft_ms
             and r.slo.ttft_ms >= alone
         ]
-
-
-def _bucket(b: float) -> int:
-    """The load bucket of a batch of ``b`` decoders (buckets ``_LOAD_BUCKET`` apart)."""
-    return int(round(math.log(max(b, 1.0)) / math.log(_LOAD_BUCKET)))
 
 
 def _in_kv(seq: SeqState) -> int:
