@@ -132,7 +132,10 @@ def test_requests_already_late_do_not_count_ahead():
     assert sched.admission.predicted_ttft_ms(_Req(51, _slo("interactive"), 1.5), 1.5) == want
 
 
-def test_relaxed_work_refused_when_it_would_push_a_stricter_class_off_pace():
+def _four_interactive_measured():
+    """Four interactive requests decoding, their class measured over 100 passes at 4
+    decoders with chains of 3: a pass the model puts at 16 tokens, measured at 40 ms,
+    2 tokens per pass: 20 ms per token of a 30 ms target. (clock, sched, class map)"""
     clock = ManualClock(0.0)
     sched = _sched(clock)
     run = [_Req(i, _slo("interactive"), 0.0, out=5) for i in range(4)]
@@ -142,12 +145,15 @@ def test_relaxed_work_refused_when_it_would_push_a_stricter_class_off_pace():
     sched.admit()
     for r in run:
         r.num_cached = r.num_tokens - 1
-    # interactive measured at 4 decoders with chains of 3: a pass the model puts at
-    # 16 tokens, measured at 40 ms, 2 tokens per pass: 20 ms per token of a 30 ms target
-    cls = {r.rid: "interactive" for r in run}
+    cls = {i: "interactive" for i in range(100)}
     for i in range(100):
         _pass(sched, i * 0.04, (i + 1) * 0.04, [r.rid for r in run], {r.rid: 1 for r in run},
               classes=cls, nodes=3)  # fmt: skip
+    return clock, sched, cls
+
+
+def test_relaxed_work_refused_when_it_would_push_a_stricter_class_off_pace():
+    clock, sched, _ = _four_interactive_measured()
     ac = sched.admission
     assert ac.pace_ms("interactive") == pytest.approx(20.0, rel=0.01)
     clock.set(4.0)
@@ -171,19 +177,7 @@ def test_a_pace_measured_lately_at_the_load_is_trusted_over_the_model_s_scaling(
     gives: the planner shrinks trees as the batch grows, so scaling the pace measured
     at a small batch by the model's pass time overstates it. Beyond the loads measured,
     the scaling still decides."""
-    clock = ManualClock(0.0)
-    sched = _sched(clock)
-    run = [_Req(i, _slo("interactive"), 0.0, out=5) for i in range(4)]
-    for r in run:
-        sched.add(r)
-    sched.begin_step()
-    sched.admit()
-    for r in run:
-        r.num_cached = r.num_tokens - 1
-    cls = {i: "interactive" for i in range(100)}
-    for i in range(100):  # 4 decoders, chains of 3: 20 ms per token (target 30)
-        _pass(sched, i * 0.04, (i + 1) * 0.04, [r.rid for r in run], {r.rid: 1 for r in run},
-              classes=cls, nodes=3)  # fmt: skip
+    clock, sched, cls = _four_interactive_measured()
     t = 4.0
     for _ in range(3):  # lately, 24 decoders: 84 ms passes, 3 tokens each: 28 ms per token
         _pass(sched, t, t + 0.084, list(range(24)), {i: 2 for i in range(24)},
@@ -512,16 +506,16 @@ def test_simulated_clients_retry_once_at_their_retry_after(tmp_path):
     assert len({x["idx"] for x in recs}) == len(recs) == o["requests"]
 
 
-REF_WORKLOAD = [
-    "--preset", "A100-80GB:llama-70b", "--dataset", "random", "--trace", "azure-conv",
-    "--class-mix", "interactive:0.5,chat:0.25,batch:0.25",
-    "--input-len", "interactive=lognormal:200:0.5:1024",
-    "--input-len", "chat=lognormal:300:0.8:2048",
-    "--input-len", "batch=lognormal:1500:0.5:4096",
-    "--output-len", "interactive=lognormal:150:0.5:512",
-    "--output-len", "chat=lognormal:200:0.7:1024",
-    "--output-len", "batch=lognormal:150:0.5:512",
-]  # fmt: skip
+def _reference_workload() -> list[str]:
+    """The reference workload's arguments, as ``benchmarks/admission_sim.py`` runs it."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "admission_sim.py"
+    spec = importlib.util.spec_from_file_location("admission_sim", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return list(mod.REF)
 
 
 def test_retry_after_is_honest_at_three_times_capacity(tmp_path):
@@ -534,7 +528,16 @@ def test_retry_after_is_honest_at_three_times_capacity(tmp_path):
 
     from adaserve.cli import main
 
-    args = ["simulate", *REF_WORKLOAD, "--request-rate", "6", "--duration", "60", "--seeds", "1"]
+    args = [
+        "simulate",
+        *_reference_workload(),
+        "--request-rate",
+        "6",
+        "--duration",
+        "60",
+        "--seeds",
+        "1",
+    ]
     args += ["--no-plots", "--no-progress", "--policies", "adaserve", "--admission"]
     assert main([*args, "--retry-refused", "--out", str(tmp_path)]) == 0
     o = json.loads((tmp_path / "result.json").read_text())["results"]["adaserve"]["overall"]
