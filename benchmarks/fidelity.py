@@ -80,6 +80,23 @@ def _simulate(args, log, exe, common, fitted: Path, dest: Path, *extra: str) -> 
     return _results(dest)
 
 
+def _draft_of(smp: dict):
+    """The draft's passes of a timeline sample (``DraftWork``): as recorded, or, for
+    samples recorded before the draft's work was, from the trees' shapes (one catch-up
+    token per drafting request, no context)."""
+    from adaserve.core.trace import DraftWork
+
+    if "draft" in smp:
+        d = smp["draft"]
+        return DraftWork(d["catchup"], tuple(d["steps"]), d["kv_tokens"], d["request_steps"])
+    shapes = smp["shapes"]
+    if not shapes:
+        return DraftWork()
+    depth = max(d for d, _ in shapes)
+    steps = tuple(sum(w for d, w in shapes if d - 1 > t) for t in range(depth - 1))
+    return DraftWork(len(shapes), steps, 0, sum(d for d, _ in shapes))
+
+
 def _sample_ms(hw, host, smp: dict) -> float | None:
     """The fitted model's time (ms) of one real iteration from its timeline sample (the
     sample's work: tokens verified, context tokens, drafted tree shapes); None for
@@ -90,9 +107,7 @@ def _sample_ms(hw, host, smp: dict) -> float | None:
     if "shapes" not in smp:
         return None
     shapes = smp["shapes"]
-    depth = max((d for d, _ in shapes), default=0)
-    steps = [sum(w for d, w in shapes if d - 1 > t) for t in range(depth - 1)]
-    ms = forward_ms(hw, smp["tokens"], smp["kv_tokens"], len(shapes), steps if shapes else None)
+    ms = forward_ms(hw, smp["tokens"], smp["kv_tokens"], _draft_of(smp))
     if host is not None:
         ms += host.ms(
             HostOverhead.features(

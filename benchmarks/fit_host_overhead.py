@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from adaserve.core.trace import DraftWork
 from adaserve.sim.pricing import HostOverhead, forward_ms
 
 
@@ -62,16 +63,12 @@ def _counts(tr) -> dict:
     """The iteration's work, from its ``StepTrace``: the draft's catch-up and frontier
     tokens per step, speculating requests, drafted and verified candidates, tokens and
     context of the verification pass."""
-    steps: dict[int, int] = {}
-    for d, w in tr.spec.values():
-        for t in range(d - 1):
-            steps[t] = steps.get(t, 0) + w
     return {
-        "catchup": tr.draft_catchup,
-        "steps": [steps[t] for t in sorted(steps)],
+        "catchup": tr.draft.catchup,
+        "steps": list(tr.draft.steps),
         "n_spec": len(tr.spec),
         "spec_steps": sum(d for d, _ in tr.spec.values()),
-        "drafted": tr.drafted,
+        "drafted": tr.draft.drafted,
         "prefill_tokens": sum(tr.prefill.values()),
         "kv": tr.kv_tokens,
         "requests": len(tr.prefill) + len(tr.decode),
@@ -108,10 +105,9 @@ class Recorder:
     def _on_step(self, engine, trace) -> None:
         c = _counts(trace)
         c["policy_ms"], self.cur = self.cur.get("policy_ms", 0.0), {}
-        steps = c["steps"] if c.get("n_spec") else None
-        ms = forward_ms(engine.hw, c["v_tokens"], c["kv"], c.get("catchup", 0), steps)
-        target_ms = forward_ms(engine.hw, c["v_tokens"], c["kv"], 0, None)
-        fixed = forward_ms(engine.hw, 1, 0, 0, None)  # one token, no context
+        ms = forward_ms(engine.hw, c["v_tokens"], c["kv"], trace.draft)
+        target_ms = forward_ms(engine.hw, c["v_tokens"], c["kv"], DraftWork())
+        fixed = forward_ms(engine.hw, 1, 0, DraftWork())  # one token, no context
         x = HostOverhead.features(
             c["requests"],
             c.get("n_spec", 0),

@@ -195,6 +195,7 @@ def test_speed_trace_of_a_real_run_is_measured_over_fitted_time_per_window(tmp_p
     timeline without the work fields gives no trace."""
     import json
 
+    from adaserve.core.trace import DraftWork
     from adaserve.hardware.model import HardwareModel
     from adaserve.sim.pricing import HostOverhead, forward_ms
 
@@ -213,7 +214,8 @@ def test_speed_trace_of_a_real_run_is_measured_over_fitted_time_per_window(tmp_p
         tokens = 3 + sum(1 + d for d, _ in shapes)
         steps = [sum(w for d, w in shapes if d - 1 > t) for t in range(3)]
         steps = steps[: max((d for d, _ in shapes), default=1) - 1]
-        pred = forward_ms(hw, tokens, 500, len(shapes), steps if shapes else None)
+        draft = DraftWork(len(shapes), tuple(steps), 0, sum(d for d, _ in shapes))
+        pred = forward_ms(hw, tokens, 500, draft if shapes else DraftWork())
         pred += host.ms(HostOverhead.features(3, len(shapes), sum(d for d, _ in shapes), 0, 0))
         ms = speed * pred
         return {"t": start + ms / 1000, "iter_ms": ms, "tokens": tokens, "kv_tokens": 500,

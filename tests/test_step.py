@@ -47,7 +47,7 @@ class _Recorder:
             ms=1000.0,
             commits=tuple(commits),
             tokens=sum(n for _, n in out.batch.prefill),
-            draft=DraftWork(tokens=7, passes=1, catchup=3, drafted=2),
+            draft=DraftWork(catchup=3, steps=(4,), kv_tokens=9, request_steps=2, drafted=2),
         )
 
 
@@ -89,8 +89,8 @@ def test_run_step_schedules_executes_and_updates_in_order():
     assert res.finished == reqs and not sched.has_work()
     tr = res.trace
     assert (tr.t_start, tr.t_end, tr.admitted, tr.prefill) == (1.0, 2.0, [0, 1], {0: 10, 1: 10})
-    assert (tr.tokens, tr.draft_tokens, tr.draft_passes, tr.draft_catchup) == (20, 7, 1, 3)
-    assert (tr.drafted, tr.kv_tokens, tr.running) == (2, 20, 0)
+    assert (tr.tokens, tr.draft.tokens, tr.draft.passes, tr.draft.catchup) == (20, 7, 2, 3)
+    assert (tr.draft.drafted, tr.kv_tokens, tr.running) == (2, 20, 0)
     assert sched.counters.iterations == 1
 
 

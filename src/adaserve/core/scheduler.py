@@ -304,7 +304,6 @@ class Scheduler:
         self.counters.iterations += 1
         classes = {r.rid: r.cls for r, _ in batch.prefill}
         classes.update((r.rid, r.cls) for r in batch.decode)
-        d = outcome.draft
         tr = StepTrace(
             plan=out.plan,
             t_start=out.t_start,
@@ -322,10 +321,7 @@ class Scheduler:
             tokens=outcome.tokens,
             kv_tokens=out.kv_tokens,
             prefill_pairs=out.prefill_pairs,
-            draft_tokens=d.tokens,
-            draft_passes=d.passes,
-            draft_catchup=d.catchup,
-            drafted=d.drafted,
+            draft=outcome.draft,
             running=len(self.running),
             waiting=len(self.waiting),
             kv_usage=self.allocator.usage,

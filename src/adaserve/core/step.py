@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from adaserve.core.policy import BatchView, Plan
 from adaserve.core.seq import SeqState
+from adaserve.core.trace import DraftWork as DraftWork  # re-exported: the executors build it
 from adaserve.core.trace import StepTrace
 
 if TYPE_CHECKING:  # the scheduler imports this module
@@ -119,23 +120,6 @@ class Commit:
     num_cached: int
     first_token: bool = False
     finish: str | None = None
-
-
-@dataclass(frozen=True)
-class DraftWork:
-    """The draft model's work in one pass (the energy tally's draft share).
-
-    tokens:  tokens the draft processed; passes: its forward passes; catchup: tokens it
-    cached before drafting (its first pass); drafted: candidate nodes it produced.
-    The engine counts ``tokens`` as the candidates drafted plus the pass's prefill and
-    generated tokens (the draft caches each once); the simulator as its catch-up plus
-    the verified candidates (see the report of issue 34: unifying them moves one side's
-    energy figures)."""
-
-    tokens: int = 0
-    passes: int = 0
-    catchup: int = 0
-    drafted: int = 0
 
 
 @dataclass(frozen=True)

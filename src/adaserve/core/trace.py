@@ -4,6 +4,7 @@ benchmark and the simulator alike."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,6 +20,61 @@ class DeviceEnergy(Protocol):
     def joules(self, flops: float, bytes_moved: float) -> float: ...
 
     def as_dict(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class DraftWork:
+    """The draft model's forward passes in one step: the one definition the engine
+    (what its drafter ran), the simulator (what its synthetic drafter would run), the
+    price (``HardwareModel.draft_passes_ms``) and the energy tally share.
+
+    catchup:       tokens of the first pass (the draft caching what it has not seen)
+    steps:         tokens fed at each later pass (the trees' frontiers), in order
+    kv_tokens:     context tokens the passes attended, summed over the passes
+    request_steps: speculating requests x their draft depth (the host's tree work)
+    drafted:       candidate nodes produced
+    """
+
+    catchup: int = 0
+    steps: tuple[int, ...] = ()
+    kv_tokens: int = 0
+    request_steps: int = 0
+    drafted: int = 0
+
+    @classmethod
+    def of_trees(cls, trees: Iterable[tuple[int, int, int, int]], drafted: int = 0) -> DraftWork:
+        """The passes a drafter runs for ``trees``, (context tokens, tokens the draft has
+        cached, depth, width) per request: one catch-up pass over what the draft has
+        not cached (attending what it has), then pass t = 1 .. depth - 1 over the w
+        frontier nodes of depth t of each request drafting that deep, attending its
+        context and the w (t - 1) nodes fed before (``spec_decode.draft.expand``;
+        ``tests/test_draft_work.py`` holds the engine's passes to this count)."""
+        trees = list(trees)
+        if not trees:
+            return cls()
+        depth = max(d for _, _, d, _ in trees)
+        steps, steps_kv = [0] * (depth - 1), [0] * (depth - 1)
+        for context, _, d, w in trees:
+            for t in range(1, d):
+                steps[t - 1] += w
+                steps_kv[t - 1] += context + w * (t - 1)
+        return cls(
+            catchup=sum(c - cached for c, cached, _, _ in trees),
+            steps=tuple(steps),
+            kv_tokens=sum(cached for _, cached, _, _ in trees) + sum(steps_kv),
+            request_steps=sum(d for _, _, d, _ in trees),
+            drafted=drafted,
+        )
+
+    @property
+    def passes(self) -> int:
+        """The draft's forward passes (0 when nothing was drafted)."""
+        return 1 + len(self.steps) if self.request_steps else 0
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the draft processed over its passes."""
+        return self.catchup + sum(self.steps) if self.request_steps else 0
 
 
 @dataclass
@@ -39,9 +95,7 @@ class StepTrace:
     tokens:      tokens in the verification pass (prefill + roots + candidates)
     kv_tokens:   context tokens the pass attends (cached + new, per request)
     prefill_pairs: new x context token pairs of its prefill chunks (``Batch.prefill_pairs``)
-    draft_tokens / draft_passes: tokens the draft processed and its forward passes
-    draft_catchup: tokens the draft cached before drafting (its first pass)
-    drafted:     candidate nodes the draft produced (before selection)
+    draft:       the draft model's passes (``DraftWork``)
     predicted_ms: the profile's prediction of this pass (0: no profile)
     stall:       the cause when the pass ran over 3x its prediction (``core.stalls``)
     """
@@ -62,10 +116,7 @@ class StepTrace:
     tokens: int = 0
     kv_tokens: int = 0
     prefill_pairs: int = 0
-    draft_tokens: int = 0
-    draft_passes: int = 0
-    draft_catchup: int = 0
-    drafted: int = 0
+    draft: DraftWork = DraftWork()
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
@@ -164,8 +215,8 @@ class RunRecorder:
         f0, b0 = self.energy.flops, self.energy.bytes_moved
         self.energy.add_iteration(
             target_tokens=tr.tokens,
-            draft_tokens=tr.draft_tokens,
-            draft_passes=tr.draft_passes,
+            draft_tokens=tr.draft.tokens,
+            draft_passes=tr.draft.passes,
             kv_tokens_attended=tr.kv_tokens,
             target_flops_per_token=c.flops_per_token[0],
             draft_flops_per_token=c.flops_per_token[1],
@@ -306,4 +357,11 @@ def sample(tr: StepTrace, t: float) -> dict[str, Any]:
         "kv_tokens": tr.kv_tokens,
         "prefill_pairs": tr.prefill_pairs,
         "shapes": [list(tr.spec[rid]) for rid in nodes if rid in tr.spec],
+        # the draft's passes (``DraftWork``): what the pass's drafting is priced by
+        "draft": {
+            "catchup": tr.draft.catchup,
+            "steps": list(tr.draft.steps),
+            "kv_tokens": tr.draft.kv_tokens,
+            "request_steps": tr.draft.request_steps,
+        },
     }

@@ -36,7 +36,6 @@ class EngineExecutor:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._probe: Probe | None = None
-        self._catchup = 0  # tokens the draft caught up on in this step (for the trace)
         self._chains: dict[int, int] = {}  # rid -> forced chain of a request not drafted
         # the last pass's verified trees and accepted candidates (the selection log)
         self.trees: dict[int, CandidateTree] = {}
@@ -71,28 +70,17 @@ class EngineExecutor:
         now = e.clock.now()  # --- commit (tokens; the scheduler applies the rest)
         for r, p, lsm in vpass.prompt_rows if vpass is not None else ():
             e.output.record_prompt_logprobs(r, p, lsm)
-        generated = e.counters.generation_tokens
         commits, accepted = e.output.commit(batch, trees, result, e.calibrator, now)
-        generated = e.counters.generation_tokens - generated
         self.trees, self.accepted = trees, accepted
         tokens = pass_tokens(batch, trees)
-        work = self._draft_work(plan, batch, drafts, generated)
+        work = self._draft_work(batch, drafts)
         c = e.counters
         c.model_time_s += e.runner.model_time_s
         e.runner.model_time_s = 0.0
         c.step_time_s += now - out.t_start
         predicted, stall = 0.0, None
         if e.hw is not None:  # the pass against the profile's prediction
-            predicted = predicted_pass_ms(
-                e.hw,
-                tokens,
-                out.kv_tokens,
-                out.prefill_pairs,
-                work.passes,
-                work.drafted,
-                work.catchup,
-                len(batch.spec),
-            )
+            predicted = predicted_pass_ms(e.hw, tokens, out.kv_tokens, out.prefill_pairs, work)
             stall = e.stalls.end(self._probe, predicted, (now - out.t_start) * 1000)
         return StepOutcome(
             t_end=now,
@@ -106,16 +94,18 @@ class EngineExecutor:
             stall=stall,
         )
 
-    def _draft_work(self, plan, batch: Batch, drafts, generated: int) -> DraftWork:
-        """The draft caches every prompt and output token and drafts its candidates."""
-        e = self.engine
-        drafted = sum(d.tree.num_candidates for d in drafts.values())
-        catchup = self._catchup if drafts else 0
-        if not (e.policy.uses_draft and e.runner.draft is not None):
-            return DraftWork(catchup=catchup, drafted=drafted)
-        prefill = sum(n for _, n in batch.prefill)
-        depth = max((d for d, _ in plan.shapes.values()), default=0)
-        return DraftWork(drafted + prefill + generated, depth + 1 if depth else 0, catchup, drafted)
+    def _draft_work(self, batch: Batch, drafts) -> DraftWork:
+        """The draft's passes as its drafter ran them (``DraftWork``)."""
+        passes = self.engine.runner.draft_passes
+        if not (drafts and passes):
+            return DraftWork()
+        return DraftWork(
+            catchup=passes[0][0],
+            steps=tuple(n for n, _ in passes[1:]),
+            kv_tokens=sum(kv for _, kv in passes),
+            request_steps=sum(d for _, (d, _) in batch.spec),
+            drafted=sum(d.tree.num_candidates for d in drafts.values()),
+        )
 
     def _speculate(self, batch: Batch) -> dict[int, DraftOutput]:
         """Draft a tree per speculating request; the calibrator sets each node's f.
@@ -124,7 +114,6 @@ class EngineExecutor:
         below its root (no draft step; f = 1, the calibrated estimates of the drafted
         nodes below it taken relative to the chain's end), when the pool holds them."""
         e = self.engine
-        self._catchup = sum(len(r.tokens) - r.draft_cached for r, _ in batch.spec)
         forced = [self._forced(r, shape) for r, shape in batch.spec]
         drafts = e.runner.draft_trees(batch.spec, e.faults.draft_noise, forced)
         for r, _ in batch.spec:

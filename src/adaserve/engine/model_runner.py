@@ -121,6 +121,8 @@ class ModelRunner:
         )
         self._seeds = random.Random(cfg.seed) if cfg.seed is not None else None
         self.model_time_s = 0.0  # seconds spent in forwards (read and reset by the engine)
+        # the draft's forward passes of the last ``draft_trees``: (tokens, context) each
+        self.draft_passes: list[tuple[int, int]] = []
         self._tpot_estimate: float | None = None
 
     def _gpu_kv_budget(self) -> int:
@@ -179,7 +181,10 @@ class ModelRunner:
         forced: list[list[int]] | None = None,
     ) -> dict[int, DraftOutput]:
         """Beam-expand one candidate tree per (request, (depth, width)) with the draft
-        (below each request's ``forced`` chain of grammar-forced tokens)."""
+        (below each request's ``forced`` chain of grammar-forced tokens). The draft's
+        forward passes, (tokens fed, context tokens attended) each, are left in
+        ``draft_passes``."""
+        self.draft_passes = []
         if not spec:
             return {}
         reqs = [r for r, _ in spec]
@@ -193,6 +198,7 @@ class ModelRunner:
             noise_std=noise_std,
             vocab_size=self.vocab_size,
             forced=forced,
+            passes=self.draft_passes,
         )
         self.model_time_s += time.perf_counter() - t0
         return {r.rid: o for r, o in zip(reqs, outs)}

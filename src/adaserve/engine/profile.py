@@ -29,8 +29,9 @@ from adaserve.hardware.model import HardwareModel
 from adaserve.hardware.profile_stats import SanityLimits, check_profile, summarize
 
 # Part of the cache key: bump when the forward code's speed changes (e.g. the paged
-# attention kernel), so that cached profiles measured with the old code are not reused.
-FORWARD_VERSION = 4
+# attention kernel), so that cached profiles measured with the old code are not reused
+# (5: the draft's passes are measured at two context lengths, as verification is).
+FORWARD_VERSION = 5
 
 
 def fingerprint(path: str | Path | None) -> str:
@@ -102,7 +103,11 @@ def profile_engine(engine, reps: int = 5, timer=None, progress=None) -> dict:
         n, d, w = 8, 4, 2
         total = measure_draft_host(engine, n, d, w)
         hw = HardwareModel.from_dict(prof)
-        forwards = float(hw.draft_latency(n * 24) + (d - 1) * hw.draft_latency(n * w))
+        # the expansion's forward passes (``measure_draft_host``: n requests of 24
+        # tokens, the draft's cache empty): the catch-up over all their tokens, then
+        # d - 1 passes of n x w frontier tokens, pass t attending 24 + w (t - 1) each
+        kv = sum(n * (24 + w * t) for t in range(d - 1))
+        forwards = hw.draft_passes_ms(n * 24, (n * w,) * (d - 1), 0, kv)
         prof["draft_host_ms"] = round(max(0.0, (total - forwards) / (n * d)), 4)
     mask = measure_mask(engine)
     if mask is not None:

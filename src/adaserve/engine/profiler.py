@@ -130,7 +130,7 @@ def _ticking(fn, progress):
 def profile_calls(reps: int, has_draft: bool) -> int:
     """Timed forward passes of one ``measure`` (warm-ups included): a progress bar's total."""
     points = len(KV_LENS) * len(VERIFY_TOKENS) + len(PREFILL_CHUNKS) * len(PREFILL_CTX)
-    points += len(DRAFT_TOKENS) if has_draft else 0
+    points += len(KV_LENS) * len(DRAFT_TOKENS) if has_draft else 0
     return points * (reps + 1)
 
 
@@ -158,15 +158,8 @@ def measure(
     for ctx in kv_lens:
         stats[ctx] = _time_forwards(target, kv_t, verify_tokens, ctx, reps, progress, timer)
     lat = {ctx: list(st.median) for ctx, st in stats.items()}
-    k0, k1 = kv_lens[0], kv_lens[-1]
-    # extra cost per attended KV token, averaged over pass sizes (>= 0)
-    n_seqs = [min(8, n) for n in verify_tokens]
-    per_kv = 0.0
-    if k1 > k0:
-        per_kv = statistics.mean(
-            (b - a) / (s * (k1 - k0)) for a, b, s in zip(lat[k0], lat[k1], n_seqs)
-        )
-    per_kv = max(0.0, per_kv)
+    k0 = kv_lens[0]
+    per_kv = _per_kv_token(lat, verify_tokens, kv_lens)
     shapes = [(n, c) for n in PREFILL_CHUNKS for c in PREFILL_CTX]
     ptimer = prefill_timer or timer or _prefill_timer
     pst = summarize(
@@ -189,8 +182,8 @@ def measure(
         "verify": {
             "tokens": list(verify_tokens),
             # at zero KV: the KV share measured at kv_lens[0] is taken out
-            "latency_ms": [max(1e-3, v - per_kv * s * k0) for v, s in zip(lat[k0], n_seqs)],
-            "kv_len": [k0, k1],
+            "latency_ms": _at_zero_kv(lat[k0], verify_tokens, per_kv, k0),
+            "kv_len": [k0, kv_lens[-1]],
             "kv_ms_per_token": per_kv,
             "latency_ms_by_kv_per_seq": {str(k): lat[k] for k in kv_lens},
             # the measurement behind each curve: medians before the monotone
@@ -204,17 +197,53 @@ def measure(
         "kv_bytes_per_token": {"target": target.cfg.kv_bytes_per_token(esize), "draft": 0},
     }
     if draft is not None:
+        # a draft pass attends every drafting request's context, as a verification
+        # does: measured at the same two context lengths
         kv_d = KVCache(draft.cfg, slots, device, dtype)
-        dst = _time_forwards(draft, kv_d, draft_tokens, kv_lens[0], reps, progress, timer)
-        dl = list(dst.median)
+        dstats = {
+            ctx: _time_forwards(draft, kv_d, draft_tokens, ctx, reps, progress, timer)
+            for ctx in kv_lens
+        }
+        dlat = {ctx: list(st.median) for ctx, st in dstats.items()}
+        draft_kv = _per_kv_token(dlat, draft_tokens, kv_lens)
+        dl = _at_zero_kv(dlat[k0], draft_tokens, draft_kv, k0)
         out["draft"] = {"params": draft.cfg.num_parameters()}
-        out["draft_step"] = {"tokens": list(draft_tokens), "latency_ms": dl, "spread": dst.spread()}
+        out["draft_step"] = {
+            "tokens": list(draft_tokens),
+            "latency_ms": dl,
+            "kv_len": [k0, kv_lens[-1]],
+            "kv_ms_per_token": draft_kv,
+            "latency_ms_by_kv_per_seq": {str(k): dlat[k] for k in kv_lens},
+            "spread": dstats[k0].spread(),
+            "spread_by_kv": {str(k): dstats[k].spread() for k in kv_lens},
+        }
         out["draft_step_ms"] = dl[0]
         out["kv_bytes_per_token"]["draft"] = draft.cfg.kv_bytes_per_token(esize)
     else:
         out["draft_step_ms"] = 1e-3
     out["sanity"] = check_profile(out, SanityLimits.for_device(str(device)))
     return out
+
+
+def _per_kv_token(lat: dict[int, list[float]], sizes, kv_lens) -> float:
+    """Extra ms per attended context token (>= 0): the difference between the passes at
+    the longest and the shortest context, per sequence and context token, averaged
+    over the pass sizes (a pass of n tokens spreads them over ``min(8, n)`` sequences,
+    ``_forward_timer``)."""
+    k0, k1 = kv_lens[0], kv_lens[-1]
+    if k1 <= k0:
+        return 0.0
+    n_seqs = [min(8, n) for n in sizes]
+    return max(
+        0.0,
+        statistics.mean((b - a) / (s * (k1 - k0)) for a, b, s in zip(lat[k0], lat[k1], n_seqs)),
+    )
+
+
+def _at_zero_kv(lat: list[float], sizes, per_kv: float, ctx: int) -> list[float]:
+    """Latencies measured at context ``ctx`` less their context share (the curve at no
+    context, which the per-token term then prices)."""
+    return [max(1e-3, v - per_kv * min(8, n) * ctx) for v, n in zip(lat, sizes)]
 
 
 def measure_step_overhead(engine, new_tokens: int = 24) -> list[float]:

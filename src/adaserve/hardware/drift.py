@@ -18,6 +18,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from adaserve.core.trace import DraftWork
+
 
 @dataclass(frozen=True)
 class DriftConfig:
@@ -103,39 +105,13 @@ class DriftMonitor:
         }
 
 
-def predicted_step_ms(hw, trace) -> float:
-    """The profile's prediction (ms, no online correction) of the iteration a
-    ``StepTrace`` describes (``predicted_pass_ms``)."""
-    t = trace
-    return predicted_pass_ms(
-        hw,
-        t.tokens,
-        t.kv_tokens,
-        t.prefill_pairs,
-        t.draft_passes,
-        t.drafted,
-        t.draft_catchup,
-        len(t.spec),
-    )
-
-
 def predicted_pass_ms(
-    hw,
-    tokens: int,
-    kv_tokens: int,
-    prefill_pairs: int,
-    draft_passes: int,
-    drafted: int,
-    draft_catchup: int,
-    n_spec: int,
+    hw, tokens: float, kv_tokens: float, prefill_pairs: float, draft: DraftWork
 ) -> float:
-    """The profile's prediction (ms, no online correction) of one pass, priced as the
-    planner prices it: the verification pass of ``tokens`` and its KV, ``depth`` draft
-    steps (the engine records ``draft_passes`` as depth + 1) with the ``drafted``
-    candidates of ``n_spec`` trees spread over them, host overhead."""
-    ms = float(hw.verify_latency(max(tokens, 1), kv_tokens, prefill_pairs))
-    ms += hw.overhead_ms
-    depth = draft_passes - 1
-    if depth > 0:
-        ms += hw.drafting_ms(depth, drafted / depth, draft_catchup, n_spec)
+    """The profile's prediction (ms, no online correction) of one pass: the
+    verification of ``tokens`` with its context and prefill pairs, the host overhead
+    and the draft's passes (``HardwareModel.draft_passes_ms``, the one price of draft work)."""
+    ms = float(hw.verify_latency(max(tokens, 1), kv_tokens, prefill_pairs)) + hw.overhead_ms
+    if draft.passes:
+        ms += hw.draft_passes_ms(draft.catchup, draft.steps, draft.request_steps, draft.kv_tokens)
     return ms

@@ -10,7 +10,8 @@ Profile JSON schema (``adaserve.profile/1``; written by ``adaserve profile``)::
       "verify": {"tokens": [t...], "latency_ms": [ms...],          # at kv_len[0]
                  "kv_len": [k...], "kv_ms_per_token": float,       # extra ms per KV token
                  "prefill_ms_per_pair": float},   # a prefill chunk's new x cached tokens
-      "draft_step": {"tokens": [t...], "latency_ms": [ms...]},
+      "draft_step": {"tokens": [t...], "latency_ms": [ms...],      # at zero KV
+                     "kv_ms_per_token": float},   # a draft pass's ms per context token
       "draft_step_ms": float,                                      # one step, few tokens
       "overhead_ms": float,                                        # host work per iteration
       "draft_host_ms": float,                  # host work per speculating request per step
@@ -87,6 +88,9 @@ class HardwareModel:
     draft_tokens: tuple[float, ...]
     draft_ms: tuple[float, ...]
     kv_ms_per_token: float = 0.0
+    # a draft pass attends each drafting request's context: ms per context token per
+    # pass (on the CPU this grows a batch's draft step 2-3x at a few hundred tokens)
+    draft_kv_ms_per_token: float = 0.0
     # a prefill chunk over a cached prefix: ms per (new token x cached token) pair, the
     # attention a prefix-cache hit still pays (``Batch.prefill_pairs``)
     prefill_ms_per_pair: float = 0.0
@@ -152,9 +156,12 @@ class HardwareModel:
         catchup_tokens: float = 0.0,
         draft_requests: float = 0.0,
         prefill_pairs: float = 0.0,
+        draft_kv_tokens: float = 0.0,
     ):
         """Predicted ms of an iteration: draft steps + verification + host overhead."""
-        draft = self.drafting_ms(draft_depth, draft_tokens_per_step, catchup_tokens, draft_requests)
+        draft = self.drafting_ms(
+            draft_depth, draft_tokens_per_step, catchup_tokens, draft_requests, draft_kv_tokens
+        )
         verify = self.verify_latency(verify_tokens, kv_tokens, prefill_pairs)
         return verify + draft + self.overhead_ms
 
@@ -164,16 +171,37 @@ class HardwareModel:
         draft_tokens_per_step: float = 0.0,
         catchup_tokens: float = 0.0,
         draft_requests: float = 0.0,
+        draft_kv_tokens: float = 0.0,
     ) -> float:
-        """Predicted ms of drafting ``draft_depth`` steps: one catch-up pass, then ``draft_depth - 1``
-        steps over ``draft_tokens_per_step`` tokens; ``draft_requests`` speculating
-        requests each cost ``draft_host_ms`` of host work (tree bookkeeping, masks) per
-        step on top of the forward passes. 0 when ``draft_depth`` is 0."""
+        """Predicted ms of drafting ``draft_depth`` steps of ``draft_requests`` requests
+        alike: one catch-up pass, then ``draft_depth - 1`` passes over
+        ``draft_tokens_per_step`` tokens, each pass attending the requests'
+        ``draft_kv_tokens`` context tokens; ``draft_passes_ms`` of those passes. 0 when
+        ``draft_depth`` is 0."""
         if draft_depth <= 0:
             return 0.0
-        first = self.draft_latency(max(catchup_tokens, 1.0))
-        step = self.draft_latency(max(draft_tokens_per_step, 1.0))
-        return first + (draft_depth - 1) * step + draft_depth * draft_requests * self.draft_host_ms
+        return self.draft_passes_ms(
+            catchup_tokens,
+            (draft_tokens_per_step,) * (draft_depth - 1),
+            draft_depth * draft_requests,
+            draft_depth * draft_kv_tokens,
+        )
+
+    def draft_passes_ms(
+        self, catchup_tokens: float, steps, request_steps: float, kv_tokens: float
+    ) -> float:
+        """Predicted ms of one step's drafting, the one definition of its price (the
+        engine's stall check, the simulator's pass and the planner's evaluation, whose
+        vectorised copy ``tests/test_draft_work.py`` holds to it): the catch-up pass over
+        ``catchup_tokens``, one pass per entry of ``steps`` (tokens fed), the host's tree
+        work of ``request_steps`` (speculating requests x their draft depth) and
+        ``kv_tokens`` context tokens attended over all the passes."""
+        tokens = np.maximum(np.array([catchup_tokens, *steps], dtype=float), 1.0)
+        return (
+            float(self.draft_latency(tokens).sum())
+            + request_steps * self.draft_host_ms
+            + kv_tokens * self.draft_kv_ms_per_token
+        )
 
     def unloaded_tpot_ms(self) -> float:
         """The unloaded TPOT the class targets multiply (the module's
@@ -187,8 +215,9 @@ class HardwareModel:
         v = d["verify"]
         if "draft_step" in d:
             dt, dm = d["draft_step"]["tokens"], d["draft_step"]["latency_ms"]
+            draft_kv = float(d["draft_step"].get("kv_ms_per_token", 0.0))
         else:
-            dt, dm = [1], [float(d["draft_step_ms"])]
+            dt, dm, draft_kv = [1], [float(d["draft_step_ms"])], 0.0
         kvb = d.get("kv_bytes_per_token") or {}
         return cls(
             verify_tokens=tuple(float(x) for x in v["tokens"]),
@@ -196,6 +225,7 @@ class HardwareModel:
             draft_tokens=tuple(float(x) for x in dt),
             draft_ms=tuple(float(x) for x in dm),
             kv_ms_per_token=float(v.get("kv_ms_per_token", 0.0)),
+            draft_kv_ms_per_token=draft_kv,
             prefill_ms_per_pair=float(v.get("prefill_ms_per_pair", 0.0)),
             overhead_ms=float(d.get("overhead_ms", 0.0)),
             draft_host_ms=float(d.get("draft_host_ms", 0.0)),

@@ -163,10 +163,7 @@ class PassOutcome:
     sizes: dict[int, int]
     accepted: dict[int, int]
     tokens: int
-    draft_tokens: int
-    draft_passes: int
-    draft_catchup: int = 0
-    drafted: int = 0
+    draft: DraftWork = DraftWork()
 
 
 class _Run:
@@ -419,7 +416,7 @@ class _Run:
             tree_nodes=tree_nodes,
             accepted=accepted,
             tokens=out.tokens,
-            draft=DraftWork(out.draft_tokens, out.draft_passes, out.draft_catchup, out.drafted),
+            draft=out.draft,
         )
 
     def _execute(self, view: BatchView, plan: Plan, batch: Batch, sel_s: float) -> PassOutcome:
@@ -434,8 +431,7 @@ class _Run:
                 groups[shape] = [r]
             else:
                 g.append(r)
-        catchup = 0
-        steps = [0] * (max((d for d, _ in groups), default=1) - 1)  # frontier tokens fed
+        drafting = []  # (context, draft cached, depth, width) per tree (DraftWork.of_trees)
         batches: list[tuple[list[SimRequest], TreeBatch]] = []
         trees = {}
         for (d, w), reqs in groups.items():
@@ -455,11 +451,9 @@ class _Run:
             n = tb.lay.n
             for k, r in enumerate(reqs):
                 trees[r.rid] = tb.tree(k)
-                catchup += r.n_tokens - r.draft_cached
+                drafting.append((r.n_tokens, r.draft_cached, d, w))
                 r.draft_cached = r.n_tokens
                 r.drafted += n
-            for t in range(d - 1):
-                steps[t] += len(reqs) * w
         selected: dict[int, np.ndarray] = {}
         full = self._reveal(batches) if trees and self.policy.clairvoyant else None
         if trees:
@@ -482,9 +476,8 @@ class _Run:
             sizes[r.rid] = k
             v_tokens += k
         kv_tokens = batch.kv_tokens
-        ms = forward_ms(
-            hw, v_tokens, kv_tokens, catchup, steps if batches else None, batch.prefill_pairs
-        )
+        draft = DraftWork.of_trees(drafting, sum(tb.lay.n * len(reqs) for reqs, tb in batches))
+        ms = forward_ms(hw, v_tokens, kv_tokens, draft, batch.prefill_pairs)
         ho = cfg.host_overhead
         if ho is not None:
             ms += ho.ms(
@@ -519,17 +512,13 @@ class _Run:
                 accepted_n[r.rid] = a
                 r.regime = reg  # the regime at the bonus token's position
                 r.regime_pos = r.n_tokens + a + 1
-        spec_nodes = sum(sizes[r.rid] - 1 for r, _ in batch.spec)
         return PassOutcome(
             end=now + ms / 1000.0,
             ms=ms,
             sizes=sizes,
             accepted=accepted_n,
             tokens=v_tokens,
-            draft_tokens=catchup + spec_nodes,
-            draft_passes=(len(steps) + 1) if batch.spec else 0,
-            draft_catchup=catchup,
-            drafted=sum(tb.lay.n * len(reqs) for reqs, tb in batches),
+            draft=draft,
         )
 
     def _reveal(self, batches) -> list[tuple[np.ndarray, np.ndarray]]:

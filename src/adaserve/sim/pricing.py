@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
+from adaserve.core.trace import DraftWork
+from adaserve.hardware.drift import predicted_pass_ms
 from adaserve.hardware.model import HardwareModel
 
 
@@ -64,14 +64,10 @@ class HostOverhead:
 
 
 def forward_ms(
-    hw: HardwareModel, v_tokens, kv_tokens, catchup, steps, prefill_pairs: float = 0.0
+    hw: HardwareModel, v_tokens, kv_tokens, draft: DraftWork, prefill_pairs: float = 0.0
 ) -> float:
     """The profile's forward time of one iteration (ms): verification of ``v_tokens``
     attending ``kv_tokens`` (its prefill chunks' ``prefill_pairs`` new x cached token
-    pairs priced too), the per-iteration overhead and, when ``steps`` is not None
-    (something was drafted), the draft's catch-up pass over ``catchup`` tokens plus one
-    pass per entry of ``steps`` (tokens fed at each later draft step)."""
-    ms = float(hw.verify_latency(v_tokens, kv_tokens, prefill_pairs)) + hw.overhead_ms
-    if steps is not None:
-        ms += float(hw.draft_latency(np.array([max(catchup, 1)] + list(steps), dtype=float)).sum())
-    return ms
+    pairs priced too), the per-iteration overhead and the draft's passes
+    (``drift.predicted_pass_ms``: the engine's stall check prices a pass the same)."""
+    return predicted_pass_ms(hw, v_tokens, kv_tokens, prefill_pairs, draft)

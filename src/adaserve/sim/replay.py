@@ -167,6 +167,5 @@ class _ReplayRun(_Run):
             sizes=sizes,
             accepted=accepted,
             tokens=rec.tokens,
-            draft_tokens=rec.draft_tokens,
-            draft_passes=rec.draft_passes,
+            draft=rec.draft,
         )

@@ -116,8 +116,12 @@ def expand(
     noise_std: float = 0.0,
     vocab_size: int | None = None,
     forced: list[list[int]] | None = None,
+    passes: list[tuple[int, int]] | None = None,
 ) -> list[DraftOutput]:
     """Grow a candidate tree of depth d and width w for each request (shapes[i] = (d, w)).
+
+    ``passes``: when given, one (tokens fed, context tokens attended) pair is appended
+    per forward pass of the draft, the catch-up pass first (``core.trace.DraftWork``).
 
     ``forced``: per request, tokens its grammar forces after the root (may be empty).
     They become a chain below the root (q = 1) that the draft reads in its catch-up
@@ -174,6 +178,8 @@ def expand(
     meta = AttnMetadata.build(seqs, device, window)
     ends = np.cumsum([len(s.new_slots) for s in seqs]) - 1
     logits = forward(ids, meta, torch.as_tensor(ends, device=device))
+    if passes is not None:
+        passes.append((len(ids), sum(len(s.prefix_slots) for s in seqs)))
     for r in reqs:
         r.draft_cached = len(r.tokens)
     # nodes whose logits rows we hold
@@ -214,6 +220,8 @@ def expand(
             )
             ids.extend(g.tokens[n] for n in chosen)
         logits = forward(ids, AttnMetadata.build(seqs, device, window))
+        if passes is not None:
+            passes.append((len(ids), sum(len(s.prefix_slots) for s in seqs)))
         frontier = [new_frontier.get(i, []) for i in range(len(reqs))]
         active = nxt_active
     return [

@@ -24,6 +24,7 @@ class Columns:
     left: np.ndarray  # output tokens still allowed (max_tokens left)
     coef: tuple | None = None  # requirements.coefficients' constants, once computed
     constrained_share: float = 0.0  # of the requests, the share under a grammar
+    context: float = 0.0  # the requests' context tokens (what each draft pass attends)
 
     @classmethod
     def of(cls, reqs: list[ReqView]) -> Columns:
@@ -48,4 +49,5 @@ class Columns:
             weight=weight,
             left=left,
             constrained_share=sum(r.constrained for r in reqs) / len(reqs) if reqs else 0.0,
+            context=float(sum(r.context_len for r in reqs)),
         )

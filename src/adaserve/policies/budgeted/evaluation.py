@@ -19,6 +19,7 @@ from adaserve.policies.budgeted.config import EXTRAS, AdaptiveConfig
 from adaserve.policies.typical_tree import curve_rows
 
 if TYPE_CHECKING:
+    from adaserve.hardware.model import HardwareModel
     from adaserve.hardware.power import PowerModel
 
 _EMPTY = np.zeros(0)
@@ -89,6 +90,21 @@ class ShapeChoice:
         return [1.0, self.t_static, float(self.budget), float(d), float(d * n)]
 
 
+def drafting_by_depth(
+    hw: HardwareModel, di: np.ndarray, n: int, w: int, catchup: float, context: float
+) -> np.ndarray:
+    """``HardwareModel.drafting_ms`` of ``n`` requests drafting each depth of ``di`` at
+    width ``w`` after a catch-up over ``catchup`` tokens, their ``context`` tokens
+    attended by every pass, vectorised over the depths (the planner's hot path;
+    ``tests/test_draft_work.py`` holds it to ``drafting_ms``). [D] ms, 0 at depth 0."""
+    if not di.any():
+        return np.zeros(len(di))
+    first = hw.draft_latency(max(catchup, 1.0))
+    step = hw.draft_latency(max(n * w, 1.0))
+    per_pass = n * hw.draft_host_ms + context * hw.draft_kv_ms_per_token
+    return np.where(di > 0, first + (di - 1) * step + di * per_pass, 0.0)
+
+
 def evaluate_depths(
     view: BatchView,
     arr: Columns,
@@ -118,14 +134,9 @@ def evaluate_depths(
     di = np.asarray(ds, dtype=np.int64)
     G, Gs, kmax, kfill = curve_rows(tuple(ds), w, acc, c.node_cap)
     tok0 = n + P
-    # HardwareModel.drafting_ms + overhead for every depth; the correction's
-    # per-depth part (OnlineCorrection.residual) likewise
-    draft = np.zeros(D)
-    if di.any():
-        first = hw.draft_latency(max(tok0, 1.0))
-        step = hw.draft_latency(max(n * w, 1.0))
-        draft = np.where(di > 0, first + (di - 1) * step + di * (n * hw.draft_host_ms), 0.0)
-    draft = (draft + hw.overhead_ms)[:, None]
+    # drafting + overhead for every depth; the correction's per-depth part
+    # (OnlineCorrection.residual) likewise
+    draft = (drafting_by_depth(hw, di, n, w, tok0, arr.context) + hw.overhead_ms)[:, None]
     th = theta
     fixed = (th[0] + (th[3] + th[4] * n) * di)[:, None] + th[2] * tok0
     # the prefill chunks' attention over their cached prefixes (prefix-cache hits)

@@ -1,0 +1,129 @@
+"""The draft's work, one definition: the passes the engine's drafter runs are the
+passes ``DraftWork.of_trees`` counts (the simulator's drafter), the planner's
+vectorised price is ``HardwareModel.drafting_ms``, and the profile measures the
+draft's context cost the way it measures verification's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from adaserve.config import EngineConfig
+from adaserve.core.blocks import BlockTable
+from adaserve.core.trace import DraftWork
+from adaserve.core.tree import scratch_slots_needed
+from adaserve.engine import profiler
+from adaserve.engine.engine import Engine
+from adaserve.hardware.drift import predicted_pass_ms
+from adaserve.hardware.model import HardwareModel
+from adaserve.policies.budgeted.evaluation import drafting_by_depth
+from adaserve.sampling import SamplingParams
+from adaserve.slo import SLO
+from adaserve.spec_decode.draft import expand
+
+KV = 4 << 20
+
+HW = HardwareModel(
+    verify_tokens=(1.0, 64.0),
+    verify_ms=(10.0, 20.0),
+    draft_tokens=(1.0, 16.0, 256.0),
+    draft_ms=(1.0, 2.0, 9.0),
+    draft_host_ms=0.1,
+    draft_kv_ms_per_token=0.003,
+)
+
+
+def test_the_engine_s_drafter_runs_the_passes_the_simulator_counts(tiny_pair):
+    """Requests of different contexts, part of each already in the draft's cache,
+    drafting trees of different depths and widths: the (tokens, context) of every
+    forward pass ``expand`` runs are those ``DraftWork.of_trees`` predicts."""
+    target, draft, _ = tiny_pair
+    eng = Engine(EngineConfig(model=str(target), draft=str(draft), policy="ar", kv_cache_bytes=KV))
+    V = eng.target.cfg.vocab_size
+    shapes = [(3, 2), (1, 1), (4, 1), (2, 3)]
+    lengths, cached = [30, 12, 51, 7], [25, 0, 50, 7]
+    reqs = []
+    for i, (n, (d, w)) in enumerate(zip(lengths, shapes)):
+        r = eng.new_request([(5 * i + j) % V for j in range(n)], SamplingParams(), SLO())
+        r.table = BlockTable(eng.allocator)
+        r.table.ensure(n + scratch_slots_needed(d, w))
+        reqs.append(r)
+    # fill the draft's cache for the tokens it has seen (one catch-up of depth 1)
+    for r, c in zip(reqs, cached):
+        r.draft_cached = 0
+        if not c:
+            continue
+        saved = r.tokens
+        r.tokens = saved[:c]
+        expand(eng.draft, eng.kv_draft, [r], [(1, 1)], vocab_size=V)
+        r.tokens = saved
+    assert [r.draft_cached for r in reqs] == cached
+    passes: list[tuple[int, int]] = []
+    with torch.inference_mode():
+        outs = expand(eng.draft, eng.kv_draft, reqs, shapes, vocab_size=V, passes=passes)
+    ran = DraftWork(
+        catchup=passes[0][0],
+        steps=tuple(n for n, _ in passes[1:]),
+        kv_tokens=sum(kv for _, kv in passes),
+        request_steps=sum(d for d, _ in shapes),
+        drafted=sum(o.tree.num_candidates for o in outs),
+    )
+    counted = DraftWork.of_trees(
+        [(n, c, d, w) for n, c, (d, w) in zip(lengths, cached, shapes)], ran.drafted
+    )
+    assert ran == counted
+    assert counted.passes == 4 and counted.steps == (2 + 1 + 3, 2 + 1, 1)
+    assert counted.catchup == 5 + 12 + 1 + 0
+    for r in reqs:
+        r.table.release()
+
+
+@pytest.mark.parametrize("n, w, catchup, context", [(1, 1, 1, 40), (12, 2, 30, 3600)])
+def test_the_planner_prices_drafting_as_the_model_does(n, w, catchup, context):
+    """The planner's per-depth drafting cost (vectorised) is ``drafting_ms`` of the
+    same passes, the draft's context term and host work included."""
+    di = np.arange(0, 9)
+    got = drafting_by_depth(HW, di, n, w, catchup, context)
+    want = [HW.drafting_ms(int(d), n * w, catchup, n, context) for d in di]
+    assert got == pytest.approx(want, rel=1e-12)
+    # the context is what makes deep drafting of long requests expensive
+    assert got[4] - drafting_by_depth(HW, di, n, w, catchup, 0.0)[4] == pytest.approx(
+        4 * context * 0.003
+    )
+
+
+def test_a_pass_is_priced_from_its_draft_work():
+    """The stall check's and the simulator's price of a pass: verification, overhead,
+    and the draft's passes with their context and host work."""
+    work = DraftWork.of_trees([(100, 90, 3, 2), (50, 50, 1, 1)], drafted=7)
+    assert work.passes == 3 and work.tokens == 10 + 2 + 2
+    assert work.kv_tokens == (90 + 50) + (100) + (100 + 2)
+    ms = predicted_pass_ms(HW, 12, 150, 0, work)
+    draft = HW.draft_passes_ms(10, (2, 2), 4, work.kv_tokens)
+    assert ms == pytest.approx(float(HW.verify_latency(12, 150)) + draft)
+    assert draft == pytest.approx(
+        float(HW.draft_latency(10)) + 2 * float(HW.draft_latency(2)) + 0.4 + 0.003 * 342
+    )
+    assert predicted_pass_ms(HW, 12, 150, 0, DraftWork()) == pytest.approx(
+        float(HW.verify_latency(12, 150))
+    )
+
+
+def test_the_profile_measures_the_draft_s_context_cost(tiny_pair):
+    """A timer whose passes cost a + b n + c (sequences x context): the profile
+    recovers c for verification and for the draft, and the curves at no context."""
+    target, draft, _ = tiny_pair
+    eng = Engine(EngineConfig(model=str(target), draft=str(draft), policy="ar", kv_cache_bytes=KV))
+
+    def timer(model, kv, n_tokens, ctx):
+        c = 0.004 if model is eng.target else 0.001
+        return lambda: 2.0 + 0.05 * n_tokens + c * min(8, n_tokens) * ctx
+
+    prof = profiler.measure(eng.target, eng.draft, reps=2, timer=timer)
+    assert prof["verify"]["kv_ms_per_token"] == pytest.approx(0.004)
+    assert prof["draft_step"]["kv_ms_per_token"] == pytest.approx(0.001)
+    at_zero = [2.0 + 0.05 * n for n in profiler.DRAFT_TOKENS]
+    assert prof["draft_step"]["latency_ms"] == pytest.approx(at_zero)
+    hw = HardwareModel.from_dict(prof)
+    assert hw.draft_kv_ms_per_token == pytest.approx(0.001)
