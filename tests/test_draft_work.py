@@ -57,7 +57,7 @@ def test_the_engine_s_drafter_runs_the_passes_the_simulator_counts(tiny_pair):
         saved = r.tokens
         r.tokens = saved[:c]
         expand(eng.draft, eng.kv_draft, [r], [(1, 1)], vocab_size=V)
-        r.tokens = saved
+        r.tokens, r.draft_cached = saved, c  # the step's commit would say so
     assert [r.draft_cached for r in reqs] == cached
     passes: list[tuple[int, int]] = []
     with torch.inference_mode():

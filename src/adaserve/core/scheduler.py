@@ -290,6 +290,8 @@ class Scheduler:
         for c in outcome.commits:
             r = c.seq
             r.num_cached = c.num_cached
+            if c.draft_cached is not None:
+                r.draft_cached = c.draft_cached
             if c.first_token and r.first_token_at is None:
                 r.first_token_at = t
             if c.finish is not None:

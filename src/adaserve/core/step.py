@@ -114,12 +114,14 @@ class Commit:
     first_token: the pass produced its first output token (``first_token_at`` is set
                  when it has none yet)
     finish:      the reason it ended in this pass (None: it goes on)
+    draft_cached: the draft KV's cached tokens after the pass (None: unchanged)
     """
 
     seq: SeqState
     num_cached: int
     first_token: bool = False
     finish: str | None = None
+    draft_cached: int | None = None
 
 
 @dataclass(frozen=True)

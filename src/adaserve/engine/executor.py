@@ -10,6 +10,7 @@ Grammar-forced tokens ride as a chain below a constrained request's root.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,6 +37,7 @@ class EngineExecutor:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._probe: Probe | None = None
+        self._caught: dict[int, int] = {}  # rid -> the draft cache after its catch-up
         self._chains: dict[int, int] = {}  # rid -> forced chain of a request not drafted
         # the last pass's verified trees and accepted candidates (the selection log)
         self.trees: dict[int, CandidateTree] = {}
@@ -71,6 +73,11 @@ class EngineExecutor:
         for r, p, lsm in vpass.prompt_rows if vpass is not None else ():
             e.output.record_prompt_logprobs(r, p, lsm)
         commits, accepted = e.output.commit(batch, trees, result, e.calibrator, now)
+        if drafts:  # the draft's cache caught up on each drafting request's tokens
+            commits = [
+                replace(c, draft_cached=self._caught[c.seq.rid]) if c.seq.rid in drafts else c
+                for c in commits
+            ]
         self.trees, self.accepted = trees, accepted
         tokens = pass_tokens(batch, trees)
         work = self._draft_work(batch, drafts)
@@ -114,6 +121,8 @@ class EngineExecutor:
         below its root (no draft step; f = 1, the calibrated estimates of the drafted
         nodes below it taken relative to the chain's end), when the pool holds them."""
         e = self.engine
+        # what the draft's cache holds after its catch-up (``Commit.draft_cached``)
+        self._caught = {r.rid: len(r.tokens) for r, _ in batch.spec}
         forced = [self._forced(r, shape) for r, shape in batch.spec]
         drafts = e.runner.draft_trees(batch.spec, e.faults.draft_noise, forced)
         for r, _ in batch.spec:

@@ -164,6 +164,7 @@ class PassOutcome:
     accepted: dict[int, int]
     tokens: int
     draft: DraftWork = DraftWork()
+    drafted_rids: frozenset[int] = frozenset()  # requests whose draft cache caught up
 
 
 class _Run:
@@ -408,7 +409,11 @@ class _Run:
             if r.rid in out.accepted:
                 accepted[r.rid] = out.accepted[r.rid]
             cached = r.n_tokens + a
-            commits.append(Commit(r, cached, finish=self._append(r, a + 1, end)))
+            # a drafting request's draft cache caught up on its tokens before the pass
+            caught = r.n_tokens if r.rid in out.drafted_rids else None
+            commits.append(
+                Commit(r, cached, finish=self._append(r, a + 1, end), draft_cached=caught)
+            )
         return StepOutcome(
             t_end=end,
             ms=out.ms,
@@ -452,7 +457,6 @@ class _Run:
             for k, r in enumerate(reqs):
                 trees[r.rid] = tb.tree(k)
                 drafting.append((r.n_tokens, r.draft_cached, d, w))
-                r.draft_cached = r.n_tokens
                 r.drafted += n
         selected: dict[int, np.ndarray] = {}
         full = self._reveal(batches) if trees and self.policy.clairvoyant else None
@@ -519,6 +523,7 @@ class _Run:
             accepted=accepted_n,
             tokens=v_tokens,
             draft=draft,
+            drafted_rids=frozenset(trees),
         )
 
     def _reveal(self, batches) -> list[tuple[np.ndarray, np.ndarray]]:

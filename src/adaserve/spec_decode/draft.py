@@ -6,7 +6,8 @@ logits give the root's children. Each later step feeds the current frontier of e
 request in one batched forward: a frontier node attends to the committed prefix and
 to its own ancestors among the scratch slots (``prefix_mask``). Scratch slots are the
 slot indices ``C, C+1, ...`` past the committed length ``C``; they are overwritten by
-the next step 0, so the draft cache needs no compaction (``draft_cached = C``).
+the next step 0, so the draft cache needs no compaction (``draft_cached = C``, which
+the step's commit carries to the scheduler).
 
 Penalties: a request with presence / frequency / repetition penalties has each
 frontier row of the draft penalised with the counts of that node's own path (as the
@@ -180,8 +181,8 @@ def expand(
     logits = forward(ids, meta, torch.as_tensor(ends, device=device))
     if passes is not None:
         passes.append((len(ids), sum(len(s.prefix_slots) for s in seqs)))
-    for r in reqs:
-        r.draft_cached = len(r.tokens)
+    # the draft cache now holds each request's len(tokens): the step's commit says so
+    # (``Commit.draft_cached``), the scheduler writes it
     # nodes whose logits rows we hold
     frontier: list[list[int]] = [[len(chain)] for chain in forced]
     active = list(range(len(reqs)))
