@@ -205,8 +205,7 @@ class Deployment:
         )
 
     def draft_step_ms(self, tokens):
-        """One batched draft step over ``tokens`` tokens at no context (its KV reads are
-        ``draft_kv_ms_per_token`` per context token)."""
+        """One batched draft step over ``tokens`` tokens (KV reads neglected)."""
         if self.draft is None:
             raise ValueError("deployment has no draft model")
         return self._forward_ms(
@@ -216,13 +215,6 @@ class Deployment:
             0.0,
             self.framework.draft_step_overhead_ms,
         )
-
-    def draft_kv_ms_per_token(self) -> float:
-        """ms a draft pass spends reading one context token's draft KV."""
-        if self.draft is None:
-            return 0.0
-        tp = self.draft_tp or self.tp
-        return self.draft.kv_bytes_per_token / tp / (self.gpu.hbm_bw * self.gpu.mbu) * 1e3
 
     # ------------------------------------------------------------------ memory
     def kv_capacity_tokens(self) -> int:
@@ -275,11 +267,7 @@ class Deployment:
                 "params": self.draft.params,
                 "fingerprint": "roofline",
             }
-            d["draft_step"] = {
-                "tokens": grid,
-                "latency_ms": dm,
-                "kv_ms_per_token": self.draft_kv_ms_per_token(),
-            }
+            d["draft_step"] = {"tokens": grid, "latency_ms": dm}
             d["draft_step_ms"] = dm[0]
             d["kv_bytes_per_token"]["draft"] = self.draft.kv_bytes_per_token
         else:
