@@ -5,6 +5,8 @@ draft's context cost the way it measures verification's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from adaserve.core.tree import scratch_slots_needed
 from adaserve.engine import profiler
 from adaserve.engine.engine import Engine
 from adaserve.hardware.drift import predicted_pass_ms
-from adaserve.hardware.model import HardwareModel
+from adaserve.hardware.model import UNLOADED_KV_TOKENS, HardwareModel
 from adaserve.policies.budgeted.evaluation import drafting_by_depth
 from adaserve.sampling import SamplingParams
 from adaserve.slo import SLO
@@ -127,3 +129,37 @@ def test_the_profile_measures_the_draft_s_context_cost(tiny_pair):
     assert prof["draft_step"]["latency_ms"] == pytest.approx(at_zero)
     hw = HardwareModel.from_dict(prof)
     assert hw.draft_kv_ms_per_token == pytest.approx(0.001)
+
+
+def test_the_host_s_work_per_request_is_measured_and_priced(tiny_pair, monkeypatch):
+    """Steps whose host work grows by 0.4 ms per request in the pass (an injected
+    clock): the profile's slope recovers it, the pass's price and the unloaded TPOT
+    count it, and a slope above a whole one-token pass is flagged."""
+    from adaserve.hardware.profile_stats import check_step
+
+    target, draft, _ = tiny_pair
+    eng = Engine(EngineConfig(model=str(target), draft=str(draft), policy="ar", kv_cache_bytes=KV))
+    hw = HardwareModel(verify_tokens=(1.0, 64.0), verify_ms=(5.0, 12.0), draft_tokens=(1.0,),
+                       draft_ms=(1.0,), kv_ms_per_token=0.001)  # fmt: skip
+    now = [0.0]
+    real_step = eng.step
+
+    def step():
+        running = [r for r in eng.scheduler.running if not r.finished]
+        kv = sum(len(r.tokens) for r in running)
+        real_step()
+        now[0] += (float(hw.verify_latency(len(running), kv)) + 1.5 + 0.4 * len(running)) / 1e3
+
+    monkeypatch.setattr(eng, "step", step)
+    per = profiler.measure_request_overhead(eng, hw, one_ms=1.9, requests=8, clock=lambda: now[0])
+    assert per == pytest.approx(0.4, abs=1e-6)
+    priced = dataclasses.replace(HW, overhead_ms=1.5, overhead_ms_per_request=0.4)
+    assert predicted_pass_ms(priced, 8, 0, 0, DraftWork(), requests=8) == pytest.approx(
+        float(priced.verify_latency(8, 0)) + 1.5 + 3.2
+    )
+    unloaded = float(priced.verify_latency(1, UNLOADED_KV_TOKENS)) + 1.9
+    assert priced.unloaded_tpot_ms() == pytest.approx(unloaded)
+    ok = {"decode_step_ms": 6.0, "verify": {"tokens": [1], "kv_len": [64],
+          "spread_by_kv": {"64": {"raw_median_ms": [5.0]}}}}  # fmt: skip
+    assert check_step({**ok, "overhead_ms_per_request": 0.4}) == []
+    assert "host work per request" in check_step({**ok, "overhead_ms_per_request": 6.0})[0]

@@ -472,7 +472,7 @@ def replica_stats(replica_id: str, scheduler, policy, now_s: float) -> ReplicaSt
     if plan is not None and plan.t_iter_ms:
         pass_ms = float(plan.t_iter_ms)
     elif hw is not None:
-        pass_ms = float(hw.iteration_ms(max(1, len(running)), kv))
+        pass_ms = float(hw.iteration_ms(max(1, len(running)), kv, requests=len(running)))
     else:
         pass_ms = float(scheduler.unloaded_tpot_ms())
     pass_ms = max(pass_ms, 1e-3)
@@ -498,7 +498,9 @@ def replica_stats(replica_id: str, scheduler, policy, now_s: float) -> ReplicaSt
     if hw is not None:
 
         def ref_pass(n: int) -> float:
-            return float(hw.iteration_ms(n * (1 + depth), 0.0, depth, n, n, n if depth else 0))
+            return float(
+                hw.iteration_ms(n * (1 + depth), 0.0, depth, n, n, n if depth else 0, requests=n)
+            )
 
         n0 = max(n_all, 1)
         request_ms = max((ref_pass(n0 + 8) - ref_pass(n0)) / 8.0, 0.0)

@@ -186,7 +186,9 @@ class AdmissionControl:
             self.context = _mix(self.context, tr.kv_tokens / n)
         hw = self.sched.hw
         if hw is not None and tr.tokens > 0:
-            pred = float(hw.iteration_ms(tr.tokens, tr.kv_tokens, prefill_pairs=tr.prefill_pairs))
+            pred = float(
+                hw.iteration_ms(tr.tokens, tr.kv_tokens, prefill_pairs=tr.prefill_pairs, requests=n)
+            )
             if pred > 0:
                 self._speeds.append(dur_ms / pred)
 
@@ -272,9 +274,17 @@ class AdmissionControl:
         kv = decoders * (self.context if self.context is not None else _DEFAULT_CONTEXT)
         speed = self.speed()
         ctx = max(int(context), 0)
-        t = full * float(s.hw.iteration_ms(chunk + decoders, kv, prefill_pairs=chunk * ctx))
+        t = full * float(
+            s.hw.iteration_ms(
+                chunk + decoders, kv, prefill_pairs=chunk * ctx, requests=decoders + 1
+            )
+        )
         if rest:
-            t += float(s.hw.iteration_ms(rest + decoders, kv, prefill_pairs=rest * ctx))
+            t += float(
+                s.hw.iteration_ms(
+                    rest + decoders, kv, prefill_pairs=rest * ctx, requests=decoders + 1
+                )
+            )
         return t * speed
 
     def speed(self) -> float:
@@ -293,7 +303,7 @@ class AdmissionControl:
         nodes = self.nodes_per_decode or 0.0
         tokens = n * (1.0 + nodes) + (self.prefill_per_pass or 0.0)
         ctx = self.context if self.context is not None else _DEFAULT_CONTEXT
-        return float(hw.iteration_ms(tokens, n * ctx)) * self.speed()
+        return float(hw.iteration_ms(tokens, n * ctx, requests=n)) * self.speed()
 
     def alone_ms(self, seq: SeqState) -> float:
         """Predicted ms of ``seq``'s prefill with nothing ahead of it (0 without a model

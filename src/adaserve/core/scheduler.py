@@ -205,7 +205,7 @@ class Scheduler:
     def capacity_tok_s(self) -> float:
         """Largest token rate the pair sustains at full batch (from the hardware model)."""
         n = self.cfg.max_num_seqs
-        return float(n * 1000.0 / self.hw.iteration_ms(n, n * _CAPACITY_CONTEXT))
+        return float(n * 1000.0 / self.hw.iteration_ms(n, n * _CAPACITY_CONTEXT, requests=n))
 
     def add(self, seq: SeqState) -> None:
         """Queue a validated request after the admission check (may raise

@@ -87,7 +87,14 @@ class EngineExecutor:
         c.step_time_s += now - out.t_start
         predicted, stall = 0.0, None
         if e.hw is not None:  # the pass against the profile's prediction
-            predicted = predicted_pass_ms(e.hw, tokens, out.kv_tokens, out.prefill_pairs, work)
+            predicted = predicted_pass_ms(
+                e.hw,
+                tokens,
+                out.kv_tokens,
+                out.prefill_pairs,
+                work,
+                len(batch.prefill) + len(batch.decode),
+            )
             stall = e.stalls.end(self._probe, predicted, (now - out.t_start) * 1000)
         return StepOutcome(
             t_end=now,

@@ -272,6 +272,50 @@ def measure_step_overhead(engine, new_tokens: int = 24) -> list[float]:
     return times[2:] if len(times) > 3 else times
 
 
+# requests decoding together when the host's work per request is measured
+HOST_REQUESTS = 16
+
+
+def measure_request_overhead(
+    engine, hw, one_ms: float, requests: int = HOST_REQUESTS, clock=time.perf_counter
+) -> float:
+    """Host ms per request of an iteration: plain decode steps of ``requests``
+    requests decoding together (the first two dropped as warm-up), each less the
+    profile's verification of their tokens and context (``hw``), against ``one_ms``,
+    the same overhead of a single request's step; the slope between the two (>= 0).
+    ``clock``: seconds (tests inject one)."""
+    from adaserve.policies.static import AutoregressivePolicy
+    from adaserve.sampling import SamplingParams
+    from adaserve.slo import SLO
+
+    V = engine.target.cfg.vocab_size
+    saved = engine.policy
+    engine.set_policy(AutoregressivePolicy())
+    over = []
+    try:
+        reqs = [
+            engine.add_request(
+                [(3 * i + j) % V for j in range(1, 33)],
+                SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                SLO(),
+            )
+            for i in range(requests)
+        ]
+        while not all(r.finished for r in reqs):
+            decoding = all(r.first_token_at is not None and not r.finished for r in reqs)
+            kv = sum(len(r.tokens) for r in reqs)
+            t0 = clock()
+            engine.step()
+            ms = (clock() - t0) * 1000
+            if decoding:
+                over.append(ms - float(hw.verify_latency(requests, kv)))
+    finally:
+        engine.set_policy(saved)
+    if len(over) < 3:
+        return 0.0
+    return max(0.0, (statistics.median(over[2:]) - one_ms) / (requests - 1))
+
+
 def measure_draft_host(engine, requests: int = 8, depth: int = 4, width: int = 2) -> float:
     """Host ms per speculating request per draft step: a real tree expansion of
     ``requests`` requests minus the profiled forward passes it ran."""

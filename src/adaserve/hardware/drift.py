@@ -106,12 +106,18 @@ class DriftMonitor:
 
 
 def predicted_pass_ms(
-    hw, tokens: float, kv_tokens: float, prefill_pairs: float, draft: DraftWork
+    hw,
+    tokens: float,
+    kv_tokens: float,
+    prefill_pairs: float,
+    draft: DraftWork,
+    requests: float = 0.0,
 ) -> float:
-    """The profile's prediction (ms, no online correction) of one pass: the
-    verification of ``tokens`` with its context and prefill pairs, the host overhead
-    and the draft's passes (``HardwareModel.draft_passes_ms``, the one price of draft work)."""
-    ms = float(hw.verify_latency(max(tokens, 1), kv_tokens, prefill_pairs)) + hw.overhead_ms
+    """The profile's prediction (ms, no online correction) of one pass of ``requests``
+    requests: the verification of ``tokens`` with its context and prefill pairs, the
+    host overhead and the draft's passes (``HardwareModel.draft_passes_ms``, the one
+    price of draft work)."""
+    ms = float(hw.verify_latency(max(tokens, 1), kv_tokens, prefill_pairs)) + hw.host_ms(requests)
     if draft.passes:
         ms += hw.draft_passes_ms(draft.catchup, draft.steps, draft.request_steps, draft.kv_tokens)
     return ms

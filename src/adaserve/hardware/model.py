@@ -14,6 +14,7 @@ Profile JSON schema (``adaserve.profile/1``; written by ``adaserve profile``)::
                      "kv_ms_per_token": float},   # a draft pass's ms per context token
       "draft_step_ms": float,                                      # one step, few tokens
       "overhead_ms": float,                                        # host work per iteration
+      "overhead_ms_per_request": float,        # and per request in it (sampling, output)
       "draft_host_ms": float,                  # host work per speculating request per step
       "mask_ms_per_node": float,               # a grammar mask of one tree node (host)
       "kv_bytes_per_token": {"target": int, "draft": int},
@@ -66,7 +67,9 @@ def unloaded_tpot_ms(profile) -> float:
 
 def measured_unloaded_tpot_ms(hw: HardwareModel) -> float:
     """The unloaded TPOT this profile's own curves predict (not the recorded one)."""
-    return float(hw.verify_latency(1, UNLOADED_KV_TOKENS) + hw.overhead_ms)
+    return float(
+        hw.verify_latency(1, UNLOADED_KV_TOKENS) + hw.overhead_ms + hw.overhead_ms_per_request
+    )
 
 
 def recorded_unloaded_tpot_ms(profile: dict) -> float | None:
@@ -95,6 +98,9 @@ class HardwareModel:
     # attention a prefix-cache hit still pays (``Batch.prefill_pairs``)
     prefill_ms_per_pair: float = 0.0
     overhead_ms: float = 0.0
+    # the host's work per request of an iteration (its sampling, output processing and
+    # bookkeeping): measured as the slope of a plain decode step's overhead in requests
+    overhead_ms_per_request: float = 0.0
     draft_host_ms: float = 0.0  # host work per speculating request per draft step
     mask_ms_per_node: float = 0.0  # host time of one constrained tree node's grammar mask
     kv_bytes_target: int = 0
@@ -157,13 +163,19 @@ class HardwareModel:
         draft_requests: float = 0.0,
         prefill_pairs: float = 0.0,
         draft_kv_tokens: float = 0.0,
+        requests: float = 0.0,
     ):
-        """Predicted ms of an iteration: draft steps + verification + host overhead."""
+        """Predicted ms of an iteration of ``requests`` requests: draft steps +
+        verification + host overhead."""
         draft = self.drafting_ms(
             draft_depth, draft_tokens_per_step, catchup_tokens, draft_requests, draft_kv_tokens
         )
         verify = self.verify_latency(verify_tokens, kv_tokens, prefill_pairs)
-        return verify + draft + self.overhead_ms
+        return verify + draft + self.host_ms(requests)
+
+    def host_ms(self, requests: float) -> float:
+        """The host's work of an iteration of ``requests`` requests."""
+        return self.overhead_ms + self.overhead_ms_per_request * requests
 
     def drafting_ms(
         self,
@@ -228,6 +240,7 @@ class HardwareModel:
             draft_kv_ms_per_token=draft_kv,
             prefill_ms_per_pair=float(v.get("prefill_ms_per_pair", 0.0)),
             overhead_ms=float(d.get("overhead_ms", 0.0)),
+            overhead_ms_per_request=float(d.get("overhead_ms_per_request", 0.0)),
             draft_host_ms=float(d.get("draft_host_ms", 0.0)),
             mask_ms_per_node=float(d.get("mask_ms_per_node", 0.0)),
             kv_bytes_target=int(kvb.get("target", 0)),

@@ -208,17 +208,27 @@ def check_step(prof: dict) -> list[str]:
     """Suspicious findings on the measured decode step: a whole iteration of one
     request should cost about one one-token verification plus a little host work;
     one measured at over ``STEP_PASSES`` passes plus ``STEP_HOST_MS`` was measured
-    while the machine was busy, and its overhead would be wrong."""
+    while the machine was busy, and its overhead would be wrong. Likewise the host's
+    work per request of a step (``overhead_ms_per_request``) above a whole one-token
+    verification."""
     step = prof.get("decode_step_ms")
     v = prof.get("verify") or {}
     spread = (v.get("spread_by_kv") or {}).get(str((v.get("kv_len") or [None])[0]))
     if step is None or not spread or not v.get("tokens") or v["tokens"][0] != 1:
         return []
     one = float(spread["raw_median_ms"][0])
-    if float(step) <= STEP_PASSES * one + STEP_HOST_MS:
-        return []
-    return [
-        f"decode step: {float(step):.4g} ms for one request, but a one-token verification "
-        f"took {one:.4g} ms (over {STEP_PASSES:g}x + {STEP_HOST_MS:g} ms: the step overhead "
-        "was measured under load?)"
-    ]
+    found = []
+    if float(step) > STEP_PASSES * one + STEP_HOST_MS:
+        found.append(
+            f"decode step: {float(step):.4g} ms for one request, but a one-token verification "
+            f"took {one:.4g} ms (over {STEP_PASSES:g}x + {STEP_HOST_MS:g} ms: the step "
+            "overhead was measured under load?)"
+        )
+    # a request's share of the host's work cannot cost more than a whole pass of it
+    per_request = float(prof.get("overhead_ms_per_request") or 0.0)
+    if per_request > one:
+        found.append(
+            f"host work per request: {per_request:.4g} ms, more than a one-token "
+            f"verification ({one:.4g} ms): measured under load?"
+        )
+    return found

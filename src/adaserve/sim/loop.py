@@ -481,7 +481,14 @@ class _Run:
             v_tokens += k
         kv_tokens = batch.kv_tokens
         draft = DraftWork.of_trees(drafting, sum(tb.lay.n * len(reqs) for reqs, tb in batches))
-        ms = forward_ms(hw, v_tokens, kv_tokens, draft, batch.prefill_pairs)
+        ms = forward_ms(
+            hw,
+            v_tokens,
+            kv_tokens,
+            draft,
+            batch.prefill_pairs,
+            len(batch.prefill) + len(batch.decode),
+        )
         ho = cfg.host_overhead
         if ho is not None:
             ms += ho.ms(

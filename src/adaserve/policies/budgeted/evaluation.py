@@ -136,7 +136,7 @@ def evaluate_depths(
     tok0 = n + P
     # drafting + overhead for every depth; the correction's per-depth part
     # (OnlineCorrection.residual) likewise
-    draft = (drafting_by_depth(hw, di, n, w, tok0, arr.context) + hw.overhead_ms)[:, None]
+    draft = (drafting_by_depth(hw, di, n, w, tok0, arr.context) + hw.host_ms(n))[:, None]
     th = theta
     fixed = (th[0] + (th[3] + th[4] * n) * di)[:, None] + th[2] * tok0
     # the prefill chunks' attention over their cached prefixes (prefix-cache hits)
