@@ -153,6 +153,7 @@ class Engine:
         self.last_trace = tr
         if self._sel_log is not None:
             ex = self.executor
+            assert res.out.view is not None  # a trace: a pass ran
             self._sel_log.write(self.policy, res.out.view, tr.plan, ex.trees, ex.accepted)
         if self.on_step is not None:
             self.on_step(self, tr)

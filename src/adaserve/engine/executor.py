@@ -56,6 +56,7 @@ class EngineExecutor:
     def execute(self, out: SchedulerOutput) -> StepOutcome:
         e = self.engine
         batch, view, plan = out.batch, out.view, out.plan
+        assert batch is not None and view is not None and plan is not None  # out.runs
         drafts = self._speculate(batch)  # --- speculate
         selected = {}  # --- select
         if drafts:
@@ -93,6 +94,7 @@ class EngineExecutor:
                 work.catchup,
                 len(batch.spec),
             )
+            assert self._probe is not None  # ``prepare`` began it
             stall = e.stalls.end(self._probe, predicted, (now - out.t_start) * 1000)
         return StepOutcome(
             t_end=now,

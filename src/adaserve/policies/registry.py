@@ -34,7 +34,8 @@ def make_policy(name: str, **kwargs) -> Policy:
             k = int(arg or 4)
             return StaticSpecPolicy(f"spec-chain:{k}", k, 1, None)
         if head == "spec-tree":
-            d, w, n = 5, 3, 23
+            d, w = 5, 3
+            n: int | None = 23
             if arg:
                 shape, _, cap = arg.partition(":")
                 d, w = (int(x) for x in shape.lower().split("x"))

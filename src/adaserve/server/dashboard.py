@@ -305,7 +305,7 @@ class Dashboard:
         token = _cookie(headers)
         if token is None:
             reg.authenticate(None)  # 401 missing_api_key
-        name = self.sessions.tenant(token)
+        name = self.sessions.tenant(token) if token is not None else None
         tenant = reg.tenants.get(name) if name is not None else None
         if tenant is None:
             raise _session_gone()

@@ -39,7 +39,7 @@ def constraint_of(
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param=e.param) from None
     forced = tools.constraint() if tools is not None else None
-    if forced is not None and spec is not None:
+    if tools is not None and forced is not None and spec is not None:
         raise ApiError(
             400,
             f"tool_choice {tools.kind!r} constrains the output to the tools' schemas: it "
@@ -52,7 +52,7 @@ def constraint_of(
 async def grammar_states(state: ServerState, spec: StructuredOutputsParams, k: int) -> list:
     """``k`` fresh grammar states of ``spec``, compiled (or found in the cache) on the
     grammar threads: the request waits for its own grammar only."""
-    structured = state.loop.engine.structured
+    structured = state.loop.built_engine.structured
 
     def build():
         return [structured.state_for(spec) for _ in range(k)]

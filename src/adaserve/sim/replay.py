@@ -64,7 +64,7 @@ def decisions(tr: StepTrace) -> dict:
 def replay(
     cfg: SchedulerConfig,
     policy: Policy,
-    hw: HardwareModel | None,
+    hw: HardwareModel,
     num_blocks: int,
     max_model_len: int,
     unloaded_tpot_ms: float,

@@ -79,11 +79,11 @@ class AdaServePolicy(BudgetedPolicy):
         shapes that meet the most requirements (weighted), and of those whose predicted
         rate is within ``rate_tolerance`` of the best of them, the cheapest: the
         shallowest, then the narrowest."""
-        cand = [  # (met_w, rate, depth index, width index)
-            (float(ev.met_w[i]), float(ev.rate[i]), i, j)
-            for j, ev in enumerate(evs)
-            for i in range(D)
-        ]
+        cand: list[Candidate] = []  # (met_w, rate, depth index, width index)
+        for j, ev in enumerate(evs):
+            met_w = ev.met_w
+            assert met_w is not None  # slo_phase: the evaluation weighs the requirements
+            cand.extend((float(met_w[i]), float(ev.rate[i]), i, j) for i in range(D))
         top = max(c[0] for c in cand)
         floor = (1.0 - self.cfg.rate_tolerance) * max(c[1] for c in cand if c[0] == top)
         return min((c for c in cand if c[0] == top and c[1] >= floor), key=_cheapest)
