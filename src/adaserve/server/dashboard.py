@@ -173,8 +173,8 @@ def report_view(
 
 def engine_now(state: ServerState) -> float:
     """The engine's clock now: the one the records' finish times are on."""
-    clock = getattr(state.loop.engine, "clock", None)
-    return clock.now() if clock is not None else time.perf_counter()
+    e = state.loop.engine  # None before the loop built it
+    return e.clock.now() if e is not None else time.perf_counter()
 
 
 def dashboard_data(state: ServerState, now: float | None = None) -> dict:

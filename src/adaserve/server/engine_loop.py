@@ -562,7 +562,7 @@ def model_name_of(source) -> str:
 
     if isinstance(source, EngineConfig):
         return Path(source.model).name if source.model else "adaserve"
-    md = getattr(source, "model_dir", None)
+    md = source.model_dir  # an Engine
     if md is None or Path(md) == paths.DEFAULT_TARGET:
         return "adaserve"
     return Path(md).name

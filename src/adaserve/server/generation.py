@@ -100,7 +100,7 @@ async def generate(
         choice = _resolve(state, body, request.headers, tenant)
     except ApiError as e:
         if e.status == 403:
-            state.refused(tenant.name, getattr(body, "slo_class", None) or "", e.code or "", 403)
+            state.refused(tenant.name, body.slo_class or "", e.code or "", 403)
         raise
     per_prompt_max = max_tokens_per_prompt(state, prompts, max_tokens, default_max, prompt_param)
     prompt_tokens = sum(len(p) for p in prompts)

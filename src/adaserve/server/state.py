@@ -65,8 +65,8 @@ def engine_summary(loop: EngineLoop) -> dict:
 
 
 def _structured_summary(loop: EngineLoop) -> dict | None:
-    so = getattr(loop.engine, "structured", None)  # no engine before the loop built it
-    return so.summary() if so is not None else None
+    e = loop.engine  # None before the loop built it
+    return e.structured.summary() if e is not None else None
 
 
 # the derived request-body limit (``derived_body_limit``) stays within these
@@ -142,8 +142,8 @@ class ServerState:
             lambda: self.loop.class_slos,
         )
         self.metrics._collector.threads_fn = lambda: self.loop.provenance.get("threads")
-        self.metrics._collector.structured_fn = lambda: getattr(
-            self.loop.engine, "structured", None
+        self.metrics._collector.structured_fn = lambda: (
+            self.loop.engine.structured if self.loop.engine is not None else None
         )
         self.metrics._collector.ledger_fn = lambda: (
             self.ledger.writer if self.ledger is not None else None

@@ -31,11 +31,9 @@ def constraint_of(
                 k,
                 GUIDED_ALIASES[k],
             )
-    rf = body.response_format.as_dict() if getattr(body, "response_format", None) else None
+    rf = body.response_format.as_dict() if body.response_format else None
     try:
-        spec = from_fields(
-            body.structured_outputs, rf, guided, getattr(body, "guided_whitespace_pattern", None)
-        )
+        spec = from_fields(body.structured_outputs, rf, guided, body.guided_whitespace_pattern)
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param=e.param) from None
     forced = tools.constraint() if tools is not None else None

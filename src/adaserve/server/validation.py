@@ -246,7 +246,7 @@ def kv_capacity(state: ServerState) -> int:
 def requested_logprobs(body) -> int | None:
     """SamplingParams.logprobs of a request: completions' ``logprobs: N``, chat's
     ``logprobs: true`` with ``top_logprobs: N`` (0 when absent); None when not asked."""
-    lp = getattr(body, "logprobs", None)
+    lp = body.logprobs
     if isinstance(lp, bool):
         return (body.top_logprobs or 0) if lp else None
     return lp
