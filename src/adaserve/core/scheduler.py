@@ -42,11 +42,11 @@ from adaserve.core.config import SchedulerConfig
 from adaserve.core.counters import Counters
 from adaserve.core.policy import BatchView, Plan, Policy, ReqView
 from adaserve.core.seq import SeqState, Status
+from adaserve.core.slo import SLO, SLOClass, looser_slo
 from adaserve.core.step import Batch, SchedulerOutput, StepInputs, StepOutcome
 from adaserve.core.trace import StepTrace
 from adaserve.core.tree import scratch_slots_needed
 from adaserve.errors import InvalidRequestError, PromptTooLongError
-from adaserve.slo import SLO, SLOClass, looser_slo
 
 # context tokens per sequence assumed when pricing the full-batch capacity
 _CAPACITY_CONTEXT = 256.0

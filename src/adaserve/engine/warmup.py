@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from adaserve.core.slo import SLO
 from adaserve.errors import AdaServeError
 from adaserve.sampling import SamplingParams
-from adaserve.slo import SLO
 
 if TYPE_CHECKING:
     from adaserve.core.policy import Policy

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from adaserve.config import EngineConfig
+from adaserve.core.slo import ON_OVERLOAD, SLOClass
 from adaserve.errors import AdaServeError, InvalidRequestError
 from adaserve.ledger.config import UsageConfig, UsageConfigError
-from adaserve.slo import ON_OVERLOAD, SLOClass
 
 try:
     import tomllib

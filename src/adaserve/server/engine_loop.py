@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from adaserve.config import EngineConfig
 from adaserve.core.config import QUEUE_FULL_RETRY_S
+from adaserve.core.slo import SLO
 from adaserve.engine.api import request_metrics
 from adaserve.errors import AdmissionRejected
 from adaserve.server.engine_messages import (
@@ -55,7 +56,6 @@ from adaserve.server.engine_messages import (
     Stop,
     Traced,
 )
-from adaserve.slo import SLO
 from adaserve.spec_decode.request import Status
 from adaserve.text.generation_config import sampling_defaults
 from adaserve.util.jsonsafe import json_safe

@@ -34,10 +34,10 @@ from adaserve.bench.workload_spec import WorkItem, item_slo
 from adaserve.cluster.routing import Router, RouteRequest, replica_stats, with_routed
 from adaserve.core.counters import Counters
 from adaserve.core.policy import Policy
+from adaserve.core.slo import SLO
 from adaserve.core.trace import RunTimeline
 from adaserve.errors import AdaServeError, AdmissionRejected
 from adaserve.sim.loop import Simulator, _Run, run_recorder
-from adaserve.slo import SLO
 
 
 def route_request(it: WorkItem, slo: SLO, rank: int) -> RouteRequest:

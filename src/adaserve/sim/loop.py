@@ -37,6 +37,7 @@ from adaserve.core.config import SchedulerConfig
 from adaserve.core.counters import Counters
 from adaserve.core.policy import BatchView, Plan, Policy
 from adaserve.core.scheduler import Scheduler
+from adaserve.core.slo import SLO
 from adaserve.core.step import (
     Batch,
     Commit,
@@ -59,7 +60,6 @@ from adaserve.sim.acceptance import (
 )
 from adaserve.sim.pricing import HostOverhead, forward_ms
 from adaserve.sim.request import SimRequest
-from adaserve.slo import SLO
 
 
 @dataclass(frozen=True)
