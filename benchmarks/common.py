@@ -44,9 +44,9 @@ def decoding_engine(batch: int, policy: str):
     """An engine on the shipped pair with ``batch`` held-out prompts past prefill, each
     decoding without end (for step-time A/B measurements)."""
     from adaserve.config import EngineConfig
+    from adaserve.core.slo import SLO
     from adaserve.engine import build_engine
     from adaserve.sampling import SamplingParams
-    from adaserve.slo import SLO
 
     e = build_engine(EngineConfig(policy=policy))
     sp = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)

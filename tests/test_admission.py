@@ -17,10 +17,10 @@ from adaserve.core.counters import admission_summary
 from adaserve.core.policy import Plan, Policy
 from adaserve.core.scheduler import Scheduler
 from adaserve.core.seq import SeqState, Status
+from adaserve.core.slo import SLO, SLOClass
 from adaserve.core.trace import StepTrace
 from adaserve.errors import AdmissionRejected
 from adaserve.hardware.model import HardwareModel
-from adaserve.slo import SLO, SLOClass
 
 CLASSES = (
     SLOClass("interactive", tpot_ms=30.0, ttft_ms=1000, rank=0),

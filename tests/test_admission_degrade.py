@@ -13,8 +13,8 @@ from test_admission import HW, _Idle, _pass, _Req
 from adaserve.core.clock import ManualClock
 from adaserve.core.config import SchedulerConfig
 from adaserve.core.scheduler import Scheduler
+from adaserve.core.slo import SLO, SLOClass
 from adaserve.errors import AdmissionRejected, InvalidRequestError
-from adaserve.slo import SLO, SLOClass
 
 CLASSES = (
     SLOClass("interactive", tpot_ms=30.0, ttft_ms=1000, rank=0, degrade_to="chat"),

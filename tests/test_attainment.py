@@ -1,4 +1,4 @@
-"""SLO attainment has one definition (``adaserve.slo.slo_met``): the server's
+"""SLO attainment has one definition (``adaserve.core.slo.slo_met``): the server's
 per-request metrics (``api.slo_attained``) and the bench/simulator records
 (``bench.metrics.RequestRecord.attained``) both use it, so they agree."""
 
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from adaserve.bench.metrics import RequestRecord
+from adaserve.core.slo import SLO, slo_met
 from adaserve.engine.api import slo_attained
-from adaserve.slo import SLO, slo_met
 
 
 def test_slo_met_truth_table():

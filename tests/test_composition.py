@@ -12,11 +12,11 @@ from adaserve.core.config import SchedulerConfig
 from adaserve.core.policy import BatchView, Plan, Policy, ReqView
 from adaserve.core.scheduler import Scheduler, looser_slo
 from adaserve.core.seq import SeqState
+from adaserve.core.slo import SLO, SLOClass
 from adaserve.hardware.model import HardwareModel
 from adaserve.policies import composition
 from adaserve.policies.budgeted import AdaptiveConfig, AdaServePolicy, DynTreePolicy
 from adaserve.policies.typical_tree import gain_curve
-from adaserve.slo import SLO, SLOClass
 
 # a GPU-like pass: the weights cost 25 ms whatever the batch; a prefill token ~0.2 ms
 GPU = HardwareModel.from_dict(

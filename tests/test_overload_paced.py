@@ -24,10 +24,10 @@ from adaserve.bench.runner import run_in_process
 from adaserve.bench.workload_spec import WorkItem, WorkloadSpec
 from adaserve.config import EngineConfig
 from adaserve.core.clock import PacedClock
+from adaserve.core.slo import SLOClass
 from adaserve.engine import build_engine
 from adaserve.errors import AdmissionRejected
 from adaserve.sim.replay import RecordedRequest, decisions
-from adaserve.slo import SLOClass
 
 CLASSES = (
     SLOClass("interactive", tpot_ms=90, ttft_ms=2000, rank=0, degrade_to="chat"),

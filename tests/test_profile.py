@@ -13,6 +13,7 @@ import pytest
 from adaserve.bench.runner import class_slos
 from adaserve.config import EngineConfig
 from adaserve.core.clock import TickClock
+from adaserve.core.slo import DEFAULT_CLASSES
 from adaserve.engine import profile, profiler
 from adaserve.engine.engine import Engine, build_engine
 from adaserve.errors import InvalidRequestError
@@ -20,7 +21,6 @@ from adaserve.hardware.drift import DriftConfig, DriftMonitor
 from adaserve.hardware.model import UNLOADED_KV_TOKENS, HardwareModel, unloaded_tpot_ms
 from adaserve.hardware.profile_stats import SanityLimits, check_profile, summarize, time_points
 from adaserve.sampling import SamplingParams
-from adaserve.slo import DEFAULT_CLASSES
 
 KV = 4 << 20
 

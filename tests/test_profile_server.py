@@ -8,9 +8,9 @@ import pytest
 from server_fixtures import LiveServer, engine_config, model_pair, server_test_env
 
 from adaserve.bench.runner import class_slos, measure_unloaded_tpot
+from adaserve.core.slo import DEFAULT_CLASSES
 from adaserve.hardware.model import HardwareModel, unloaded_tpot_ms
 from adaserve.server import ServerConfig
-from adaserve.slo import DEFAULT_CLASSES
 
 _env = pytest.fixture(scope="module", autouse=True)(server_test_env)
 

@@ -18,13 +18,13 @@ from server_fixtures import (
     templated_target,
 )
 
+from adaserve.core.slo import DEFAULT_CLASSES, SLO
 from adaserve.server import load_config, parse_config
 from adaserve.server.auth import TenantRegistry
 from adaserve.server.config import ConfigError, Tenant, check_against_classes, tomllib
 from adaserve.server.errors import ApiError
 from adaserve.server.quotas import QuotaBook, TokenBucket
 from adaserve.server.slo_resolution import resolve_slo
-from adaserve.slo import DEFAULT_CLASSES, SLO
 from adaserve.text.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,6 +12,7 @@ from adaserve.bench.runner import class_slos
 from adaserve.bench.workload import build_workload
 from adaserve.bench.workload_spec import WorkItem, WorkloadSpec
 from adaserve.core.policy import top_f_nodes
+from adaserve.core.slo import DEFAULT_CLASSES
 from adaserve.hardware.calibration import Calibrator
 from adaserve.hardware.model import HardwareModel
 from adaserve.policies.registry import make_policy
@@ -25,7 +26,6 @@ from adaserve.sim.acceptance import (
 )
 from adaserve.sim.acceptance_params import AcceptanceParams
 from adaserve.sim.loop import SimConfig, Simulator
-from adaserve.slo import DEFAULT_CLASSES
 
 STATS = {
     "acceptance_by_rank": [0.7, 0.15, 0.05, 0.02, 0.01, 0.0, 0.0, 0.0],

@@ -18,11 +18,11 @@ from conftest import random_prompts
 
 from adaserve.config import EngineConfig
 from adaserve.core.clock import TickClock
+from adaserve.core.slo import SLO
 from adaserve.engine import build_engine
 from adaserve.engine.warmup import warm_up
 from adaserve.policies import plan_kernel  # noqa: F401 - its kernels are in the registry
 from adaserve.sampling import SamplingParams
-from adaserve.slo import SLO
 from adaserve.util import jit
 
 # the budgeted policies (numba planner) and the static ones, with variants whose

@@ -1,7 +1,7 @@
 """adaserve: SLO-customized LLM serving with per-request speculative token trees."""
 
+from adaserve.core.slo import SLO, SLOClass
 from adaserve.sampling import SamplingParams
-from adaserve.slo import SLO, SLOClass
 from adaserve.structured.params import StructuredOutputsParams
 
 __all__ = ["LLM", "RequestOutput", "SLO", "SLOClass", "SamplingParams", "StructuredOutputsParams"]

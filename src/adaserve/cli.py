@@ -81,7 +81,7 @@ def _logprob_rows(out) -> list[dict] | None:
 def _print_logprobs(out) -> None:
     """One line per generated token: index, token, logprob, the K likeliest."""
     print("# token logprobs (index, id, logprob, top alternatives as id:logprob)")
-    for i, row in enumerate(_logprob_rows(out)):
+    for i, row in enumerate(_logprob_rows(out) or []):  # the caller checked
         top = " ".join(f"{tid}:{lp:.4f}" for tid, lp in row["top"])
         print(f"{i}\t{row['token_id']}\t{row['logprob']:.4f}\t{top}")
 

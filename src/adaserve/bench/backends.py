@@ -21,7 +21,7 @@ from adaserve.bench.runner import (
 )
 from adaserve.bench.workload import build_workload
 from adaserve.bench.workload_spec import WorkloadSpec
-from adaserve.slo import DEFAULT_CLASSES
+from adaserve.core.slo import DEFAULT_CLASSES
 
 
 class InProcessBackend:

@@ -19,8 +19,8 @@ from adaserve.bench.pooling import comparisons_of, pooled, repeat_lines
 from adaserve.bench.report import write_report
 from adaserve.bench.tables import format_class_table
 from adaserve.bench.workload_spec import WorkloadSpec, strict_share_mix
+from adaserve.core.slo import DEFAULT_CLASSES
 from adaserve.errors import AdaServeError
-from adaserve.slo import DEFAULT_CLASSES
 
 # the ``adaserve bench`` subcommands' entry points (``adaserve/cli.py``)
 __all__ = ["add_serve_arguments", "add_sweep_arguments", "run_serve", "run_sweep"]

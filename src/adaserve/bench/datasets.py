@@ -97,7 +97,8 @@ def load_sharegpt(path: str | Path) -> list[_Entry]:
             reply = d.get("completion") or d.get("response")
         if not isinstance(text, str) or not text.strip():
             continue
-        slo = d.get("slo") if isinstance(d.get("slo"), dict) else {}
+        slo_v = d.get("slo")
+        slo = slo_v if isinstance(slo_v, dict) else {}
         cls = d.get("slo_class") if isinstance(d.get("slo_class"), str) else None
         ent = _Entry(text=text, cls=cls, reply=reply if isinstance(reply, str) else None)
         if isinstance(out_len, int) and out_len > 0:

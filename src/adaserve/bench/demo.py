@@ -196,8 +196,8 @@ def run(args) -> int:
     from adaserve.bench.metrics import summarize
     from adaserve.bench.report import write_report
     from adaserve.bench.runner import class_slos, run_http, server_targets
+    from adaserve.core.slo import DEFAULT_CLASSES
     from adaserve.policies.registry import check_servable, make_policy
-    from adaserve.slo import DEFAULT_CLASSES
     from adaserve.text.tokenizer import load_tokenizer
     from adaserve.util import paths
 

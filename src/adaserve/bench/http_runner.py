@@ -19,8 +19,8 @@ from typing import Any
 from adaserve.bench.metrics import RequestRecord
 from adaserve.bench.slo_targets import class_ranks, class_slos
 from adaserve.bench.workload_spec import WorkItem, WorkloadSpec, item_slo
+from adaserve.core.slo import SLO
 from adaserve.errors import AdaServeError
-from adaserve.slo import SLO
 
 log = logging.getLogger("adaserve.bench")
 

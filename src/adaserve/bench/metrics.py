@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from adaserve.slo import COMPLETE_REASONS, slo_met
+from adaserve.core.slo import COMPLETE_REASONS, slo_met
 
 
 @dataclass

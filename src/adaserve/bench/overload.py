@@ -190,7 +190,7 @@ def summarize(outcomes: list[Outcome], targets: dict[str, dict], slack_s: float 
         shed = [o for o in os if o.status == 429]
         other = [o for o in os if o not in ok and o not in shed]
         bad_shed = [o for o in shed if not o.retry_after or int(o.retry_after) < 1]
-        shed_ms = [(o.answered - o.sent) * 1000 for o in shed]
+        shed_ms = [(o.answered - o.sent) * 1000 for o in shed if o.answered is not None]
         late = 0  # no answer (token or 429) by the TTFT deadline
         attained = 0
         for o in os:
@@ -200,7 +200,7 @@ def summarize(outcomes: list[Outcome], targets: dict[str, dict], slack_s: float 
         for o in ok:
             t_ok = ttft is None or (o.first is not None and (o.first - o.sent) * 1000 <= ttft)
             p_ok = True
-            if tpot is not None and o.tokens > 1 and o.first is not None:
+            if tpot is not None and o.tokens > 1 and o.first is not None and o.last is not None:
                 p_ok = (o.last - o.first) * 1000 / (o.tokens - 1) <= tpot
             attained += t_ok and p_ok
         return {

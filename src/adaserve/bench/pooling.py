@@ -124,8 +124,8 @@ def pooled_energy(runs: list[tuple[dict, list, int]]) -> dict[str, dict]:
 def pooled_power(overalls: list[dict]) -> dict | None:
     """``power_summary`` of pooled runs: means weighted by each run's busy time
     (``model_time_s``; equal weights without it), the highest maximum."""
-    ps = [(o.get("power"), o.get("model_time_s") or 1.0) for o in overalls]
-    ps = [(p, w) for p, w in ps if p]
+    runs = [(o.get("power"), o.get("model_time_s") or 1.0) for o in overalls]
+    ps = [(p, w) for p, w in runs if p]
     if not ps:
         return None
     out: dict = {}
@@ -166,7 +166,7 @@ def repeat_lines(results: dict, comparisons: dict | None = None) -> str:
     if across:
         out += "across runs (mean ± half the 95% interval):\n" + "\n".join(across) + "\n"
     pairs = comparison_lines(comparisons)
-    if pairs:
+    if pairs and comparisons is not None:
         out += (
             f"{comparisons['reference']} against each policy (paired over the runs of the "
             "same round and seed; 95% intervals):\n" + "\n".join(pairs) + "\n"

@@ -23,9 +23,9 @@ from adaserve.bench.slo_targets import class_ranks, class_slos
 from adaserve.bench.workload_spec import WorkItem, WorkloadSpec, item_slo
 from adaserve.core.admission import TTFT_DEADLINE
 from adaserve.core.clock import ManualClock
+from adaserve.core.slo import SLO
 from adaserve.core.trace import ModelCosts, RunRecorder, RunTimeline
 from adaserve.errors import AdaServeError, AdmissionRejected
-from adaserve.slo import SLO
 
 if TYPE_CHECKING:
     from adaserve.engine.engine import Engine

@@ -3,8 +3,8 @@ resolved with an unloaded TPOT (measured or reported by a server)."""
 
 from __future__ import annotations
 
+from adaserve.core.slo import DEFAULT_CLASSES, SLO, SLOClass
 from adaserve.errors import AdaServeError
-from adaserve.slo import DEFAULT_CLASSES, SLO, SLOClass
 
 
 def class_slos(

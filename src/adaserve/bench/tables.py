@@ -192,7 +192,7 @@ def _ratio_cell(d: dict) -> str:
     r = d.get("ratio_to_best_baseline")
     if r is None:
         return "-"
-    sign = {"at_least": "≥ ", "at_most": "≤ "}.get(d.get("ratio_bound"), "")
+    sign = {"at_least": "≥ ", "at_most": "≤ "}.get(d.get("ratio_bound") or "", "")
     return f"{sign}{r:.2f}x"
 
 

@@ -123,7 +123,13 @@ def build_workload(spec: WorkloadSpec, tokenizer=None, vocab_size: int | None = 
         out_d = _dist_for(spec.output_len, cls, FALLBACK_OUTPUT)
         plen = int(in_d.sample(r_len, 1)[0])
         olen = int(out_d.sample(r_len, 1)[0])
-        if spec.trace_lengths and rows is not None and rows.context_tokens is not None:
+        if (
+            spec.trace_lengths
+            and rows is not None
+            and trace_idx is not None  # read with ``rows``
+            and rows.context_tokens is not None
+            and rows.generated_tokens is not None  # read together (``load_trace``)
+        ):
             j = int(trace_idx[i])
             plen = int(np.clip(rows.context_tokens[j], 1, in_d.max))
             olen = int(np.clip(rows.generated_tokens[j], 1, out_d.max))

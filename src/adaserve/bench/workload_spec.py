@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from adaserve.core.slo import SLO
 from adaserve.errors import AdaServeError
-from adaserve.slo import SLO
 
 DEFAULT_CLASS_MIX: tuple[tuple[str, float], ...] = (
     ("interactive", 0.6),

@@ -99,13 +99,15 @@ def route_of(path: str, headers: Headers, body: bytes) -> dict:
         b = None
     if not isinstance(b, dict):
         return {"generation": True}
-    slo = b.get("slo") if isinstance(b.get("slo"), dict) else {}
+    slo_v = b.get("slo")
+    slo = slo_v if isinstance(slo_v, dict) else {}
     route = {"generation": True, "slo_class": b.get("slo_class")}
     for k, h in SLO_HEADERS.items():
         v = slo.get(k)
         if v is None:
             with contextlib.suppress(TypeError, ValueError):
-                v = float(headers.get(h)) if headers.get(h) else None
+                hv = headers.get(h)
+                v = float(hv) if hv else None
         if isinstance(v, (int, float)) and v > 0:
             route[k] = float(v)
     prompt = b.get("messages") if "messages" in b else b.get("prompt")

@@ -255,7 +255,8 @@ def stop_watchdog(proc: subprocess.Popen | None, timeout_s: float = 10.0) -> Non
     if proc is None:
         return
     with contextlib.suppress(OSError):
-        proc.stdin.close()
+        if proc.stdin is not None:
+            proc.stdin.close()
     try:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:

@@ -23,6 +23,7 @@ SLO-aware router.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import logging
@@ -160,7 +161,9 @@ class EngineReplica:
         self.state = self.app.state.adaserve
         # the app's own start-up, as uvicorn runs it for a single server (the engine
         # thread, the checks against the classes, the body limit, the stats log line)
-        self._lifespan = self.app.router.lifespan_context(self.app)
+        self._lifespan: contextlib.AbstractAsyncContextManager[Any] | None = (
+            self.app.router.lifespan_context(self.app)
+        )
         await self._lifespan.__aenter__()
         self.ledger = ray.get_actor(ledger_name, namespace=namespace)
         await self._deployment_targets()
@@ -258,7 +261,7 @@ class EngineReplica:
         from adaserve.server.state import engine_summary
 
         st = self.state
-        info = self.eloop.info
+        info = self.eloop.ready_info
         shed, limited = st.report.counts()
         counters = self.eloop.snapshot.counters or {}
         return {

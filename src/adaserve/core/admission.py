@@ -135,7 +135,7 @@ class AdmissionControl:
         self.paces = ClassPaces()  # each class's measured pace, overall and by load
         self._finishes: deque[float] = deque()
         # class -> (time, prompt tokens, ttft) of the requests admitted lately
-        self._admits: dict[str, deque[tuple[float, int, float]]] = {}
+        self._admits: dict[str, deque[tuple[float, int, float | None]]] = {}
         # class -> log(realised / predicted) of its admitted requests' TPOT and TTFT
         # class -> (predicted pace / target at admission, TPOT met) of its admitted requests
         self.tpot_met: dict[str, deque[tuple[float, bool]]] = {}
@@ -341,14 +341,15 @@ class AdmissionControl:
                 tokens += rate * window * prompt
                 seats_ahead += rate * window
         t = self.prefill_ms(math.ceil(tokens))
+        assert t is not None  # as ``prefill_ms(1)`` above: the same model answers
         if s.hw is not None:  # its own chunks attend its cached prefix
             t += s.hw.prefill_ms_per_pair * seq.to_prefill * _in_kv(seq) * self.speed()
         free = s.cfg.max_num_seqs - len(s.running)
         short = seats_ahead + 1 - free
         if short > 0:
-            rate = self.finish_rate(now)
-            if rate is not None:
-                t = max(t, short / rate * 1000.0 + self.alone_ms(seq))
+            finishing = self.finish_rate(now)
+            if finishing is not None:
+                t = max(t, short / finishing * 1000.0 + self.alone_ms(seq))
         return t
 
     def pace_ms(self, cls: str) -> float | None:
@@ -374,7 +375,9 @@ class AdmissionControl:
         then_ms = self.decode_pass_ms(n)
         if not was_ms or then_ms is None:
             return None
-        if pace * self.decode_pass_ms(1) / was_ms > HOPELESS * target:
+        one_ms = self.decode_pass_ms(1)
+        assert one_ms is not None  # as ``was_ms``: the same hardware model answers
+        if pace * one_ms / was_ms > HOPELESS * target:
             return None
         scaled = pace * then_ms / was_ms
         seen = self.paces.measured_at(cls, n, now)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from adaserve.core.blocks import EVICTION
+from adaserve.core.slo import DEFAULT_CLASSES, SLOClass
 from adaserve.errors import InvalidRequestError
-from adaserve.slo import DEFAULT_CLASSES, SLOClass
 
 # Retry-After (seconds) answered when the waiting queue is full
 QUEUE_FULL_RETRY_S = 1.0

@@ -44,7 +44,7 @@ class RetrySeats:
 
     def use(self, token: str | None) -> None:
         """The client of ``token`` came back (and was judged): its seat is used."""
-        if token is not None and self._seats.pop(token, None):
+        if token is not None and self._seats.pop(token, None) is not None:
             self.returns.append(True)
 
     def ahead(self, token: str | None, now: float) -> float:

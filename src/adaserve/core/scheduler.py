@@ -42,11 +42,11 @@ from adaserve.core.config import SchedulerConfig
 from adaserve.core.counters import Counters
 from adaserve.core.policy import BatchView, Plan, Policy, ReqView
 from adaserve.core.seq import SeqState, Status
+from adaserve.core.slo import SLO, SLOClass, looser_slo
 from adaserve.core.step import Batch, SchedulerOutput, StepInputs, StepOutcome
 from adaserve.core.trace import StepTrace
 from adaserve.core.tree import scratch_slots_needed
 from adaserve.errors import InvalidRequestError, PromptTooLongError
-from adaserve.slo import SLO, SLOClass, looser_slo
 
 # context tokens per sequence assumed when pricing the full-batch capacity
 _CAPACITY_CONTEXT = 256.0
@@ -199,7 +199,7 @@ class Scheduler:
 
     def rank_of(self, cls: str | None) -> int:
         """The strictness rank of class ``cls`` (0, the strictest, when unknown)."""
-        c = self._classes.get(cls)
+        c = self._classes.get(cls) if cls is not None else None
         return c.rank if c is not None else 0
 
     def capacity_tok_s(self) -> float:
@@ -296,7 +296,8 @@ class Scheduler:
                 r.first_token_at = t
             if c.finish is not None:
                 self.finish(r, c.finish, t)
-        batch = out.batch
+        batch, view = out.batch, out.view
+        assert batch is not None and view is not None and out.plan is not None  # out.runs
         for r in batch.decode:
             if r.running and r.table is not None:
                 r.table.truncate(r.num_cached + 1)
@@ -310,7 +311,7 @@ class Scheduler:
             plan=out.plan,
             t_start=out.t_start,
             t_end=t,
-            acc_by_rank=out.view.acc_by_rank,
+            acc_by_rank=view.acc_by_rank,
             admitted=self._admitted,
             preempted=self._preempted,
             cached=self._hits,
@@ -513,9 +514,11 @@ class Scheduler:
     def _map_prefix(self, r: SeqState, hit: list[int]) -> None:
         """Start ``r``'s empty table on the cached blocks ``hit``; counts the lookup."""
         bs = self.cfg.block_size
-        r.table.map_cached(hit)
+        t = r.table
+        assert t is not None  # admission gives it a table first
+        t.map_cached(hit)
         r.num_cached = len(hit) * bs
-        r.draft_cached = r.table.drafted * bs
+        r.draft_cached = t.drafted * bs
         r.prefix_hint = 0
         if r.num_output == 0:
             r.cached_prompt = r.num_cached
@@ -551,9 +554,11 @@ class Scheduler:
     # ------------------------------------------------------------------ KV
     def _ensure(self, r: SeqState, slots: int, may_preempt: bool) -> bool:
         """Make r's table hold ``slots`` slots, preempting the newest requests if allowed."""
+        t = r.table
+        assert t is not None  # a running request has a table
         while True:
             try:
-                r.table.ensure(slots)
+                t.ensure(slots)
                 return True
             except OutOfBlocks:
                 if not may_preempt:
@@ -567,6 +572,7 @@ class Scheduler:
         """Free a running request's KV and put it back in front of the queue (its named
         blocks stay cached: on readmission it maps what is still there)."""
         self.register_blocks(victim)
+        assert victim.table is not None  # a running request has a table
         victim.table.release()
         victim.num_cached = 0
         victim.draft_cached = 0

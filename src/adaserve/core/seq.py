@@ -18,7 +18,7 @@ import enum
 from collections.abc import Sequence
 
 from adaserve.core.blocks import BlockTable
-from adaserve.slo import SLO
+from adaserve.core.slo import SLO
 
 
 class Status(enum.Enum):

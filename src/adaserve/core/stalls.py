@@ -33,8 +33,7 @@ def numba_compiles() -> int:
     import sys
 
     jit = sys.modules.get("adaserve.util.jit")
-    fn = getattr(jit, "compiles", None)
-    return int(fn()) if fn is not None else 0
+    return int(jit.compiles()) if jit is not None else 0
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ from tqdm.auto import tqdm
 
 from adaserve.config import EngineConfig
 from adaserve.core.clock import Clock
+from adaserve.core.slo import COMPLETE_REASONS, SLO, slo_met
 from adaserve.engine import Engine, build_engine
 from adaserve.errors import InvalidRequestError, ModelLoadError
 from adaserve.sampling import SamplingParams
-from adaserve.slo import COMPLETE_REASONS, SLO, slo_met
 from adaserve.spec_decode.request import Request
 from adaserve.text.generation_config import sampling_defaults
 

@@ -21,6 +21,7 @@ from adaserve.core.clock import Clock, WallClock
 from adaserve.core.counters import Counters
 from adaserve.core.policy import Policy
 from adaserve.core.scheduler import Scheduler
+from adaserve.core.slo import SLO
 from adaserve.core.stalls import StallDetector
 from adaserve.core.step import run_step
 from adaserve.core.trace import StepTrace
@@ -34,7 +35,6 @@ from adaserve.hardware.drift import DriftMonitor
 from adaserve.hardware.power import PowerModel
 from adaserve.policies.registry import check_servable, make_policy
 from adaserve.sampling import SamplingParams
-from adaserve.slo import SLO
 from adaserve.spec_decode.request import Request
 from adaserve.structured.manager import StructuredOutputs
 from adaserve.structured.matcher import GrammarState
@@ -153,6 +153,7 @@ class Engine:
         self.last_trace = tr
         if self._sel_log is not None:
             ex = self.executor
+            assert res.out.view is not None  # a trace: a pass ran
             self._sel_log.write(self.policy, res.out.view, tr.plan, ex.trees, ex.accepted)
         if self.on_step is not None:
             self.on_step(self, tr)

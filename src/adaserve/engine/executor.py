@@ -57,6 +57,7 @@ class EngineExecutor:
     def execute(self, out: SchedulerOutput) -> StepOutcome:
         e = self.engine
         batch, view, plan = out.batch, out.view, out.plan
+        assert batch is not None and view is not None and plan is not None  # out.runs
         drafts = self._speculate(batch)  # --- speculate
         selected = {}  # --- select
         if drafts:
@@ -95,6 +96,7 @@ class EngineExecutor:
                 work,
                 len(batch.prefill) + len(batch.decode),
             )
+            assert self._probe is not None  # ``prepare`` began it
             stall = e.stalls.end(self._probe, predicted, (now - out.t_start) * 1000)
         return StepOutcome(
             t_end=now,

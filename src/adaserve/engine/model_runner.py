@@ -85,7 +85,7 @@ class ModelRunner:
         self.target = load_model(model_dir, self.device, self.dtype, rnd)
         self.draft = load_model(draft_dir, self.device, self.dtype, rnd) if draft_dir else None
         self.tokenizer: Tokenizer | None = load_tokenizer(model_dir)
-        if self.draft is not None:
+        if self.draft is not None and draft_dir:
             check_draft_tokenizer(self.tokenizer, load_tokenizer(draft_dir), draft_dir)
         tcfg = self.target.cfg
         self.eos_ids = set(tcfg.eos_token_ids)
@@ -188,6 +188,7 @@ class ModelRunner:
         if not spec:
             return {}
         reqs = [r for r, _ in spec]
+        assert self.draft is not None and self.kv_draft is not None  # spec needs a draft
         t0 = time.perf_counter()
         outs = expand(
             self.draft,

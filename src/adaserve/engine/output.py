@@ -70,7 +70,9 @@ class OutputProcessor:
         """Prompt logprobs from one prefill chunk: row j of lsm [m, V] (the chunk
         starting at position p) scores prompt token p + j + 1."""
         m = lsm.shape[0]
-        scored = logprob_entries(lsm, r.prompt_ids[p + 1 : p + 1 + m], r.params.prompt_logprobs)
+        k = r.params.prompt_logprobs
+        assert k is not None  # recorded only for a request that asked for them
+        scored = logprob_entries(lsm, r.prompt_ids[p + 1 : p + 1 + m], k)
         if not r.prompt_logprobs:
             r.prompt_logprobs = [None]  # the first token has no context to score it
         del r.prompt_logprobs[p + 1 :]  # a chunk prefilled again after preemption
@@ -122,7 +124,7 @@ class OutputProcessor:
                 may_stop
                 and p.stop
                 and self.tokenizer is not None
-                and self._hit_stop_string(r)
+                and self._hit_stop_string(r, p.stop, self.tokenizer)
                 or ended
             ):
                 reason = "stop"
@@ -132,15 +134,17 @@ class OutputProcessor:
             del r.logprobs[r.num_output :]
         return reason
 
-    def _hit_stop_string(self, r: Request) -> bool:
+    def _hit_stop_string(self, r: Request, stop: tuple[str, ...], tok: Tokenizer) -> bool:
+        """Whether ``r``'s output holds one of ``stop`` (its ``params.stop``), decoded
+        with ``tok`` (the tokenizer)."""
         p = r.params
-        longest = max(len(s) for s in p.stop)
+        longest = max(len(s) for s in stop)
         skip = p.skip_special_tokens
-        tail = self.tokenizer.decode(r.output_ids[-(longest + 8) :], skip)
-        if not any(s in tail for s in p.stop):
+        tail = tok.decode(r.output_ids[-(longest + 8) :], skip)
+        if not any(s in tail for s in stop):
             return False
-        text = self.tokenizer.decode(r.output_ids, skip)
-        at, s = min((text.find(s), s) for s in p.stop if s in text)
+        text = tok.decode(r.output_ids, skip)
+        at, s = min((text.find(s), s) for s in stop if s in text)
         # the text is cut where the stop string starts, or after it (vLLM's
         # include_stop_str_in_output)
         r.stop_text_cut = at + len(s) if p.include_stop_str_in_output else at

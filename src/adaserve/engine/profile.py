@@ -393,6 +393,7 @@ def load_or_profile(
     flagged is measured again (when auto) and the better one kept (``adopt``). Every
     profile carries the pair's targets record (``attach_targets``)."""
     reprofile = bool(engine.cfg.reprofile if reprofile is None else reprofile)
+    raw: dict | None  # the profile read (None: none usable)
     if engine.cfg.profile:
         where = engine.cfg.profile
         raw = _load_file(Path(where))

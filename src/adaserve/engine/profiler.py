@@ -251,9 +251,9 @@ def measure_step_overhead(engine, new_tokens: int = 24) -> list[float]:
     steps without speculation, the first two dropped as warm-up): the engine's whole
     iteration, forward pass, scheduling, metadata and sampling included. The host
     overhead is their median less the profiled one-token verification."""
+    from adaserve.core.slo import SLO
     from adaserve.policies.static import AutoregressivePolicy
     from adaserve.sampling import SamplingParams
-    from adaserve.slo import SLO
 
     saved = engine.policy
     engine.set_policy(AutoregressivePolicy())
@@ -320,9 +320,9 @@ def measure_draft_host(engine, requests: int = 8, depth: int = 4, width: int = 2
     """Host ms per speculating request per draft step: a real tree expansion of
     ``requests`` requests minus the profiled forward passes it ran."""
     from adaserve.core.blocks import BlockTable
+    from adaserve.core.slo import SLO
     from adaserve.core.tree import scratch_slots_needed
     from adaserve.sampling import SamplingParams
-    from adaserve.slo import SLO
     from adaserve.spec_decode.draft import expand
 
     if engine.draft is None:

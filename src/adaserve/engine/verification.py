@@ -52,6 +52,7 @@ def accept(vp: VerifyPass | None) -> StepResult:
             lp = logprob_entries(lsm, new, r.params.logprobs)
         if path:
             src, dst = compact_moves(path, len(r.tokens))
+            assert r.table is not None  # a running request has a table
             out.moves_src += [r.table.slot(p) for p in src]
             out.moves_dst += [r.table.slot(p) for p in dst]
         out.accepted[r.rid] = Accepted(list(path), new, lp)

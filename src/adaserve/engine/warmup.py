@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from adaserve.core.slo import SLO
 from adaserve.errors import AdaServeError
 from adaserve.sampling import SamplingParams
-from adaserve.slo import SLO
 
 if TYPE_CHECKING:
     from adaserve.core.policy import Policy
@@ -239,7 +239,7 @@ def _warm_steps(engine: Engine) -> tuple[int, tuple[str, ...], str | None]:
         engine.set_policy(saved_policy)
         engine.on_step = saved_on_step
         engine._sel_log = sel_log
-        if seeds is not None:
+        if seeds is not None and seed_state is not None:
             seeds.setstate(seed_state)
     engine.step()  # no work: hands the last pass to admission, which is reset next
     engine.reset_stats()

@@ -58,9 +58,9 @@ class UsageConfig:
             raise UsageConfigError("usage.sqlite_synchronous must be 'full' or 'normal'")
         if self.db is not None and (not isinstance(self.db, str) or not self.db.strip()):
             raise UsageConfigError("usage.db must be a path, a URL or 'none'")
-        v = self.keep_days
-        if v is not None and (
-            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf
+        days = self.keep_days
+        if days is not None and (
+            isinstance(days, bool) or not isinstance(days, (int, float)) or not 0 < days < math.inf
         ):
             raise UsageConfigError("usage.keep_days must be a positive number of days")
         v = self.commit_timeout_s

@@ -120,6 +120,8 @@ class Ledger:
         """Yesterday's (UTC) per-class report as JSON, once."""
         day0 = (int(now // 86400) - 1) * 86400
         name = time.strftime("slo-report-%Y-%m-%d.json", time.gmtime(day0))
+        if self.cfg.report_dir is None:
+            return None
         d = Path(self.cfg.report_dir)
         p = d / name
         if p.exists():

@@ -62,7 +62,8 @@ class LedgerWriter:
         self._thread.start()
 
     # ------------------------------------------------------------------ callers
-    def submit(self, item: UsageRow | Refusal) -> Future:
+    def submit(self, item: UsageRow | Refusal | None) -> Future:
+        """Queue ``item`` (None: a marker, done once everything before it is)."""
         fut: Future = Future()
         fut.submitted = time.perf_counter()  # type: ignore[attr-defined]
         self._q.put((item, fut))

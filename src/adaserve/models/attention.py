@@ -225,7 +225,9 @@ def paged_attention(
         o = _attend(q[g.tok_idx], kg, vg, g.mask, scale, fold)  # [R*Q, H, D]
         if o.shape[0] != g.out_idx.shape[0]:
             o = o.index_select(0, g.valid)  # index, not a bool mask: no device sync
+        assert out is not None  # groups[0] is not whole
         out[g.out_idx] = o
+    assert out is not None  # as above
     return out
 
 

@@ -39,7 +39,7 @@ from adaserve.core.policy import ReqView, chunk_in_order
 __all__ = ["chunk_in_order", "latest_start_ms", "pass_cap_ms", "slack_tokens", "split_prefill"]
 
 
-def ttft_deadline(r: ReqView, no_ttft_ms: float = 1e9) -> tuple:
+def ttft_deadline(r: ReqView, no_ttft_ms: float = 1e9) -> tuple[Any, ...]:
     """The prefill sort key: ms left to r's TTFT deadline (``no_ttft_ms`` from arrival
     when it has no TTFT target), then its id."""
     return ((r.ttft_ms if r.ttft_ms is not None else no_ttft_ms) - r.waited_ms, r.rid)

@@ -3,6 +3,8 @@ fitted as the policies run (no torch)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 
@@ -32,14 +34,14 @@ class OnlineCorrection:
         self.theta: np.ndarray = np.zeros(len(self.PENALTY))
 
     @staticmethod
-    def features(static_ms, tokens, steps, spec_requests) -> np.ndarray:
+    def features(static_ms: Any, tokens: Any, steps: Any, spec_requests: Any) -> np.ndarray:
         """Feature rows [..., 5] for broadcastable inputs."""
         st, t, d, n = np.broadcast_arrays(
             *(np.asarray(x, dtype=float) for x in (static_ms, tokens, steps, spec_requests))
         )
         return np.stack([np.ones_like(st), st, t, d, d * n], axis=-1)
 
-    def residual(self, static_ms, tokens, steps, spec_requests):
+    def residual(self, static_ms: Any, tokens: Any, steps: Any, spec_requests: Any) -> Any:
         """Predicted measured-minus-profiled ms (broadcast over the inputs): the value of
         ``predict(features(...))`` without building the feature rows. The planner's array
         program inlines this (``budgeted.evaluation.evaluate_depths``)."""
@@ -48,7 +50,8 @@ class OnlineCorrection:
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Predicted measured-minus-profiled ms of feature rows ``x``."""
-        return x @ self.theta
+        out: np.ndarray = x @ self.theta
+        return out
 
     def update(self, x: np.ndarray, residual_ms: float) -> None:
         """Nothing; folds in one iteration's features and measured residual."""

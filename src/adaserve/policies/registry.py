@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from adaserve.core.policy import Policy
 from adaserve.errors import InvalidRequestError
 from adaserve.policies.static import AUTOREGRESSIVE_POLICIES, StaticSpecPolicy
@@ -23,7 +25,7 @@ SIMULATOR_ONLY = ("oracle",)
 # "adaserve:max_depth=3:slo_margin=0.1"
 
 
-def make_policy(name: str, **kwargs) -> Policy:
+def make_policy(name: str, **kwargs: Any) -> Policy:
     """The policy called ``name`` (see ``POLICY_NAMES``); ``kwargs`` and any
     ``:key=value`` suffix override a budgeted policy's ``AdaptiveConfig``."""
     head, _, arg = name.partition(":")
@@ -34,7 +36,8 @@ def make_policy(name: str, **kwargs) -> Policy:
             k = int(arg or 4)
             return StaticSpecPolicy(f"spec-chain:{k}", k, 1, None)
         if head == "spec-tree":
-            d, w, n = 5, 3, 23
+            d, w = 5, 3
+            n: int | None = 23
             if arg:
                 shape, _, cap = arg.partition(":")
                 d, w = (int(x) for x in shape.lower().split("x"))
@@ -102,7 +105,7 @@ def check_servable(policy: str | Policy) -> None:
         )
 
 
-def _overrides(name: str, arg: str) -> dict:
+def _overrides(name: str, arg: str) -> dict[str, Any]:
     """``key=value:key=value`` -> AdaptiveConfig fields, typed like their defaults."""
     import dataclasses
 

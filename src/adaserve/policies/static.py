@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from adaserve.core.policy import BatchView, Plan, Policy, ReqView, chunk_prefills, top_f_nodes
@@ -47,12 +49,12 @@ class PriorityPolicy(ChunkedAutoregressivePolicy):
         longest waiting."""
         return Plan(prefill=chunk_prefills(view, self.chunk, _strict_first))
 
-    def admission_key(self, waiting: ReqView) -> tuple:
+    def admission_key(self, waiting: ReqView) -> tuple[Any, ...]:
         """The admission sort key: strict classes first, then the longest waiting."""
         return _strict_first(waiting)
 
 
-def _strict_first(r: ReqView) -> tuple:
+def _strict_first(r: ReqView) -> tuple[Any, ...]:
     """The order of ``priority``: class rank, then the longest waiting first."""
     return (r.rank, -r.waited_ms)
 
@@ -84,7 +86,9 @@ class StaticSpecPolicy(Policy):
             prefill=chunk_prefills(view, self.chunk),
         )
 
-    def select(self, view, plan, trees: dict[int, CandidateTree]) -> dict[int, np.ndarray]:
+    def select(
+        self, view: BatchView, plan: Plan, trees: dict[int, CandidateTree]
+    ) -> dict[int, np.ndarray]:
         """rid -> every node of its tree, or the root and its ``max_nodes`` best."""
         if self.max_nodes is None:
             return super().select(view, plan, trees)

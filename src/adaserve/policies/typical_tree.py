@@ -30,7 +30,7 @@ def depth_curve(depth: int, width: int, acc: tuple[float, ...]) -> np.ndarray:
     return _typical_tree(depth, width, acc)[1]
 
 
-def _typical_tree(depth: int, width: int, acc: tuple[float, ...]):
+def _typical_tree(depth: int, width: int, acc: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
     if depth <= 0:
         return np.zeros(1), np.zeros(1, dtype=np.int64)
     a = np.asarray(acc[:width]) if width <= len(acc) else np.pad(acc, (0, width - len(acc)))
@@ -47,7 +47,9 @@ def _typical_tree(depth: int, width: int, acc: tuple[float, ...]):
 
 
 @lru_cache(maxsize=256)
-def curve_rows(ds: tuple[int, ...], w: int, acc: tuple[float, ...], node_cap: int):
+def curve_rows(
+    ds: tuple[int, ...], w: int, acc: tuple[float, ...], node_cap: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The typical trees' gain curves of depths ``ds`` at width w as rows (read-only):
     G [D, K+1] (the last value repeated past a curve), Gs (the same with +inf there,
     for counting the values below a need), kmax [D] (nodes a request may get) and

@@ -48,7 +48,7 @@ class RowAcc:
         self.expected = 0  # set once every choice is submitted (``arm``)
         self.budget_admitted = False
         self._lock = threading.Lock()
-        self._parts: dict[int, tuple] = {}
+        self._parts: dict[int, tuple | None] = {}
         self.future: Future | None = None  # the row's commit (None: no row)
         self.done = False  # every choice has ended
 

@@ -285,7 +285,7 @@ def create_app(source, server_config: ServerConfig | None = None) -> FastAPI:
         return JSON(ModelList(data=[model_card()]))
 
     def model_card() -> ModelCard:
-        info = state.loop.info
+        info = state.loop.ready_info
         return ModelCard(
             id=state.model_name,
             created=state.created,

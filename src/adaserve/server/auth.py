@@ -121,11 +121,15 @@ class AuthThrottle:
     def __len__(self) -> int:
         return len(self._clients)
 
-    def _get(self, addr: str, create: bool) -> _Client | None:
+    def _get(self, addr: str) -> _Client | None:
         c = self._clients.get(addr)
         if c is not None:
             self._clients.move_to_end(addr)
-        elif create:
+        return c
+
+    def _get_or_create(self, addr: str) -> _Client:
+        c = self._get(addr)
+        if c is None:
             c = self._clients[addr] = _Client()
             while len(self._clients) > self.max_clients:
                 self._clients.popitem(last=False)
@@ -135,7 +139,7 @@ class AuthThrottle:
         """Seconds left of ``addr``'s lock when this key must be refused by it (0: let
         it through): never for a valid key that authenticated from here before."""
         with self._lock:
-            c = self._get(addr, create=False)
+            c = self._get(addr)
             if c is None:
                 return 0.0
             left = c.locked_until - self.clock()
@@ -148,7 +152,7 @@ class AuthThrottle:
         the address."""
         now = self.clock()
         with self._lock:
-            c = self._get(addr, create=True)
+            c = self._get_or_create(addr)
             if now - c.last > self.max_lock_s:  # quiet for long: locks start over
                 c.strikes = 0
             c.last = now
@@ -163,7 +167,7 @@ class AuthThrottle:
     def succeeded(self, addr: str, digest: bytes) -> None:
         """Remember that ``digest`` authenticated from ``addr`` (served during a lock)."""
         with self._lock:
-            c = self._get(addr, create=True)
+            c = self._get_or_create(addr)
             if digest in c.good:
                 return
             c.good.append(digest)

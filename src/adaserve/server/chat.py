@@ -204,7 +204,7 @@ async def create_chat(state: ServerState, body: ChatCompletionRequest, request: 
         raise ApiError(400, "messages must not be empty", param="messages")
     prompt = await chat_prompt(state, body)
     default_max = state.cfg.default_max_tokens
-    gen_max = state.loop.info.sampling_defaults.get("max_tokens")
+    gen_max = state.loop.ready_info.sampling_defaults.get("max_tokens")
     if gen_max is not None:  # generation_config.json's max_new_tokens
         default_max = min(default_max or gen_max, gen_max)
     return await generate(

@@ -398,11 +398,10 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
             names = [names]
         repl["model_name"] = names[0]
         repl["model_aliases"] = tuple(n for n in names[1:] if n != names[0])
-    elif cfg.model_name is None and _model_of(args):
+    elif cfg.model_name is None and (given := _model_of(args)):
         # vLLM's served model id: the model as given (a client that loads the tokenizer
         # by the id, as vLLM's benchmark client does, then finds it); its directory's
         # name is accepted too
-        given = _model_of(args)
         repl["model_name"] = given
         base = Path(given.rstrip("/")).name
         if base and base != given:
@@ -520,7 +519,7 @@ def run(args, replicas=None) -> int:
     )
     print(
         f"adaserve: serving {app.state.adaserve.model_name} on http://{cfg.host}:{cfg.port} "
-        f"(policy {eloop.info.policy}; {mode})",
+        f"(policy {eloop.ready_info.policy}; {mode})",
         file=sys.stderr,
         flush=True,
     )

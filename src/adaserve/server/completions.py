@@ -77,7 +77,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     prompts = await _prompts(state, body.prompt)
     echo = None
     if body.echo:
-        tok = state.loop.info.tokenizer
+        tok = state.loop.ready_info.tokenizer
         echo = [await state.off_loop(tok.decode, ids) if tok else "" for ids in prompts]
     return await generate(
         state,

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from adaserve.config import EngineConfig
+from adaserve.core.slo import ON_OVERLOAD, SLOClass
 from adaserve.errors import AdaServeError, InvalidRequestError
 from adaserve.ledger.config import UsageConfig, UsageConfigError
-from adaserve.slo import ON_OVERLOAD, SLOClass
 
 try:
     import tomllib
@@ -394,7 +394,7 @@ def _parse_tenant(name: str, t: Mapping) -> Tenant:
     on_overload = t.get("on_overload", "refuse")
     if on_overload not in ON_OVERLOAD:
         raise ConfigError(f"{where}.on_overload must be 'refuse' or 'degrade'")
-    limits = {}
+    limits: dict[str, Any] = {}
     for k in (
         "requests_per_minute",
         "tokens_per_minute",
@@ -415,11 +415,12 @@ def _parse_tenant(name: str, t: Mapping) -> Tenant:
     group = t.get("prefix_cache_group")
     if group is not None and (not isinstance(group, str) or not group):
         raise ConfigError(f"{where}.prefix_cache_group must be a non-empty string")
-    flags = {}
+    flags: dict[str, bool] = {}
     for k in ("admin", "free_targets"):
-        flags[k] = t.get(k, False)
-        if not isinstance(flags[k], bool):
+        flag = t.get(k, False)
+        if not isinstance(flag, bool):
             raise ConfigError(f"{where}.{k} must be true or false")
+        flags[k] = flag
     return Tenant(
         name=name,
         key_digests=tuple(digests),

@@ -173,8 +173,8 @@ def report_view(
 
 def engine_now(state: ServerState) -> float:
     """The engine's clock now: the one the records' finish times are on."""
-    clock = getattr(state.loop.engine, "clock", None)
-    return clock.now() if clock is not None else time.perf_counter()
+    e = state.loop.engine  # None before the loop built it
+    return e.clock.now() if e is not None else time.perf_counter()
 
 
 def dashboard_data(state: ServerState, now: float | None = None) -> dict:
@@ -305,7 +305,7 @@ class Dashboard:
         token = _cookie(headers)
         if token is None:
             reg.authenticate(None)  # 401 missing_api_key
-        name = self.sessions.tenant(token)
+        name = self.sessions.tenant(token) if token is not None else None
         tenant = reg.tenants.get(name) if name is not None else None
         if tenant is None:
             raise _session_gone()

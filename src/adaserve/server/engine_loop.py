@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from adaserve.config import EngineConfig
 from adaserve.core.config import QUEUE_FULL_RETRY_S
+from adaserve.core.slo import SLO
 from adaserve.engine.api import request_metrics
 from adaserve.errors import AdmissionRejected
 from adaserve.server.engine_messages import (
@@ -55,7 +56,6 @@ from adaserve.server.engine_messages import (
     Stop,
     Traced,
 )
-from adaserve.slo import SLO
 from adaserve.spec_decode.request import Status
 from adaserve.text.generation_config import sampling_defaults
 from adaserve.util.jsonsafe import json_safe
@@ -228,6 +228,7 @@ class EngineLoop:
             from adaserve.engine.warmup import warm_up
 
             warm_up(e)  # every kernel and pass family run once before /health says ready
+            assert e.cfg.default_class is not None  # EngineConfig requires one
             self.info = EngineInfo(
                 model_dir=str(e.model_dir),
                 draft_dir=str(e.draft_dir) if e.draft_dir else None,
@@ -258,8 +259,28 @@ class EngineLoop:
             if self._owns_engine and self.engine is not None:
                 self.engine.close()
 
-    def _loop(self) -> None:
+    @property
+    def ready_info(self) -> EngineInfo:
+        """``info``, once ``start`` has returned (the engine is built)."""
+        info = self.info
+        assert info is not None, "the engine loop has not started"
+        return info
+
+    @property
+    def built_engine(self) -> Engine:
+        """The engine once built (``engine``, narrowed: for a call between steps)."""
+        return self._engine
+
+    @property
+    def _engine(self) -> Engine:
+        """The engine, on the engine thread once it is built (``_run`` builds it before
+        anything else runs there)."""
         e = self.engine
+        assert e is not None, "the engine is not built yet"
+        return e
+
+    def _loop(self) -> None:
+        e = self._engine
         while True:
             cmds = []
             if not e.has_work():
@@ -315,7 +336,7 @@ class EngineLoop:
                 self._add(h, fut)
             case Abort(h, reason):
                 if h.req is not None and not h.req.finished:
-                    self.engine.abort(h.req, reason)
+                    self._engine.abort(h.req, reason)
             case Drain(deadline):
                 self._drain_deadline = deadline
                 if deadline <= time.monotonic():
@@ -323,7 +344,7 @@ class EngineLoop:
             case Call(fn, fut):
                 if fut.set_running_or_notify_cancel():
                     try:
-                        fut.set_result(fn(self.engine))
+                        fut.set_result(fn(self._engine))
                     except Exception as exc:
                         fut.set_exception(exc)
 
@@ -334,13 +355,13 @@ class EngineLoop:
         try:
             if self._closed:
                 raise ShuttingDown("the server is shutting down")
-            if self.max_waiting is not None and len(self.engine.waiting) >= self.max_waiting:
+            if self.max_waiting is not None and len(self._engine.waiting) >= self.max_waiting:
                 raise AdmissionRejected(
-                    f"the queue is full ({len(self.engine.waiting)} requests waiting)",
+                    f"the queue is full ({len(self._engine.waiting)} requests waiting)",
                     "queue_full",
                     QUEUE_FULL_RETRY_S,
                 )
-            r = self.engine.add_request(
+            r = self._engine.add_request(
                 h.prompt_ids,
                 h.params,
                 h.slo,
@@ -363,7 +384,7 @@ class EngineLoop:
             r = h.req
             if r is not None and not r.finished:
                 try:
-                    self.engine.abort(r, reason)
+                    self._engine.abort(r, reason)
                 except Exception:  # never leave a client waiting on a broken engine
                     log.exception("abort failed")
                     r.finish_reason = reason
@@ -374,6 +395,7 @@ class EngineLoop:
         """Hand new tokens / finals to their consumers; refresh the snapshot."""
         for rid, h in list(self._tracked.items()):
             r = h.req
+            assert r is not None  # a tracked handle holds its request (``_add``)
             n = r.num_output
             if n <= h.sent and not r.finished:
                 continue
@@ -397,8 +419,9 @@ class EngineLoop:
         self._refresh_class_slos()
 
     def _final(self, h: Handle) -> Final:
-        e = self.engine
+        e = self._engine
         r = h.req
+        assert r is not None  # a tracked handle holds its request (``_add``)
         try:
             text = e.output_text(r)
         except Exception:
@@ -437,14 +460,14 @@ class EngineLoop:
         """Seconds to sleep so that a step that took ``elapsed_s`` lasts its modelled
         time ``A + B x tokens`` (``step_pace_ms``); 0 when the real step took longer,
         or when no pass ran (the trace is still ``before``)."""
-        tr = self.engine.last_trace
-        if tr is None or tr is before:
+        tr = self._engine.last_trace
+        if tr is None or tr is before or self.step_pace_ms is None:
             return 0.0
         a, b = self.step_pace_ms
         return max(0.0, (a + b * tr.tokens) / 1000.0 - elapsed_s)
 
     def _publish_snapshot(self) -> None:
-        e = self.engine
+        e = self._engine
         self.snapshot = EngineSnapshot(
             running=len(e.running),
             waiting=len(e.waiting),
@@ -465,9 +488,9 @@ class EngineLoop:
         if not force and now - self._class_slos_at < 10.0:
             return
         self._class_slos_at = now
-        self.class_slos = {c.name: self.engine.class_slo(c.name) for c in self.engine.cfg.classes}
-        self.unloaded_tpot_ms = float(self.engine.unloaded_tpot_ms())
-        self.provenance = engine_provenance(self.engine, self.pinned)
+        self.class_slos = {c.name: self._engine.class_slo(c.name) for c in self._engine.cfg.classes}
+        self.unloaded_tpot_ms = float(self._engine.unloaded_tpot_ms())
+        self.provenance = engine_provenance(self._engine, self.pinned)
 
     def _fail_pending(self) -> None:
         """After the loop ends: answer queued adds and unfinished handles."""
@@ -539,7 +562,7 @@ def model_name_of(source) -> str:
 
     if isinstance(source, EngineConfig):
         return Path(source.model).name if source.model else "adaserve"
-    md = getattr(source, "model_dir", None)
+    md = source.model_dir  # an Engine
     if md is None or Path(md) == paths.DEFAULT_TARGET:
         return "adaserve"
     return Path(md).name

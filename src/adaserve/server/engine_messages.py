@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from adaserve.core.slo import SLO, SLOClass
 from adaserve.errors import AdaServeError
 from adaserve.sampling import SamplingParams
-from adaserve.slo import SLO, SLOClass
 
 if TYPE_CHECKING:
     from adaserve.core.trace import StepTrace

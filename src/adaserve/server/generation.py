@@ -31,7 +31,7 @@ from adaserve.structured.tools import ToolMode
 
 
 def _resolve(state: ServerState, body, headers, tenant: Tenant) -> SLOChoice:
-    info = state.loop.info
+    info = state.loop.ready_info
     return resolve_slo(
         classes=info.classes,
         class_slos=state.loop.class_slos,
@@ -100,7 +100,7 @@ async def generate(
         choice = _resolve(state, body, request.headers, tenant)
     except ApiError as e:
         if e.status == 403:
-            state.refused(tenant.name, getattr(body, "slo_class", None) or "", e.code or "", 403)
+            state.refused(tenant.name, body.slo_class or "", e.code or "", 403)
         raise
     per_prompt_max = max_tokens_per_prompt(state, prompts, max_tokens, default_max, prompt_param)
     prompt_tokens = sum(len(p) for p in prompts)
@@ -123,7 +123,7 @@ async def generate(
             body,
             reserved[i * n + j],
             None if body.seed is None else body.seed + j,
-            state.loop.info.sampling_defaults,
+            state.loop.ready_info.sampling_defaults,
             constraint,
         )
         for i in range(len(prompts))
@@ -249,7 +249,7 @@ async def collect(state: ServerState, request: Request, job: Job, meta: Meta):
         if err is not None:
             raise err
     ep = meta.endpoint
-    tok = state.loop.info.tokenizer
+    tok = state.loop.ready_info.tokenizer
     choices = []
     for i in range(k):
         f = finals[i]
@@ -258,11 +258,17 @@ async def collect(state: ServerState, request: Request, job: Job, meta: Meta):
         fr = "length" if meta.score_only else finish_reason(f)
         out_ids, out_lps = f.output_ids, f.logprobs
         lp = ep.logprobs(tok, out_ids, out_lps)
-        if lp is not None and meta.echo is not None and f.prompt_logprobs is not None:
+        if (
+            lp is not None
+            and meta.echo is not None
+            and f.prompt_logprobs is not None
+            and out_lps is not None
+        ):
             ids = job.handles[i].prompt_ids
             lp = ep.logprobs(tok, [*ids, *out_ids], (*f.prompt_logprobs, *out_lps))
-        if meta.echo is not None:
-            text = meta.echo_of(i, k) + text
+        echo = meta.echo_of(i, k)
+        if echo is not None:
+            text = echo + text
         if meta.tools is not None:
             content, calls = meta.tools.parse(text)
             if calls:

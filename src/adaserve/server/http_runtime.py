@@ -325,6 +325,7 @@ def http_protocol(cfg: ServerConfig | None = None):
                 self.connections.discard(victim)
                 return
             log.warning("connection refused (503): more than %d open connections", CEILING * cap)
+            assert over_capacity is not None  # built with the cap
             self.app = over_capacity
 
         def idle(self) -> bool:
@@ -371,9 +372,9 @@ def http_protocol(cfg: ServerConfig | None = None):
             n = (end if end >= 0 else len(buf)) - len(tail)
             if self._line_bytes is None:
                 j = buf.find(b"\n")
+                line = self._head_bytes + n
                 if j >= 0:
-                    self._line_bytes = self._head_bytes + j + 1 - len(tail)
-                line = self._line_bytes if j >= 0 else self._head_bytes + n
+                    line = self._line_bytes = self._head_bytes + j + 1 - len(tail)
                 if line > line_limit:
                     return ApiError(
                         414,

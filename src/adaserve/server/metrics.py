@@ -368,7 +368,11 @@ class ServerMetrics:
             if e2e is not None:
                 self.decode.labels(mn).observe(max(0.0, e2e - ttft) / 1000)
                 self.inference.labels(mn).observe(max(0.0, e2e - queue) / 1000)
-        if self.prompt_tokens is not None:
+        if (  # the three are made together (``start``)
+            self.prompt_tokens is not None
+            and self.generation_tokens is not None
+            and self.max_tokens is not None
+        ):
             self.prompt_tokens.labels(mn).observe(final.prompt_tokens)
             self.generation_tokens.labels(mn).observe(final.completion_tokens)
             if max_tokens:

@@ -8,11 +8,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from adaserve.core.slo import SLO, SLOClass
 from adaserve.errors import InvalidRequestError
 from adaserve.server.config import Tenant
 from adaserve.server.errors import ApiError
 from adaserve.server.protocol import MAX_SLO_MS
-from adaserve.slo import SLO, SLOClass
 
 SLO_HEADERS = {"ttft_ms": "x-slo-ttft-ms", "tpot_ms": "x-slo-tpot-ms"}
 # every target a client can set (body ``slo`` fields; the first two also as headers)

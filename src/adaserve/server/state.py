@@ -42,7 +42,7 @@ def engine_summary(loop: EngineLoop) -> dict:
     snap = loop.snapshot
     c = snap.counters
     return {
-        "policy": loop.info.policy,
+        "policy": loop.ready_info.policy,
         "unloaded_tpot_ms": loop.unloaded_tpot_ms,
         "running": snap.running,
         "waiting": snap.waiting,
@@ -65,8 +65,8 @@ def engine_summary(loop: EngineLoop) -> dict:
 
 
 def _structured_summary(loop: EngineLoop) -> dict | None:
-    so = getattr(loop.engine, "structured", None)  # no engine before the loop built it
-    return so.summary() if so is not None else None
+    e = loop.engine  # None before the loop built it
+    return e.structured.summary() if e is not None else None
 
 
 # the derived request-body limit (``derived_body_limit``) stays within these
@@ -142,8 +142,8 @@ class ServerState:
             lambda: self.loop.class_slos,
         )
         self.metrics._collector.threads_fn = lambda: self.loop.provenance.get("threads")
-        self.metrics._collector.structured_fn = lambda: getattr(
-            self.loop.engine, "structured", None
+        self.metrics._collector.structured_fn = lambda: (
+            self.loop.engine.structured if self.loop.engine is not None else None
         )
         self.metrics._collector.ledger_fn = lambda: (
             self.ledger.writer if self.ledger is not None else None
@@ -193,7 +193,7 @@ class ServerState:
 
     def slo_report(self, only: str | None) -> dict:
         """The ``/v1/slo/report`` body (``only``: that tenant's usage alone)."""
-        info = self.loop.info
+        info = self.loop.ready_info
         slos = self.loop.class_slos
         rep = self.report.build(
             class_targets={
@@ -213,7 +213,7 @@ class ServerState:
     async def lifespan(self, app: FastAPI):
         await asyncio.to_thread(self.open_ledger)
         await asyncio.to_thread(self.loop.start)
-        info = self.loop.info
+        info = self.loop.ready_info
         # (before serving: reading the vocabulary once may block the loop)
         self.body_limit = self.cfg.max_body_bytes or derived_body_limit(
             info.max_model_len, info.tokenizer
@@ -281,11 +281,11 @@ class ServerState:
     def load_chat_template(self) -> ChatTemplate | None:
         """The model's chat templates, or ``chat_template`` of the config (which must
         compile: ``ChatTemplateError`` else); None without a tokenizer."""
-        tok = self.loop.info.tokenizer
+        tok = self.loop.ready_info.tokenizer
         if self.cfg.chat_template is not None:
             config = tok.config if tok is not None else {}
             ct = ChatTemplate.of_checkpoint(
-                self.loop.info.model_dir, config, self.cfg.chat_template
+                self.loop.ready_info.model_dir, config, self.cfg.chat_template
             )
             ct.check()
             return ct

@@ -48,7 +48,7 @@ async def stream(state: ServerState, request: Request, job: Job, meta: Meta, inc
 
 
 async def _events(state: ServerState, job: Job, meta: Meta, first, include_usage: bool):
-    tok = state.loop.info.tokenizer
+    tok = state.loop.ready_info.tokenizer
     ep = meta.endpoint
     k = len(job.handles)
     detok = [Detok(tok, meta.stop_holdback, meta.skip_special_tokens) for _ in range(k)]
@@ -77,6 +77,7 @@ async def _events(state: ServerState, job: Job, meta: Meta, first, include_usage
         if final is None:
             delta = detok[idx].push(new)
             if tools is not None:
+                assert ep.tool_stream_choice is not None  # tools: a chat request
                 c = ep.tool_stream_choice(idx, tools[idx].push(delta), None, lp)
                 if c is not None:
                     yield chunk([c])
@@ -95,6 +96,7 @@ async def _events(state: ServerState, job: Job, meta: Meta, first, include_usage
                 break
             delta = detok[idx].finish(final.text)
             if tools is not None:
+                assert ep.tool_stream_choice is not None  # tools: a chat request
                 ts = tools[idx]
                 events = ts.finish(final.text or "")
                 fr = "tool_calls" if ts.calls_sent else finish_reason(final)

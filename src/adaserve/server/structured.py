@@ -31,15 +31,13 @@ def constraint_of(
                 k,
                 GUIDED_ALIASES[k],
             )
-    rf = body.response_format.as_dict() if getattr(body, "response_format", None) else None
+    rf = body.response_format.as_dict() if body.response_format else None
     try:
-        spec = from_fields(
-            body.structured_outputs, rf, guided, getattr(body, "guided_whitespace_pattern", None)
-        )
+        spec = from_fields(body.structured_outputs, rf, guided, body.guided_whitespace_pattern)
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param=e.param) from None
     forced = tools.constraint() if tools is not None else None
-    if forced is not None and spec is not None:
+    if tools is not None and forced is not None and spec is not None:
         raise ApiError(
             400,
             f"tool_choice {tools.kind!r} constrains the output to the tools' schemas: it "
@@ -52,7 +50,7 @@ def constraint_of(
 async def grammar_states(state: ServerState, spec: StructuredOutputsParams, k: int) -> list:
     """``k`` fresh grammar states of ``spec``, compiled (or found in the cache) on the
     grammar threads: the request waits for its own grammar only."""
-    structured = state.loop.engine.structured
+    structured = state.loop.built_engine.structured
 
     def build():
         return [structured.state_for(spec) for _ in range(k)]

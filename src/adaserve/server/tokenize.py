@@ -40,7 +40,7 @@ def parse_tokenize(data) -> TokenizeCompletionRequest | TokenizeChatRequest:
 
 async def tokenize(state: ServerState, body) -> TokenizeResponse:
     check_body_model(state, body)
-    if state.loop.info.tokenizer is None:
+    if state.loop.ready_info.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer", "prompt")
     if isinstance(body, TokenizeChatRequest):
         text = await state.off_loop(render_chat, state, body)
@@ -50,15 +50,18 @@ async def tokenize(state: ServerState, body) -> TokenizeResponse:
     ids = await encode(state, text, param, add_special_tokens=body.add_special_tokens)
     strs = None
     if body.return_token_strs:
-        strs = [state.loop.info.tokenizer.id_to_token(t) or "" for t in ids]
+        strs = [state.loop.ready_info.tokenizer.id_to_token(t) or "" for t in ids]
     return TokenizeResponse(
-        count=len(ids), max_model_len=state.loop.info.max_model_len, tokens=ids, token_strs=strs
+        count=len(ids),
+        max_model_len=state.loop.ready_info.max_model_len,
+        tokens=ids,
+        token_strs=strs,
     )
 
 
 async def detokenize(state: ServerState, body: DetokenizeRequest) -> DetokenizeResponse:
     check_body_model(state, body)
-    tok = state.loop.info.tokenizer
+    tok = state.loop.ready_info.tokenizer
     if tok is None:
         raise ApiError(400, "this model has no tokenizer", "tokens")
     ids = in_vocab(state, list(body.tokens), "tokens")

@@ -137,7 +137,7 @@ async def encode(
     state: ServerState, text: str, param: str, add_special_tokens: bool = True
 ) -> list[int]:
     """Token ids of a text prompt (400 without a tokenizer or for invalid UTF-8)."""
-    tok = state.loop.info.tokenizer
+    tok = state.loop.ready_info.tokenizer
     if tok is None:
         raise ApiError(400, "this model has no tokenizer: send prompts as token ids", param=param)
     try:
@@ -153,8 +153,8 @@ def check_text_size(state: ServerState, size: int, param: str) -> None:
     cannot fit the context whatever its tokens: it has at least ``size /
     max_token_bytes`` of them. Checked before tokenising, which costs time in
     proportion to the text."""
-    tok = state.loop.info.tokenizer
-    limit = state.loop.info.max_model_len
+    tok = state.loop.ready_info.tokenizer
+    limit = state.loop.ready_info.max_model_len
     if tok is None or size <= limit:  # every token stands for at least one byte
         return
     least = size // tok.max_token_bytes
@@ -174,7 +174,7 @@ def check_ids(state: ServerState, ids: list[int], param: str) -> list[int]:
 
 def in_vocab(state: ServerState, ids: list[int], param: str) -> list[int]:
     """``ids`` when every one is a token id of the model (400 naming ``param`` else)."""
-    V = state.loop.info.vocab_size
+    V = state.loop.ready_info.vocab_size
     if not all(0 <= t < V for t in ids):
         raise ApiError(400, f"token ids must be integers in [0, {V})", param=param)
     return ids
@@ -192,7 +192,7 @@ def max_tokens_per_prompt(
     (``kv_cache_exceeded``: the request would never run, whatever the load). No
     max_tokens: the rest of the context, capped at ``default_max`` and at what the KV
     cache can hold."""
-    L = state.loop.info.max_model_len
+    L = state.loop.ready_info.max_model_len
     pool = kv_capacity(state)
     out = []
     for ids in prompts:
@@ -236,7 +236,7 @@ def max_tokens_per_prompt(
 
 def kv_capacity(state: ServerState) -> int:
     """Tokens the engine's KV pool holds (0: unknown)."""
-    info = state.loop.info
+    info = state.loop.ready_info
     return max(0, int(info.kv_blocks) * int(info.block_size))
 
 
@@ -246,7 +246,7 @@ def kv_capacity(state: ServerState) -> int:
 def requested_logprobs(body) -> int | None:
     """SamplingParams.logprobs of a request: completions' ``logprobs: N``, chat's
     ``logprobs: true`` with ``top_logprobs: N`` (0 when absent); None when not asked."""
-    lp = getattr(body, "logprobs", None)
+    lp = body.logprobs
     if isinstance(lp, bool):
         return (body.top_logprobs or 0) if lp else None
     return lp

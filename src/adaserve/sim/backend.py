@@ -26,13 +26,13 @@ class SimBackend:
     over the simulator."""
 
     def __init__(self, args):
+        from adaserve.core.slo import DEFAULT_CLASSES
         from adaserve.hardware.energy import device_energy
         from adaserve.hardware.power import PowerModel
         from adaserve.sim import presets
         from adaserve.sim.acceptance import AcceptanceModel
         from adaserve.sim.loop import SimConfig, Simulator
         from adaserve.sim.pricing import HostOverhead
-        from adaserve.slo import DEFAULT_CLASSES
 
         if getattr(args, "base_url", None):
             raise AdaServeError("simulate does not take --base-url (use bench serve)")

@@ -162,6 +162,7 @@ def _print_presets() -> None:
     for name in presets.preset_names(measured=False):
         dep = presets.deployment(name)
         hw = dep.hardware_model()
+        assert dep.draft is not None  # every preset is a pair
         print(
             f"{name:24s} {dep.tp}x{dep.gpu.name:10s} {dep.target.name} + {dep.draft.name}: "
             f"unloaded TPOT {hw.unloaded_tpot_ms():.1f} ms, verify 128/512/1024 tokens "

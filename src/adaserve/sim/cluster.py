@@ -34,10 +34,10 @@ from adaserve.bench.workload_spec import WorkItem, item_slo
 from adaserve.cluster.routing import Router, RouteRequest, replica_stats, with_routed
 from adaserve.core.counters import Counters
 from adaserve.core.policy import Policy
+from adaserve.core.slo import SLO
 from adaserve.core.trace import RunTimeline
 from adaserve.errors import AdaServeError, AdmissionRejected
 from adaserve.sim.loop import Simulator, _Run, run_recorder
-from adaserve.slo import SLO
 
 
 def route_request(it: WorkItem, slo: SLO, rank: int) -> RouteRequest:
@@ -74,7 +74,7 @@ def run_cluster(
     items = sorted(items, key=lambda it: (it.arrival_s, it.idx))
     horizon = items[-1].arrival_s if items else 0.0
     recorder, counters = run_recorder(sim, horizon), Counters()
-    name = policy_name or getattr(policies[0], "name", "policy")
+    name = policy_name or policies[0].name
     reps = [
         _Run(
             sim,
@@ -152,7 +152,7 @@ def run_cluster(
     tl = recorder.timeline
     tl.info = _info(sim, reps, recorder, counters, records, slos, name, routed)
     tl.info["sim_wall_s"] = time.perf_counter() - wall0
-    tl.info["router"] = getattr(router, "name", "router")
+    tl.info["router"] = router.name
     tl.info["stats_interval_s"] = stats_interval_s
     return records, tl
 

@@ -37,6 +37,7 @@ from adaserve.core.config import SchedulerConfig
 from adaserve.core.counters import Counters
 from adaserve.core.policy import BatchView, Plan, Policy
 from adaserve.core.scheduler import Scheduler
+from adaserve.core.slo import SLO
 from adaserve.core.step import (
     Batch,
     Commit,
@@ -59,7 +60,6 @@ from adaserve.sim.acceptance import (
 )
 from adaserve.sim.pricing import HostOverhead, forward_ms
 from adaserve.sim.request import SimRequest
-from adaserve.slo import SLO
 
 
 @dataclass(frozen=True)
@@ -366,7 +366,7 @@ class _Run:
             "list[SimRequest]", res.out.expired
         ):  # queued past their TTFT deadline: answered 429
             self._fail(r.item, r.slo, f"shed: {r.finish_reason}", True)
-        if res.trace is None:
+        if res.trace is None or res.outcome is None:  # no pass ran
             return
         for r in cast("list[SimRequest]", res.outcome.finished):
             self._collect(r)
@@ -382,6 +382,7 @@ class _Run:
 
     def execute(self, out: SchedulerOutput) -> StepOutcome:
         """Run the scheduled pass (``_execute``); its end is the clock's new time."""
+        assert out.view is not None and out.plan is not None and out.batch is not None  # runs
         p = self._execute(out.view, out.plan, out.batch, out.plan_s)
         self.clock.set(p.end)
         return self._outcome(out.batch, p)
@@ -518,6 +519,7 @@ class _Run:
                 observe_batch(self.cal, tb, mask, on_path)
             else:  # the calibrator learns what the revealed full verification showed
                 observe_batch(self.cal, tb, *full[gi])
+            assert tb.regimes is not None  # the calibration sets them
             bonus = tb.regimes[np.arange(len(reqs)), length].tolist()
             for r, a, reg in zip(reqs, length.tolist(), bonus):
                 accepted_n[r.rid] = a

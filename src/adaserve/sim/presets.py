@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from adaserve.core.slo import DEFAULT_CLASSES, SLOClass
 from adaserve.sim.roofline import Deployment, Framework, GPUSpec, ModelSpec
-from adaserve.slo import DEFAULT_CLASSES, SLOClass
 
 GPUS: dict[str, GPUSpec] = {
     "A100-80GB": GPUSpec("A100-80GB", 312e12, 2.039e12, 80e9, 300e9),

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from adaserve.bench.workload_spec import WorkItem
 from adaserve.core.config import SchedulerConfig
 from adaserve.core.policy import BatchView, Plan, Policy
+from adaserve.core.slo import SLO
 from adaserve.core.step import Batch, StepInputs, run_step
 from adaserve.core.trace import StepTrace
 from adaserve.errors import AdmissionRejected
@@ -23,7 +24,6 @@ from adaserve.hardware.model import HardwareModel
 from adaserve.sim.acceptance import AcceptanceModel
 from adaserve.sim.acceptance_params import AcceptanceParams
 from adaserve.sim.loop import PassOutcome, SimConfig, SimRequest, Simulator, _Run
-from adaserve.slo import SLO
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def decisions(tr: StepTrace) -> dict:
 def replay(
     cfg: SchedulerConfig,
     policy: Policy,
-    hw: HardwareModel | None,
+    hw: HardwareModel,
     num_blocks: int,
     max_model_len: int,
     unloaded_tpot_ms: float,

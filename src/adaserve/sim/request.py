@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from adaserve.bench.workload_spec import WorkItem
 from adaserve.core.seq import SeqState
-from adaserve.slo import SLO
+from adaserve.core.slo import SLO
 
 
 class SimRequest(SeqState):

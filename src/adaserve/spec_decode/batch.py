@@ -241,15 +241,21 @@ class VerifyBatch:
                 depth = np.asarray(t.depth, dtype=np.int64)
                 s_nodes.append(np.arange(cu[r], cu[r + 1]))
                 s_rows.append(len(keys) + depth)
-                keys += [noise_key(params[r].seed, o + d) for d in range(int(depth.max()) + 1)]
+                seed = params[r].seed
+                assert seed is not None  # a seeded request
+                keys += [noise_key(seed, o + d) for d in range(int(depth.max()) + 1)]
 
         penalties = None
         pen = [r for r, p in enumerate(params) if p.penalized]
         if pen:
-            if histories is None or any(histories[r] is None for r in pen):
-                raise ValueError("a request with penalties needs its history")
+            pen_rows = []
+            for r in pen:
+                h = histories[r] if histories is not None else None
+                if h is None:
+                    raise ValueError("a request with penalties needs its history")
+                pen_rows.append((*h, params[r]))
             penalties = PenaltyRows.build(
-                [(*histories[r], params[r]) for r in pen],
+                pen_rows,
                 [
                     list(zip(range(int(cu[r]), int(cu[r + 1])), tree_paths(t.parents, t.tokens)))
                     for r, t in ((r, trees[r]) for r in pen)

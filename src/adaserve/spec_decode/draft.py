@@ -173,6 +173,7 @@ def expand(
     for r, chain in zip(reqs, forced):
         C, dc = len(r.tokens), r.draft_cached
         end = C + len(chain)
+        assert r.table is not None  # a running request has a table
         seqs.append(SeqSpec(r.table.slots(0, dc), r.table.slots(dc, end), list(range(dc, end))))
         ids.extend(r.tokens[dc:C])
         ids.extend(int(t) for t in chain)
@@ -203,6 +204,7 @@ def expand(
             r = reqs[i]
             C = len(r.tokens)
             n_prev = len(g.fed_nodes)
+            assert r.table is not None  # a running request has a table
             prefix = r.table.slots(0, C + n_prev)
             pmask = np.ones((len(chosen), C + n_prev), dtype=bool)
             for row, node in enumerate(chosen):

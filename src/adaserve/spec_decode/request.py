@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from adaserve.core.seq import SeqState, Status  # noqa: F401  (Status re-exported)
+from adaserve.core.slo import SLO
 from adaserve.sampling import SamplingParams
-from adaserve.slo import SLO
 from adaserve.structured.matcher import GrammarState
 
 

@@ -131,6 +131,7 @@ def verify_device(batch: VerifyBatch, logits: torch.Tensor) -> torch.Tensor:
     # logits, or of p / E for a seeded node (its position's noise row)
     argmax = logits.argmax(-1) if any(batch.greedy) or any(batch.seeded) else None
     if any(batch.seeded):
+        assert probs is not None and argmax is not None  # seeded nodes are sampled
         s = batch.seeded_nodes
         race = race_noise(batch.noise_keys, logits.shape[-1], dev)  # [K, V]
         score = probs.index_select(0, s) / race.index_select(0, batch.noise_rows)
@@ -147,6 +148,7 @@ def verify_device(batch: VerifyBatch, logits: torch.Tensor) -> torch.Tensor:
     u = None
     if residual:
         u = _uniforms(batch, dev)
+        assert probs is not None  # stochastic requests are sampled
         for step in batch.sibling_steps:
             _try_siblings(step, batch, probs, u, acc)
     cur = batch.roots.clone()  # [R] last accepted node
@@ -157,6 +159,7 @@ def verify_device(batch: VerifyBatch, logits: torch.Tensor) -> torch.Tensor:
         cur = torch.where(nxt >= 0, nxt, cur)
     bonus = argmax[cur] if argmax is not None else torch.zeros(R, dtype=torch.long, device=dev)
     if residual:
+        assert probs is not None and u is not None  # as above
         s = batch.stochastic
         last = cur.index_select(0, s)
         draw = _inverse_cdf(probs.index_select(0, last), u.index_select(0, batch.roots[s]))
@@ -189,6 +192,7 @@ def _try_siblings(
     x = batch.tokens.index_select(0, ch)[:, None]  # [M, 1]
     px = p.gather(1, x)[:, 0]
     if step.with_q:
+        assert batch.draft_q is not None  # a step with q has its rows
         q = batch.draft_q.index_select(0, par)  # [M, V]
         a = (px / q.gather(1, x)[:, 0].clamp_min(1e-30)).clamp(max=1.0)
     else:

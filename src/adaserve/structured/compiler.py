@@ -95,10 +95,13 @@ class LLGuidanceBackend:
             except (ValueError, TypeError) as e:
                 raise _bad(spec, str(e)) from None
         if k == "regex":
+            assert spec.regex is not None  # its kind
             return M.grammar_from_regex(spec.regex)
         if k == "choice":
+            assert spec.choice is not None  # its kind
             return M.grammar_from_lark("start: " + " | ".join(map(_lark_string, spec.choice)))
         text = spec.grammar
+        assert text is not None  # the one kind left
         if "::=" in text:  # GBNF / EBNF (llama.cpp's, xgrammar's) -> Lark
             from llguidance.gbnf_to_lark import gbnf_to_lark
 
@@ -207,7 +210,7 @@ class GrammarCompiler:
                 return c
             fut = self._pending.get(key)
             mine = fut is None
-            if mine:
+            if fut is None:
                 fut = self._pending[key] = Future()
                 self.misses += 1
             else:

@@ -77,8 +77,8 @@ class StructuredOutputs:
         return {
             "backend": self.backend_name,
             "grammars_compiled": n,
-            "compile_ms_mean": 1000 * c.compile_s_total / n if n else None,
-            "compile_ms_max": 1000 * c.compile_s_max if n else None,
+            "compile_ms_mean": 1000 * c.compile_s_total / n if c is not None and n else None,
+            "compile_ms_max": 1000 * c.compile_s_max if c is not None and n else None,
             "cache_hits": c.hits if c is not None else 0,
             "masks": self.masks,
             "mask_us_per_node": 1e6 * self.mask_s / self.masks if self.masks else None,

@@ -184,6 +184,12 @@ class ToolMode:
     parallel: bool = True
     parser: Any = None
 
+    @property
+    def named(self) -> str:
+        """The tool of a "named" mode."""
+        assert self.function is not None, "a named tool mode names its function"
+        return self.function
+
     def constraint(self) -> StructuredOutputsParams | None:
         if self.kind == "named":
             tool = next(t for t in self.tools if t["function"]["name"] == self.function)
@@ -195,7 +201,7 @@ class ToolMode:
     def parse(self, text: str) -> tuple[str | None, list[Call]]:
         """(content, calls) of a whole output."""
         if self.kind == "named":
-            return None, [Call(self.function, text)]
+            return None, [Call(self.named, text)]
         if self.kind == "required":
             vals, _ = _json_values(text)
             items = vals[0] if vals and isinstance(vals[0], list) else []
@@ -264,9 +270,9 @@ class ToolStream:
         self.text += delta
         m = self.mode
         if m.kind == "named":
-            ev = []
+            ev: list[tuple] = []
             if self.calls_sent == 0:
-                self.ids.append(Call(m.function, "").id)
+                self.ids.append(Call(m.named, "").id)
                 ev.append(("call", 0, self.ids[0], m.function, ""))
                 self.calls_sent = 1
             ev.append(("call", 0, None, None, delta))
@@ -328,7 +334,7 @@ class ToolStream:
         self.text = final_text
         if m.kind == "named":
             if self.calls_sent == 0:
-                self.ids.append(Call(m.function, "").id)
+                self.ids.append(Call(m.named, "").id)
                 return [("call", 0, self.ids[0], m.function, final_text)]
             return ev
         content, calls = m.parse(final_text)

@@ -58,10 +58,13 @@ class XGrammarBackend:
                     strict_mode=False,
                 )
             if k == "regex":
+                assert spec.regex is not None  # its kind
                 return c.compile_regex(spec.regex)
             if k == "choice":
+                assert spec.choice is not None  # its kind
                 alts = " | ".join(json.dumps(x, ensure_ascii=False) for x in spec.choice)
                 return c.compile_grammar(f"root ::= {alts}")
+            assert spec.grammar is not None  # the one kind left
             if "::=" not in spec.grammar:
                 raise _bad(spec, "xgrammar takes EBNF (GBNF) grammars; Lark needs llguidance")
             return c.compile_grammar(spec.grammar)

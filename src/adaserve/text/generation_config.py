@@ -38,7 +38,7 @@ _FIELDS = {
 def check_source(source: str | None) -> None:
     """Raise ``ModelLoadError`` for a ``generation_config`` value that is neither
     ``auto``, ``vllm`` nor a directory."""
-    if source in (None, "auto", "vllm"):
+    if source is None or source in ("auto", "vllm"):
         return
     if not Path(source).is_dir():
         raise ModelLoadError(
@@ -53,7 +53,9 @@ def sampling_defaults(model_dir: str | Path | None, source: str | None = "auto")
     check_source(source)
     if source == "vllm" or (source in (None, "auto") and model_dir is None):
         return {}
-    folder = Path(model_dir if source in (None, "auto") else source)
+    where = model_dir if source is None or source == "auto" else source
+    assert where is not None  # no model directory returned above
+    folder = Path(where)
     f = folder / "generation_config.json"
     if not f.is_file():
         if source not in (None, "auto"):

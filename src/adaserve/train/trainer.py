@@ -253,6 +253,7 @@ def train_phase(
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=pc.bf16):
             logits = model.forward_dense(x).float()
             if pc.kind == "kl":
+                assert teacher is not None  # the kl kind distils a teacher
                 with torch.no_grad():
                     t_logits = teacher.forward_dense(x).float()
         if pc.kind == "ce":

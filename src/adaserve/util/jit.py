@@ -126,7 +126,7 @@ def _name(dispatcher) -> str | None:
     """``module.function`` of one of adaserve's compiled functions, else None."""
     f = getattr(dispatcher, "py_func", None)
     mod = getattr(f, "__module__", "") or ""
-    if not mod.startswith("adaserve."):
+    if f is None or not mod.startswith("adaserve."):
         return None
     return f"{mod.removeprefix('adaserve.')}.{f.__name__}"
 

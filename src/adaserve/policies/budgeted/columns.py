@@ -22,7 +22,9 @@ class Columns:
     has_tpot: np.ndarray
     weight: np.ndarray
     left: np.ndarray  # output tokens still allowed (max_tokens left)
-    coef: tuple | None = None  # requirements.coefficients' constants, once computed
+    coef: tuple[np.ndarray, np.ndarray] | None = (
+        None  # requirements.coefficients' constants, once computed
+    )
     constrained_share: float = 0.0  # of the requests, the share under a grammar
     context: float = 0.0  # the requests' context tokens (what each draft pass attends)
 

@@ -108,11 +108,11 @@ def drafting_by_depth(
 def evaluate_depths(
     view: BatchView,
     arr: Columns,
-    ds,
+    ds: tuple[int, ...],
     w: int,
-    P,
-    kv,
-    acc,
+    P: int,
+    kv: float,
+    acc: tuple[float, ...],
     pairs: float,
     *,
     cfg: AdaptiveConfig,
@@ -153,7 +153,7 @@ def evaluate_depths(
     # 60 ms prefill iteration "gains" rate from a depth-8 tree whose marginal
     # tokens per ms are below what a decode-only iteration achieves)
     t_pre = max(0.0, (V[tok0] - V[n]) * (1.0 + th[1]) + th[2] * P + pair_ms) if P else 0.0
-    slope, base_r = coef if strict else (_EMPTY, _EMPTY)
+    slope, base_r = coef if coef is not None else (_EMPTY, _EMPTY)
     e0, e_tok = (
         pm.depth_coefficients(di, tok0, kv) if pm is not None else (np.zeros(D), np.zeros(D))
     )

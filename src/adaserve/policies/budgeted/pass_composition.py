@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -22,8 +23,8 @@ ShapeFn = Callable[[dict[int, int]], ShapeChoice]  # prefill -> the best shape f
 def compose(
     view: BatchView,
     arr: Columns,
-    widths,
-    acc,
+    widths: tuple[int, ...],
+    acc: tuple[float, ...],
     shape: ShapeFn,
     *,
     cfg: AdaptiveConfig,
@@ -83,8 +84,8 @@ def sit_out(
     dec: list[ReqView],
     arr: Columns,
     best: ShapeChoice,
-    widths,
-    acc,
+    widths: tuple[int, ...],
+    acc: tuple[float, ...],
     *,
     cfg: AdaptiveConfig,
     margin: float,
@@ -118,7 +119,7 @@ class Steepness:
     def __init__(self, k: float) -> None:
         self.k, self._hw, self._is = k, None, False
 
-    def __call__(self, hw) -> bool:
+    def __call__(self, hw: Any) -> bool:  # a HardwareModel, as ``BatchView.hw``
         """The verdict for ``hw`` (False without one)."""
         if self.k <= 0 or hw is None:
             return False

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -92,7 +93,7 @@ class BudgetedPolicy(Policy):
         """Beam width from load: wide trees only when few requests share the pass."""
         return load_width(n, self.cfg)
 
-    def _prefill_key(self) -> Callable[[ReqView], tuple] | None:
+    def _prefill_key(self) -> Callable[[ReqView], tuple[Any, ...]] | None:
         """The order prefilling requests share the chunk in (None: the view's)."""
         return None
 
@@ -114,13 +115,27 @@ class BudgetedPolicy(Policy):
         return max(cand, key=lambda c: (c[1], -c[3], -c[2]))
 
     def _overload(
-        self, dec: list[ReqView], arr: Columns, best: ShapeChoice, widths, acc, plan: Plan
+        self,
+        dec: list[ReqView],
+        arr: Columns,
+        best: ShapeChoice,
+        widths: tuple[int, ...],
+        acc: tuple[float, ...],
+        plan: Plan,
     ) -> tuple[int, ...]:
         """The requests whose requirement no tree can meet (a tuple of rids), after
         marking those to degrade in ``plan.degrade``. Default: none."""
         return ()
 
-    def _slo_phase(self, view, plan: Plan, rids: list[int], F, caps, left: int) -> np.ndarray:
+    def _slo_phase(
+        self,
+        view: BatchView,
+        plan: Plan,
+        rids: list[int],
+        F: np.ndarray,
+        caps: np.ndarray,
+        left: int,
+    ) -> np.ndarray:
         """Candidates per tree [R] the SLO phase takes before the goodput phase, of at
         most ``left`` in all (F: each tree's f sorted descending [R, M]; caps [R]).
         Default: none."""
@@ -139,11 +154,11 @@ class BudgetedPolicy(Policy):
         """A(r) for every request at once: [n]."""
         return requirements.requirements(a, t_iter, self.cfg, self.margin)
 
-    def _reach(self, widths, acc) -> float:
+    def _reach(self, widths: tuple[int, ...], acc: tuple[float, ...]) -> float:
         """Expected accepted candidates of the largest tree any request may get."""
         return reach(widths, acc, self.cfg)
 
-    def explain(self, req: ReqView, plan: Plan) -> dict:
+    def explain(self, req: ReqView, plan: Plan) -> dict[str, Any]:
         """The selection log's record of ``req``: ``{"requirement": A(r) at the plan's
         predicted iteration time, to 3 places (None when it predicts none)}``."""
         t = plan.t_iter_ms
@@ -232,14 +247,29 @@ class BudgetedPolicy(Policy):
         plan.state = BudgetedState(arrays=arr, choice=best, infeasible=infeasible)
         return plan
 
-    def _compose(self, view: BatchView, arr: Columns, widths, acc, shape):
+    def _compose(
+        self,
+        view: BatchView,
+        arr: Columns,
+        widths: tuple[int, ...],
+        acc: tuple[float, ...],
+        shape: pass_composition.ShapeFn,
+    ) -> tuple[dict[int, int], ShapeChoice]:
         """The pass's prefill and tree shape, composed (``pass_composition.compose``)."""
         th = self.correction.theta
         return pass_composition.compose(
             view, arr, widths, acc, shape, cfg=self.cfg, theta=th, margin=self.margin
         )
 
-    def _sit_out(self, dec, arr: Columns, best: ShapeChoice, widths, acc, hw) -> set[int]:
+    def _sit_out(
+        self,
+        dec: list[ReqView],
+        arr: Columns,
+        best: ShapeChoice,
+        widths: tuple[int, ...],
+        acc: tuple[float, ...],
+        hw: Any,
+    ) -> set[int]:
         """Relaxed decoders that sit this pass out (``pass_composition.sit_out``): on
         with ``sit_out``, or on hardware whose pass cost is steep
         (``sit_out_steepness``)."""
@@ -250,7 +280,15 @@ class BudgetedPolicy(Policy):
         )
 
     def _best_shape(
-        self, view, arr: Columns, ds: tuple[int, ...], widths, P, kv, acc, pairs=0.0
+        self,
+        view: BatchView,
+        arr: Columns,
+        ds: tuple[int, ...],
+        widths: tuple[int, ...],
+        P: int,
+        kv: float,
+        acc: tuple[float, ...],
+        pairs: float = 0.0,
     ) -> ShapeChoice:
         """The tree shape (depth in ``ds``, width in ``widths``) whose predicted outcome
         scores best (``_pick``), with that outcome; ``need`` only when ``slo_phase``.
@@ -277,7 +315,17 @@ class BudgetedPolicy(Policy):
             need=ev.need[i] if ev.need is not None else None,
         )
 
-    def _evaluate_depths(self, view, arr: Columns, ds, w, P, kv, acc, pairs=0.0) -> DepthEvaluation:
+    def _evaluate_depths(
+        self,
+        view: BatchView,
+        arr: Columns,
+        ds: tuple[int, ...],
+        w: int,
+        P: int,
+        kv: float,
+        acc: tuple[float, ...],
+        pairs: float = 0.0,
+    ) -> DepthEvaluation:
         """Predicted outcome of drafting each depth of ``ds`` at width w for this batch
         (``evaluation.evaluate_depths``)."""
         return evaluate_depths(
@@ -290,7 +338,9 @@ class BudgetedPolicy(Policy):
         )  # fmt: skip
 
     # ------------------------------------------------------------------ select
-    def select(self, view: BatchView, plan: Plan, trees: dict[int, CandidateTree]):
+    def select(
+        self, view: BatchView, plan: Plan, trees: dict[int, CandidateTree]
+    ) -> dict[int, np.ndarray]:
         """rid -> the nodes of its tree to verify (sorted, containing 0): the SLO phase
         (``_slo_phase``), then the goodput phase (``phases.select_nodes``)."""
         return phases.select_nodes(view, plan, trees, self.cfg.node_cap, self._slo_phase)

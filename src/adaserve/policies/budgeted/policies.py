@@ -27,10 +27,11 @@ output tokens: A(r) = H * t_iter / (aim_r * (o_r + H - 1) - l_r), clipped to
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from adaserve.core.policy import Plan, ReqView
+from adaserve.core.policy import BatchView, Plan, ReqView
 from adaserve.policies.budgeted.columns import Columns
 from adaserve.policies.budgeted.config import AdaptiveConfig
 from adaserve.policies.budgeted.evaluation import DepthEvaluation, ShapeChoice
@@ -51,7 +52,7 @@ class AdaServePolicy(BudgetedPolicy):
         super().__init__(cfg)
         self._streaks = InfeasibleStreaks()
 
-    def _prefill_key(self) -> Callable[[ReqView], tuple]:
+    def _prefill_key(self) -> Callable[[ReqView], tuple[Any, ...]]:
         """Earliest TTFT deadline first."""
         return _ttft_deadline
 
@@ -63,7 +64,7 @@ class AdaServePolicy(BudgetedPolicy):
         """Explore wider trees unless ``explore_every`` is 0."""
         return self.cfg.explore_every > 0
 
-    def admission_key(self, waiting: ReqView) -> tuple:
+    def admission_key(self, waiting: ReqView) -> tuple[Any, ...]:
         """The admission sort key: past its max queue wait first, then the earliest
         TTFT deadline."""
         overdue = (
@@ -79,24 +80,38 @@ class AdaServePolicy(BudgetedPolicy):
         shapes that meet the most requirements (weighted), and of those whose predicted
         rate is within ``rate_tolerance`` of the best of them, the cheapest: the
         shallowest, then the narrowest."""
-        cand = [  # (met_w, rate, depth index, width index)
-            (float(ev.met_w[i]), float(ev.rate[i]), i, j)
-            for j, ev in enumerate(evs)
-            for i in range(D)
-        ]
+        cand: list[Candidate] = []  # (met_w, rate, depth index, width index)
+        for j, ev in enumerate(evs):
+            met_w = ev.met_w
+            assert met_w is not None  # slo_phase: the evaluation weighs the requirements
+            cand.extend((float(met_w[i]), float(ev.rate[i]), i, j) for i in range(D))
         top = max(c[0] for c in cand)
         floor = (1.0 - self.cfg.rate_tolerance) * max(c[1] for c in cand if c[0] == top)
         return min((c for c in cand if c[0] == top and c[1] >= floor), key=_cheapest)
 
     def _overload(
-        self, dec: list[ReqView], arr: Columns, best: ShapeChoice, widths, acc, plan: Plan
+        self,
+        dec: list[ReqView],
+        arr: Columns,
+        best: ShapeChoice,
+        widths: tuple[int, ...],
+        acc: tuple[float, ...],
+        plan: Plan,
     ) -> tuple[int, ...]:
         """The requests whose requirement no tree can meet, after marking in
         ``plan.degrade`` those infeasible for ``degrade_after`` plans in a row
         (``overload.py``)."""
         return self._streaks.judge(dec, arr, best, self._reach(widths, acc), plan, self.cfg)
 
-    def _slo_phase(self, view, plan: Plan, rids: list[int], F, caps, left: int) -> np.ndarray:
+    def _slo_phase(
+        self,
+        view: BatchView,
+        plan: Plan,
+        rids: list[int],
+        F: np.ndarray,
+        caps: np.ndarray,
+        left: int,
+    ) -> np.ndarray:
         """Candidates per tree [R]: each request's fewest best-f nodes whose expected
         gain reaches its requirement A(r) - 1 (capped), the most behind first, until
         ``left`` runs out."""
@@ -127,12 +142,12 @@ class SmartSpecPolicy(BudgetedPolicy):
         return (1,)
 
 
-def _ttft_deadline(r: ReqView) -> tuple:
+def _ttft_deadline(r: ReqView) -> tuple[Any, ...]:
     """The prefill sort key: time left to r's TTFT deadline, then its id."""
     return ((r.ttft_ms or 1e9) - r.waited_ms, r.rid)
 
 
-def _cheapest(c: Candidate) -> tuple:
+def _cheapest(c: Candidate) -> tuple[Any, ...]:
     """Order of (met_w, rate, depth index, width index) candidates by tree cost."""
     return (c[2], c[3], -c[1])
 
@@ -142,7 +157,7 @@ ADAPTIVE_POLICIES: dict[str, type[BudgetedPolicy]] = {
 }
 
 
-def make_adaptive(name: str, **kwargs) -> BudgetedPolicy:
+def make_adaptive(name: str, **kwargs: Any) -> BudgetedPolicy:
     """The budgeted policy called ``name``, with ``AdaptiveConfig`` overrides ``kwargs``."""
     if name not in ADAPTIVE_POLICIES:
         raise ValueError(name)

@@ -41,9 +41,11 @@ def requirements_at(
     """A(r) for m iteration times at once: [m] -> [m, n]."""
     slope, base = coefficients(a, cfg, margin)
     need = np.asarray(t_iter, dtype=float)[:, None] * slope + base
-    return np.minimum(np.maximum(need, 1.0), cfg.max_depth + 1)
+    out: np.ndarray = np.minimum(np.maximum(need, 1.0), cfg.max_depth + 1)
+    return out
 
 
 def requirements(a: Columns, t_iter: float, cfg: AdaptiveConfig, margin: float) -> np.ndarray:
     """A(r) for every request at once: [n]."""
-    return requirements_at(a, np.array([t_iter], dtype=float), cfg, margin)[0]
+    row: np.ndarray = requirements_at(a, np.array([t_iter], dtype=float), cfg, margin)[0]
+    return row

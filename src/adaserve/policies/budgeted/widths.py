@@ -17,9 +17,9 @@ class AcceptanceByRank:
 
     def __init__(self, prior: tuple[float, ...] = (0.6, 0.15, 0.07, 0.04)) -> None:
         self.value = prior
-        self._seen: tuple = ()
+        self._seen: tuple[float, ...] = ()
 
-    def update(self, acc, max_width: int) -> tuple[float, ...]:
+    def update(self, acc: tuple[float, ...], max_width: int) -> tuple[float, ...]:
         """Take the view's acceptance ``acc`` (empty: keep the last one); the value."""
         if acc and acc != self._seen:
             self._seen = acc
@@ -43,7 +43,7 @@ def tree_widths(n: int, acc: tuple[float, ...], cfg: AdaptiveConfig) -> tuple[in
     return (1,) if wide == 1 else (1, wide)
 
 
-def reach(widths, acc: tuple[float, ...], cfg: AdaptiveConfig) -> float:
+def reach(widths: tuple[int, ...], acc: tuple[float, ...], cfg: AdaptiveConfig) -> float:
     """Expected accepted candidates of the largest tree any request may get."""
     g = gain_curve(cfg.max_depth, max(widths), acc)
     return float(g[min(cfg.node_cap, len(g) - 1)])

@@ -138,7 +138,7 @@ def looser_slo(own: SLO, cls: SLO, looser: SLO) -> SLO:
     scaled by the looser class's over its own class's, so the scale and the
     request's overrides carry over (a target its class lacks is the looser one's)."""
 
-    def moved(mine, base, new):
+    def moved(mine: float | None, base: float | None, new: float | None) -> float | None:
         if new is None or mine is None:
             return new if mine is None else mine
         return mine * (new / base) if base else new
