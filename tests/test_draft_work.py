@@ -13,6 +13,7 @@ import torch
 
 from adaserve.config import EngineConfig
 from adaserve.core.blocks import BlockTable
+from adaserve.core.slo import SLO
 from adaserve.core.trace import DraftWork
 from adaserve.core.tree import scratch_slots_needed
 from adaserve.engine import profiler
@@ -21,7 +22,6 @@ from adaserve.hardware.drift import predicted_pass_ms
 from adaserve.hardware.model import UNLOADED_KV_TOKENS, HardwareModel
 from adaserve.policies.budgeted.evaluation import drafting_by_depth
 from adaserve.sampling import SamplingParams
-from adaserve.slo import SLO
 from adaserve.spec_decode.draft import expand
 
 KV = 4 << 20

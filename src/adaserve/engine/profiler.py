@@ -284,9 +284,9 @@ def measure_request_overhead(
     profile's verification of their tokens and context (``hw``), against ``one_ms``,
     the same overhead of a single request's step; the slope between the two (>= 0).
     ``clock``: seconds (tests inject one)."""
+    from adaserve.core.slo import SLO
     from adaserve.policies.static import AutoregressivePolicy
     from adaserve.sampling import SamplingParams
-    from adaserve.slo import SLO
 
     V = engine.target.cfg.vocab_size
     saved = engine.policy

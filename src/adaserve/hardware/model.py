@@ -34,6 +34,7 @@ import bisect
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -125,7 +126,7 @@ class HardwareModel:
         object.__setattr__(self, "_vdense", np.zeros(0))  # verify ms at 0, 1, 2, ... tokens
 
     # ------------------------------------------------------------------ predictions
-    def verify_latency(self, tokens, kv_tokens=0.0, prefill_pairs=0.0):
+    def verify_latency(self, tokens: Any, kv_tokens: Any = 0.0, prefill_pairs: Any = 0.0) -> Any:
         """Predicted ms of a target pass over ``tokens`` new tokens attending ``kv_tokens``
         cached ones, whose prefill chunks pair ``prefill_pairs`` new tokens with cached
         context tokens (the sum over chunks of new x cached)."""
@@ -149,7 +150,7 @@ class HardwareModel:
             object.__setattr__(self, "_vdense", tab)
         return tab
 
-    def draft_latency(self, tokens):
+    def draft_latency(self, tokens: Any) -> Any:
         """Predicted ms of one batched draft step over ``tokens`` tokens."""
         return self._dtab(tokens)  # type: ignore[attr-defined]  # a cache a frozen dataclass sets in __post_init__ (object.__setattr__)
 
