@@ -88,13 +88,19 @@ def _draft_of(smp: dict):
 
     if "draft" in smp:
         d = smp["draft"]
-        return DraftWork(d["catchup"], tuple(d["steps"]), d["kv_tokens"], d["request_steps"])
+        return DraftWork(
+            d["catchup"],
+            tuple(d["steps"]),
+            d["kv_tokens"],
+            d["request_steps"],
+            requests=d.get("requests", len(smp["shapes"])),
+        )
     shapes = smp["shapes"]
     if not shapes:
         return DraftWork()
     depth = max(d for d, _ in shapes)
     steps = tuple(sum(w for d, w in shapes if d - 1 > t) for t in range(depth - 1))
-    return DraftWork(len(shapes), steps, 0, sum(d for d, _ in shapes))
+    return DraftWork(len(shapes), steps, 0, sum(d for d, _ in shapes), requests=len(shapes))
 
 
 def _sample_ms(hw, host, smp: dict) -> float | None:

@@ -70,6 +70,7 @@ def test_the_engine_s_drafter_runs_the_passes_the_simulator_counts(tiny_pair):
         kv_tokens=sum(kv for _, kv in passes),
         request_steps=sum(d for d, _ in shapes),
         drafted=sum(o.tree.num_candidates for o in outs),
+        requests=len(reqs),
     )
     counted = DraftWork.of_trees(
         [(n, c, d, w) for n, c, (d, w) in zip(lengths, cached, shapes)], ran.drafted
@@ -163,3 +164,41 @@ def test_the_host_s_work_per_request_is_measured_and_priced(tiny_pair, monkeypat
           "spread_by_kv": {"64": {"raw_median_ms": [5.0]}}}}  # fmt: skip
     assert check_step({**ok, "overhead_ms_per_request": 0.4}) == []
     assert "host work per request" in check_step({**ok, "overhead_ms_per_request": 6.0})[0]
+
+
+def test_the_host_s_work_per_tree_is_measured_and_priced(tiny_pair, monkeypatch):
+    """Speculating steps that take their profiled passes plus 0.7 ms per tree (an
+    injected clock): the profile recovers the 0.7 ms, and the pass's price, the
+    planner's and ``drafting_ms`` count it once per speculating request."""
+    target, draft, _ = tiny_pair
+    eng = Engine(EngineConfig(model=str(target), draft=str(draft), policy="ar", kv_cache_bytes=KV))
+    hw = dataclasses.replace(HW, overhead_ms=0.5, overhead_ms_per_request=0.05)
+    now = [0.0]
+    real_step = eng.step
+
+    def step():
+        real_step()
+        tr = eng.last_trace
+        ms = 3.0
+        if tr is not None:
+            n = len(tr.prefill) + len(tr.decode)
+            ms = predicted_pass_ms(hw, tr.tokens, tr.kv_tokens, tr.prefill_pairs, tr.draft, n)
+            ms += 0.7 * len(tr.spec)
+        now[0] += ms / 1e3
+
+    monkeypatch.setattr(eng, "step", step)
+    got = profiler.measure_tree_host(eng, hw, requests=4, clock=lambda: now[0])
+    assert got == pytest.approx(0.7, abs=1e-6)
+    priced = dataclasses.replace(HW, tree_host_ms=0.7)
+    work = DraftWork.of_trees([(40, 40, 2, 1), (30, 30, 3, 1)])
+    assert predicted_pass_ms(priced, 7, 70, 0, work) - predicted_pass_ms(
+        HW, 7, 70, 0, work
+    ) == pytest.approx(1.4)
+    di = np.arange(0, 4)
+    with_trees = drafting_by_depth(priced, di, 3, 1, 3, 90.0)
+    assert with_trees - drafting_by_depth(HW, di, 3, 1, 3, 90.0) == pytest.approx(
+        [0, 2.1, 2.1, 2.1]
+    )
+    assert priced.drafting_ms(2, 3, 3, 3, 90.0) - HW.drafting_ms(2, 3, 3, 3, 90.0) == pytest.approx(
+        2.1
+    )

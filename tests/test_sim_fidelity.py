@@ -214,7 +214,7 @@ def test_speed_trace_of_a_real_run_is_measured_over_fitted_time_per_window(tmp_p
         tokens = 3 + sum(1 + d for d, _ in shapes)
         steps = [sum(w for d, w in shapes if d - 1 > t) for t in range(3)]
         steps = steps[: max((d for d, _ in shapes), default=1) - 1]
-        draft = DraftWork(len(shapes), tuple(steps), 0, sum(d for d, _ in shapes))
+        draft = DraftWork(len(shapes), tuple(steps), 0, sum(d for d, _ in shapes), 0, len(shapes))
         pred = forward_ms(hw, tokens, 500, draft if shapes else DraftWork())
         pred += host.ms(HostOverhead.features(3, len(shapes), sum(d for d, _ in shapes), 0, 0))
         ms = speed * pred

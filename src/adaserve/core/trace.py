@@ -33,6 +33,7 @@ class DraftWork:
     kv_tokens:     context tokens the passes attended, summed over the passes
     request_steps: speculating requests x their draft depth (the host's tree work)
     drafted:       candidate nodes produced
+    requests:      speculating requests (each tree's verification on the host)
     """
 
     catchup: int = 0
@@ -40,6 +41,7 @@ class DraftWork:
     kv_tokens: int = 0
     request_steps: int = 0
     drafted: int = 0
+    requests: int = 0
 
     @classmethod
     def of_trees(cls, trees: Iterable[tuple[int, int, int, int]], drafted: int = 0) -> DraftWork:
@@ -64,6 +66,7 @@ class DraftWork:
             kv_tokens=sum(cached for _, cached, _, _ in trees) + sum(steps_kv),
             request_steps=sum(d for _, _, d, _ in trees),
             drafted=drafted,
+            requests=len(trees),
         )
 
     @property
@@ -363,5 +366,6 @@ def sample(tr: StepTrace, t: float) -> dict[str, Any]:
             "steps": list(tr.draft.steps),
             "kv_tokens": tr.draft.kv_tokens,
             "request_steps": tr.draft.request_steps,
+            "requests": tr.draft.requests,
         },
     }

@@ -121,6 +121,7 @@ class EngineExecutor:
             kv_tokens=sum(kv for _, kv in passes),
             request_steps=sum(d for _, (d, _) in batch.spec),
             drafted=sum(d.tree.num_candidates for d in drafts.values()),
+            requests=len(batch.spec),
         )
 
     def _speculate(self, batch: Batch) -> dict[int, DraftOutput]:

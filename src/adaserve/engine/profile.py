@@ -24,6 +24,7 @@ from adaserve.engine.profiler import (  # noqa: F401  (fit_prefill_pairs: re-exp
     measure_mask,
     measure_request_overhead,
     measure_step_overhead,
+    measure_tree_host,
     profile_calls,
 )
 from adaserve.hardware.model import HardwareModel
@@ -31,8 +32,9 @@ from adaserve.hardware.profile_stats import SanityLimits, check_profile, summari
 
 # Part of the cache key: bump when the forward code's speed changes (e.g. the paged
 # attention kernel), so that cached profiles measured with the old code are not reused
-# (5: the draft's passes are measured at two context lengths, as verification is).
-FORWARD_VERSION = 5
+# (5: the draft's passes are measured at two context lengths, as verification is; 6: the
+# host's work per request and per speculating request's tree is measured).
+FORWARD_VERSION = 6
 
 
 def fingerprint(path: str | Path | None) -> str:
@@ -115,6 +117,10 @@ def profile_engine(engine, reps: int = 5, timer=None, progress=None) -> dict:
         kv = sum(n * (24 + w * t) for t in range(d - 1))
         forwards = hw.draft_passes_ms(n * 24, (n * w,) * (d - 1), 0, kv)
         prof["draft_host_ms"] = round(max(0.0, (total - forwards) / (n * d)), 4)
+        # each speculating request's tree verified on the host, beyond the passes
+        # (injected timers measure nothing of the machine)
+        tree = measure_tree_host(engine, HardwareModel.from_dict(prof)) if timer is None else 0.0
+        prof["tree_host_ms"] = round(tree, 4)
     mask = measure_mask(engine)
     if mask is not None:
         prof["mask_ms_per_node"] = round(mask, 5)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from adaserve.core.slo import SLO
 from adaserve.hardware.model import SCHEMA
 from adaserve.hardware.profile_stats import (
     PointStats,
@@ -23,6 +24,7 @@ from adaserve.hardware.profile_stats import (
 from adaserve.kv.cache import KVCache
 from adaserve.models.attention import AttnMetadata, SeqSpec
 from adaserve.models.llama import LlamaModel
+from adaserve.sampling import SamplingParams
 
 VERIFY_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DRAFT_TOKENS = (1, 4, 16, 64, 256)
@@ -251,9 +253,7 @@ def measure_step_overhead(engine, new_tokens: int = 24) -> list[float]:
     steps without speculation, the first two dropped as warm-up): the engine's whole
     iteration, forward pass, scheduling, metadata and sampling included. The host
     overhead is their median less the profiled one-token verification."""
-    from adaserve.core.slo import SLO
     from adaserve.policies.static import AutoregressivePolicy
-    from adaserve.sampling import SamplingParams
 
     saved = engine.policy
     engine.set_policy(AutoregressivePolicy())
@@ -284,9 +284,7 @@ def measure_request_overhead(
     profile's verification of their tokens and context (``hw``), against ``one_ms``,
     the same overhead of a single request's step; the slope between the two (>= 0).
     ``clock``: seconds (tests inject one)."""
-    from adaserve.core.slo import SLO
     from adaserve.policies.static import AutoregressivePolicy
-    from adaserve.sampling import SamplingParams
 
     V = engine.target.cfg.vocab_size
     saved = engine.policy
@@ -316,13 +314,57 @@ def measure_request_overhead(
     return max(0.0, (statistics.median(over[2:]) - one_ms) / (requests - 1))
 
 
+def measure_tree_host(
+    engine, hw, requests: int = HOST_REQUESTS // 2, clock=time.perf_counter
+) -> float:
+    """Host ms per speculating request of a step beyond its profiled passes (its tree's
+    verification: the batch built, the nodes sampled, the accepted nodes' KV moved):
+    steps of ``requests`` requests drafting 4-token chains together (the first two
+    dropped as warm-up), each less ``hw``'s price of the same pass without this term
+    (``drift.predicted_pass_ms`` of its ``StepTrace``), per speculating request (>= 0).
+    ``clock``: seconds (tests inject one)."""
+    import dataclasses
+
+    from adaserve.hardware.drift import predicted_pass_ms
+    from adaserve.policies.registry import make_policy
+
+    if engine.draft is None:
+        return 0.0
+    hw = dataclasses.replace(hw, tree_host_ms=0.0)
+    V = engine.target.cfg.vocab_size
+    saved = engine.policy
+    engine.set_policy(make_policy("spec-chain:4"))
+    per = []
+    try:
+        reqs = [
+            engine.add_request(
+                [(5 * i + j) % V for j in range(1, 33)],
+                SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                SLO(),
+            )
+            for i in range(requests)
+        ]
+        while not all(r.finished for r in reqs):
+            t0 = clock()
+            engine.step()
+            ms = (clock() - t0) * 1000
+            tr = engine.last_trace
+            if tr is None or tr.prefill or not tr.spec:
+                continue
+            pred = predicted_pass_ms(hw, tr.tokens, tr.kv_tokens, 0, tr.draft, len(tr.decode))
+            per.append((ms - pred) / len(tr.spec))
+    finally:
+        engine.set_policy(saved)
+    if len(per) < 3:
+        return 0.0
+    return max(0.0, statistics.median(per[2:]))
+
+
 def measure_draft_host(engine, requests: int = 8, depth: int = 4, width: int = 2) -> float:
     """Host ms per speculating request per draft step: a real tree expansion of
     ``requests`` requests minus the profiled forward passes it ran."""
     from adaserve.core.blocks import BlockTable
-    from adaserve.core.slo import SLO
     from adaserve.core.tree import scratch_slots_needed
-    from adaserve.sampling import SamplingParams
     from adaserve.spec_decode.draft import expand
 
     if engine.draft is None:

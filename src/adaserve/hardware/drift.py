@@ -119,5 +119,7 @@ def predicted_pass_ms(
     price of draft work)."""
     ms = float(hw.verify_latency(max(tokens, 1), kv_tokens, prefill_pairs)) + hw.host_ms(requests)
     if draft.passes:
-        ms += hw.draft_passes_ms(draft.catchup, draft.steps, draft.request_steps, draft.kv_tokens)
+        ms += hw.draft_passes_ms(
+            draft.catchup, draft.steps, draft.request_steps, draft.kv_tokens, draft.requests
+        )
     return ms

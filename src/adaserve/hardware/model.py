@@ -16,6 +16,7 @@ Profile JSON schema (``adaserve.profile/1``; written by ``adaserve profile``)::
       "overhead_ms": float,                                        # host work per iteration
       "overhead_ms_per_request": float,        # and per request in it (sampling, output)
       "draft_host_ms": float,                  # host work per speculating request per step
+      "tree_host_ms": float,                   # and per tree verified (batch, sampling, KV)
       "mask_ms_per_node": float,               # a grammar mask of one tree node (host)
       "kv_bytes_per_token": {"target": int, "draft": int},
       "threads": int,                          # intra-op threads it was measured with
@@ -103,6 +104,9 @@ class HardwareModel:
     # bookkeeping): measured as the slope of a plain decode step's overhead in requests
     overhead_ms_per_request: float = 0.0
     draft_host_ms: float = 0.0  # host work per speculating request per draft step
+    # host work per speculating request of an iteration beyond its drafting: its tree's
+    # verification (batch building, sampling the nodes, moving the accepted nodes' KV)
+    tree_host_ms: float = 0.0
     mask_ms_per_node: float = 0.0  # host time of one constrained tree node's grammar mask
     kv_bytes_target: int = 0
     kv_bytes_draft: int = 0
@@ -186,8 +190,8 @@ class HardwareModel:
         draft_requests: float = 0.0,
         draft_kv_tokens: float = 0.0,
     ) -> float:
-        """Predicted ms of drafting ``draft_depth`` steps of ``draft_requests`` requests
-        alike: one catch-up pass, then ``draft_depth - 1`` passes over
+        """Predicted ms of speculation for ``draft_requests`` requests alike, drafting
+        ``draft_depth`` steps: one catch-up pass, then ``draft_depth - 1`` passes over
         ``draft_tokens_per_step`` tokens, each pass attending the requests'
         ``draft_kv_tokens`` context tokens; ``draft_passes_ms`` of those passes. 0 when
         ``draft_depth`` is 0."""
@@ -198,22 +202,30 @@ class HardwareModel:
             (draft_tokens_per_step,) * (draft_depth - 1),
             draft_depth * draft_requests,
             draft_depth * draft_kv_tokens,
+            draft_requests,
         )
 
     def draft_passes_ms(
-        self, catchup_tokens: float, steps, request_steps: float, kv_tokens: float
+        self,
+        catchup_tokens: float,
+        steps: Any,
+        request_steps: float,
+        kv_tokens: float,
+        requests: float = 0.0,
     ) -> float:
-        """Predicted ms of one step's drafting, the one definition of its price (the
-        engine's stall check, the simulator's pass and the planner's evaluation, whose
-        vectorised copy ``tests/test_draft_work.py`` holds to it): the catch-up pass over
-        ``catchup_tokens``, one pass per entry of ``steps`` (tokens fed), the host's tree
-        work of ``request_steps`` (speculating requests x their draft depth) and
-        ``kv_tokens`` context tokens attended over all the passes."""
+        """Predicted ms of one step's speculation beyond the verification pass, the one
+        definition of its price (the engine's stall check, the simulator's pass and the
+        planner's evaluation, whose vectorised copy ``tests/test_draft_work.py`` holds
+        to it): the draft's catch-up pass over ``catchup_tokens``, one pass per entry of
+        ``steps`` (tokens fed), the host's tree work of ``request_steps`` (speculating
+        requests x their draft depth), ``kv_tokens`` context tokens attended over all
+        the passes, and the host's verification of ``requests`` trees."""
         tokens = np.maximum(np.array([catchup_tokens, *steps], dtype=float), 1.0)
         return (
             float(self.draft_latency(tokens).sum())
             + request_steps * self.draft_host_ms
             + kv_tokens * self.draft_kv_ms_per_token
+            + requests * self.tree_host_ms
         )
 
     def unloaded_tpot_ms(self) -> float:
@@ -243,6 +255,7 @@ class HardwareModel:
             overhead_ms=float(d.get("overhead_ms", 0.0)),
             overhead_ms_per_request=float(d.get("overhead_ms_per_request", 0.0)),
             draft_host_ms=float(d.get("draft_host_ms", 0.0)),
+            tree_host_ms=float(d.get("tree_host_ms", 0.0)),
             mask_ms_per_node=float(d.get("mask_ms_per_node", 0.0)),
             kv_bytes_target=int(kvb.get("target", 0)),
             kv_bytes_draft=int(kvb.get("draft") or 0),

@@ -102,7 +102,8 @@ def drafting_by_depth(
     first = hw.draft_latency(max(catchup, 1.0))
     step = hw.draft_latency(max(n * w, 1.0))
     per_pass = n * hw.draft_host_ms + context * hw.draft_kv_ms_per_token
-    return np.where(di > 0, first + (di - 1) * step + di * per_pass, 0.0)
+    trees = n * hw.tree_host_ms
+    return np.where(di > 0, first + (di - 1) * step + di * per_pass + trees, 0.0)
 
 
 def evaluate_depths(
