@@ -1,6 +1,7 @@
 """The engine and the simulator are twins: a real engine run, replayed through the
 simulator's scheduler with the recorded outcomes and times, makes the same admission,
-prefill-chunk, preemption and plan decisions at every step."""
+prefill-chunk, preemption and plan decisions at every step, and counts the same draft
+work (``DraftWork``: the energy tally's and the price's input)."""
 
 from __future__ import annotations
 
@@ -71,7 +72,12 @@ def test_simulator_replays_the_engine_decision_for_decision(tiny_pair, cheap_pro
     assert len(got) == len(steps)
     for k, (a, b) in enumerate(zip(steps, got)):
         assert decisions(b) == decisions(a), f"step {k} differs"
+        # one definition of the draft's work: what the engine's drafter ran is what the
+        # simulator counts for the same trees (catch-up, passes, context, requests)
+        assert b.draft == a.draft, f"step {k}: draft work {b.draft} != {a.draft}"
     assert eng.counters.preemptions == sum(len(s.preempted) for s in got)
+    if policy != "ar-chunked":
+        assert any(s.draft.kv_tokens and len(s.draft.steps) > 1 for s in steps)
 
 
 def test_replay_detects_a_scheduler_that_differs(tiny_pair, cheap_profile):

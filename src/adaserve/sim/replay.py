@@ -18,7 +18,7 @@ from adaserve.core.config import SchedulerConfig
 from adaserve.core.policy import BatchView, Plan, Policy
 from adaserve.core.slo import SLO
 from adaserve.core.step import Batch, StepInputs, run_step
-from adaserve.core.trace import StepTrace
+from adaserve.core.trace import DraftWork, StepTrace
 from adaserve.errors import AdmissionRejected
 from adaserve.hardware.model import HardwareModel
 from adaserve.sim.acceptance import AcceptanceModel
@@ -161,11 +161,17 @@ class _ReplayRun(_Run):
             sizes[r.rid] = k
             if r.rid in rec.accepted:
                 accepted[r.rid] = rec.accepted[r.rid]
+        # the draft's work as the simulator counts it (``DraftWork.of_trees``) for the
+        # recorded shapes: the replay test holds it to the engine's count, step by step
+        draft = DraftWork.of_trees(
+            [(r.n_tokens, r.draft_cached, d, w) for r, (d, w) in batch.spec], rec.draft.drafted
+        )
         return PassOutcome(
             end=rec.t_end,
             ms=rec.duration_s * 1000.0,
             sizes=sizes,
             accepted=accepted,
             tokens=rec.tokens,
-            draft=rec.draft,
+            draft=draft,
+            drafted_rids=frozenset(r.rid for r, _ in batch.spec),
         )
