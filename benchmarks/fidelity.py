@@ -113,7 +113,9 @@ def _sample_ms(hw, host, smp: dict) -> float | None:
     if "shapes" not in smp:
         return None
     shapes = smp["shapes"]
-    ms = forward_ms(hw, smp["tokens"], smp["kv_tokens"], _draft_of(smp))
+    # logits rows: every tree node and root (decoders taken as the trees' requests)
+    rows = smp["tree_nodes"] + max(len(shapes), smp["running"] - 1)
+    ms = forward_ms(hw, smp["tokens"], smp["kv_tokens"], _draft_of(smp), rows=rows)
     if host is not None:
         ms += host.ms(
             HostOverhead.features(

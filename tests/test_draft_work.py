@@ -33,6 +33,8 @@ HW = HardwareModel(
     draft_ms=(1.0, 2.0, 9.0),
     draft_host_ms=0.1,
     draft_kv_ms_per_token=0.003,
+    logits_ms_per_row=0.01,
+    draft_logits_ms_per_row=0.02,
 )
 
 
@@ -97,16 +99,22 @@ def test_the_planner_prices_drafting_as_the_model_does(n, w, catchup, context):
 
 
 def test_a_pass_is_priced_from_its_draft_work():
-    """The stall check's and the simulator's price of a pass: verification, overhead,
-    and the draft's passes with their context and host work."""
+    """The stall check's and the simulator's price of a pass: verification with its
+    logits rows, overhead, and the draft's passes with their context, host work and
+    logits rows."""
     work = DraftWork.of_trees([(100, 90, 3, 2), (50, 50, 1, 1)], drafted=7)
     assert work.passes == 3 and work.tokens == 10 + 2 + 2
     assert work.kv_tokens == (90 + 50) + (100) + (100 + 2)
-    ms = predicted_pass_ms(HW, 12, 150, 0, work)
-    draft = HW.draft_passes_ms(10, (2, 2), 4, work.kv_tokens)
-    assert ms == pytest.approx(float(HW.verify_latency(12, 150)) + draft)
+    ms = predicted_pass_ms(HW, 12, 150, 0, work, rows=12)
+    draft = HW.draft_passes_ms(10, (2, 2), 4, work.kv_tokens, 2)
+    assert ms == pytest.approx(float(HW.verify_latency(12, 150)) + 0.01 * 12 + draft)
+    # logits rows of the draft: one per tree at the catch-up, one per token fed after
     assert draft == pytest.approx(
-        float(HW.draft_latency(10)) + 2 * float(HW.draft_latency(2)) + 0.4 + 0.003 * 342
+        float(HW.draft_latency(10))
+        + 2 * float(HW.draft_latency(2))
+        + 0.4
+        + 0.003 * 342
+        + 0.02 * (2 + 4)
     )
     assert predicted_pass_ms(HW, 12, 150, 0, DraftWork()) == pytest.approx(
         float(HW.verify_latency(12, 150))
@@ -182,7 +190,8 @@ def test_the_host_s_work_per_tree_is_measured_and_priced(tiny_pair, monkeypatch)
         ms = 3.0
         if tr is not None:
             n = len(tr.prefill) + len(tr.decode)
-            ms = predicted_pass_ms(hw, tr.tokens, tr.kv_tokens, tr.prefill_pairs, tr.draft, n)
+            rows = len(tr.decode) + sum(tr.tree_nodes.values())
+            ms = predicted_pass_ms(hw, tr.tokens, tr.kv_tokens, tr.prefill_pairs, tr.draft, n, rows)
             ms += 0.7 * len(tr.spec)
         now[0] += ms / 1e3
 

@@ -95,6 +95,8 @@ class EngineExecutor:
                 out.prefill_pairs,
                 work,
                 len(batch.prefill) + len(batch.decode),
+                sum(len(trees[r.rid].tokens) for r in batch.decode)
+                + sum(r.num_cached + n == r.num_tokens for r, n in batch.prefill),
             )
             assert self._probe is not None  # ``prepare`` began it
             stall = e.stalls.end(self._probe, predicted, (now - out.t_start) * 1000)

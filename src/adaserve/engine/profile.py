@@ -33,8 +33,9 @@ from adaserve.hardware.profile_stats import SanityLimits, check_profile, summari
 # Part of the cache key: bump when the forward code's speed changes (e.g. the paged
 # attention kernel), so that cached profiles measured with the old code are not reused
 # (5: the draft's passes are measured at two context lengths, as verification is; 6: the
-# host's work per request and per speculating request's tree is measured).
-FORWARD_VERSION = 6
+# host's work per request and per speculating request's tree is measured; 7: the curves
+# hold one logits row, the LM head is priced per row).
+FORWARD_VERSION = 7
 
 
 def fingerprint(path: str | Path | None) -> str:

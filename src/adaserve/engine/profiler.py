@@ -60,10 +60,30 @@ def _forward_timer(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int):
             t0 = time.perf_counter()
             meta = AttnMetadata.build(seqs, device, model.cfg.sliding_window)
             h = model(ids, meta, kv.layers)
-            model.logits(h[-n_seq:]).argmax(-1).tolist()  # include the host sync
+            # one logits row and the host sync: the rows a pass computes are priced
+            # per row (``measure_logits``)
+            model.logits(h[-1:]).argmax(-1).tolist()
             return (time.perf_counter() - t0) * 1000
 
     return once
+
+
+def measure_logits(model: LlamaModel, reps: int = 9, rows: tuple[int, int] = (8, 256)) -> float:
+    """ms per logits row of ``model``'s LM head (with the argmax and host sync a pass
+    does): the slope between ``rows`` rows, timed alternately, medians of ``reps``."""
+    device = model.embed_tokens.weight.device
+    dtype = model.embed_tokens.weight.dtype
+    hs = [torch.randn(n, model.cfg.hidden_size, device=device, dtype=dtype) for n in rows]
+    times: list[list[float]] = [[], []]
+    with torch.inference_mode():
+        for k in range(reps + 1):
+            for i, h in enumerate(hs):
+                t0 = time.perf_counter()
+                model.logits(h).argmax(-1).tolist()
+                if k:  # the first round warms up
+                    times[i].append((time.perf_counter() - t0) * 1000)
+    lo, hi = (statistics.median(t) for t in times)
+    return max(0.0, (hi - lo) / (rows[1] - rows[0]))
 
 
 def _prefill_timer(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int):
@@ -196,6 +216,11 @@ def measure(
             "prefill_by_ctx": {f"{n}x{c}": round(ms, 4) for (n, c), ms in prefill_points.items()},
         },
         "overhead_ms": 0.3,  # replaced by a measured value in profile_engine
+        # the LM head per row beyond the curves' one (injected timers: none measured)
+        "logits_ms_per_row": {
+            "target": round(measure_logits(target), 5) if timer is None else 0.0,
+            "draft": round(measure_logits(draft), 5) if timer is None and draft else 0.0,
+        },
         "kv_bytes_per_token": {"target": target.cfg.kv_bytes_per_token(esize), "draft": 0},
     }
     if draft is not None:
@@ -351,7 +376,8 @@ def measure_tree_host(
             tr = engine.last_trace
             if tr is None or tr.prefill or not tr.spec:
                 continue
-            pred = predicted_pass_ms(hw, tr.tokens, tr.kv_tokens, 0, tr.draft, len(tr.decode))
+            rows = len(tr.decode) + sum(tr.tree_nodes.values())
+            pred = predicted_pass_ms(hw, tr.tokens, tr.kv_tokens, 0, tr.draft, len(tr.decode), rows)
             per.append((ms - pred) / len(tr.spec))
     finally:
         engine.set_policy(saved)

@@ -112,12 +112,15 @@ def predicted_pass_ms(
     prefill_pairs: float,
     draft: DraftWork,
     requests: float = 0.0,
+    rows: float = 0.0,
 ) -> float:
     """The profile's prediction (ms, no online correction) of one pass of ``requests``
-    requests: the verification of ``tokens`` with its context and prefill pairs, the
+    requests: the verification of ``tokens`` with its context and prefill pairs and its
+    ``rows`` logits rows (every tree node, each completing prefill's last token), the
     host overhead and the draft's passes (``HardwareModel.draft_passes_ms``, the one
     price of draft work)."""
     ms = float(hw.verify_latency(max(tokens, 1), kv_tokens, prefill_pairs)) + hw.host_ms(requests)
+    ms += hw.logits_ms_per_row * rows
     if draft.passes:
         ms += hw.draft_passes_ms(
             draft.catchup, draft.steps, draft.request_steps, draft.kv_tokens, draft.requests

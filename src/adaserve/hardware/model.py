@@ -17,6 +17,7 @@ Profile JSON schema (``adaserve.profile/1``; written by ``adaserve profile``)::
       "overhead_ms_per_request": float,        # and per request in it (sampling, output)
       "draft_host_ms": float,                  # host work per speculating request per step
       "tree_host_ms": float,                   # and per tree verified (batch, sampling, KV)
+      "logits_ms_per_row": {"target": float, "draft": float},   # the LM head, per row
       "mask_ms_per_node": float,               # a grammar mask of one tree node (host)
       "kv_bytes_per_token": {"target": int, "draft": int},
       "threads": int,                          # intra-op threads it was measured with
@@ -107,6 +108,11 @@ class HardwareModel:
     # host work per speculating request of an iteration beyond its drafting: its tree's
     # verification (batch building, sampling the nodes, moving the accepted nodes' KV)
     tree_host_ms: float = 0.0
+    # the LM head per logits row: a verification computes a row for every tree node (and
+    # a completing prefill's last token), a draft pass for every token it feeds but its
+    # catch-up (one row per request); the curves hold one row
+    logits_ms_per_row: float = 0.0
+    draft_logits_ms_per_row: float = 0.0
     mask_ms_per_node: float = 0.0  # host time of one constrained tree node's grammar mask
     kv_bytes_target: int = 0
     kv_bytes_draft: int = 0
@@ -219,13 +225,15 @@ class HardwareModel:
         to it): the draft's catch-up pass over ``catchup_tokens``, one pass per entry of
         ``steps`` (tokens fed), the host's tree work of ``request_steps`` (speculating
         requests x their draft depth), ``kv_tokens`` context tokens attended over all
-        the passes, and the host's verification of ``requests`` trees."""
+        the passes, the host's verification of ``requests`` trees, and the draft's
+        logits rows (one per request at the catch-up, one per token fed after it)."""
         tokens = np.maximum(np.array([catchup_tokens, *steps], dtype=float), 1.0)
         return (
             float(self.draft_latency(tokens).sum())
             + request_steps * self.draft_host_ms
             + kv_tokens * self.draft_kv_ms_per_token
             + requests * self.tree_host_ms
+            + (requests + float(tokens[1:].sum())) * self.draft_logits_ms_per_row
         )
 
     def unloaded_tpot_ms(self) -> float:
@@ -256,6 +264,8 @@ class HardwareModel:
             overhead_ms_per_request=float(d.get("overhead_ms_per_request", 0.0)),
             draft_host_ms=float(d.get("draft_host_ms", 0.0)),
             tree_host_ms=float(d.get("tree_host_ms", 0.0)),
+            logits_ms_per_row=float((d.get("logits_ms_per_row") or {}).get("target", 0.0)),
+            draft_logits_ms_per_row=float((d.get("logits_ms_per_row") or {}).get("draft", 0.0)),
             mask_ms_per_node=float(d.get("mask_ms_per_node", 0.0)),
             kv_bytes_target=int(kvb.get("target", 0)),
             kv_bytes_draft=int(kvb.get("draft") or 0),

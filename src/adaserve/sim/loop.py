@@ -489,6 +489,8 @@ class _Run:
             draft,
             batch.prefill_pairs,
             len(batch.prefill) + len(batch.decode),
+            # logits rows: every tree node, and each completing prefill's last token
+            sum(sizes.values()) + sum(r.num_cached + n == r.num_tokens for r, n in batch.prefill),
         )
         ho = cfg.host_overhead
         if ho is not None:

@@ -70,9 +70,10 @@ def forward_ms(
     draft: DraftWork,
     prefill_pairs: float = 0.0,
     requests: float = 0.0,
+    rows: float = 0.0,
 ) -> float:
     """The profile's time of one iteration of ``requests`` requests (ms): verification
     of ``v_tokens`` attending ``kv_tokens`` (its prefill chunks' ``prefill_pairs`` new x
     cached token pairs priced too), the host overhead and the draft's passes
     (``drift.predicted_pass_ms``: the engine's stall check prices a pass the same)."""
-    return predicted_pass_ms(hw, v_tokens, kv_tokens, prefill_pairs, draft, requests)
+    return predicted_pass_ms(hw, v_tokens, kv_tokens, prefill_pairs, draft, requests, rows)

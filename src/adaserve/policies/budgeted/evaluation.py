@@ -102,8 +102,10 @@ def drafting_by_depth(
     first = hw.draft_latency(max(catchup, 1.0))
     step = hw.draft_latency(max(n * w, 1.0))
     per_pass = n * hw.draft_host_ms + context * hw.draft_kv_ms_per_token
-    trees = n * hw.tree_host_ms
-    return np.where(di > 0, first + (di - 1) * step + di * per_pass + trees, 0.0)
+    # per tree: its verification on the host, and the catch-up's logits row
+    trees = n * (hw.tree_host_ms + hw.draft_logits_ms_per_row)
+    later = (di - 1) * (step + n * w * hw.draft_logits_ms_per_row)  # each fed token's row
+    return np.where(di > 0, first + later + di * per_pass + trees, 0.0)
 
 
 def evaluate_depths(
@@ -144,6 +146,10 @@ def evaluate_depths(
     pair_ms = hw.prefill_ms_per_pair * pairs
     base = hw.kv_ms_per_token * kv + pair_ms + draft  # [D, 1]
     V = hw.verify_table(tok0 + n * int(kmax.max()))  # every token count planned for
+    if hw.logits_ms_per_row:
+        # every decoding token (root or tree node) needs its logits row, a prefill
+        # chunk's tokens none (``drift.predicted_pass_ms``'s rows)
+        V = V + hw.logits_ms_per_row * np.maximum(np.arange(len(V)) - P, 0)
     masked = arr.constrained_share * view.mask_ms_per_node
     if masked > 0:
         # constrained requests' nodes each cost a grammar mask on the host: priced
