@@ -168,11 +168,13 @@ class AdmissionControl:
         # expected tokens per pass; measured over predicted pass time
         self.tok_ratio: dict[str, float] = {}
         self.time_ratio: float | None = None
-        self._arr_tok: deque[tuple[float, int]] = deque()  # (arrival, prompt) offered
+        # (arrival, prompt tokens, rank of its class) of the requests offered
+        self._arr_tok: deque[tuple[float, int, int]] = deque()
         # the last verdict's predictions for the request judged (promise, TPOT, TTFT)
         self._pred: tuple[float | None, float | None, float | None] = (None, None, None)
         self._own_tpot: float | None = None  # the request judged: its class's predicted pace
-        self._due: tuple[float, float] = (0.0, 0.0)  # prompt tokens due, until when (s)
+        # rank -> prompt tokens due before the judged request's decode ends; that end (s)
+        self._due: tuple[dict[int, float], float] = ({}, 0.0)
         self.ask_planner = os.environ.get(ASK_PLANNER_ENV) == "1"  # see ``planner_off_pace``
 
     def reset(self) -> None:
@@ -599,7 +601,7 @@ class AdmissionControl:
         end = max(start, now) + out * tpot / 1000.0  # its decode ends (at its target)
         new = self._fresh(seq, now)
         others: list[ReqView] = []
-        due = float(seq.to_prefill)
+        due = {s.rank_of(seq.slo.cls): float(seq.to_prefill)}
         for r in itertools.chain(s.running, s.waiting):
             if r in s.running and not r.in_prefill:
                 others.append(s.req_view(r, now))
@@ -608,7 +610,8 @@ class AdmissionControl:
             rd = r.arrival + (rt / 1000.0 if rt is not None else math.inf)
             if r.num_output > 0 or rd <= end:
                 others.append(self._fresh(r, now))
-                due += r.to_prefill
+                rk = s.rank_of(r.slo.cls)
+                due[rk] = due.get(rk, 0.0) + r.to_prefill
         n = 1.0 + len(others) + self.seats.ahead(seq.retry_token, now)
         rate = self.arrival_rate(now)
         life = out * tpot / 1000.0
@@ -637,23 +640,21 @@ class AdmissionControl:
         self._due = (due, end)
         return batch, n
 
-    def _life_prefill(self, t_iter: float, now: float) -> float:
-        """Prompt tokens per pass over the request's life at pass time ``t_iter``: the
-        most of the measured prefill per pass, the queued prompt tokens due before its
-        decode ends over the passes until then, and the offered prompt tokens per
+    def _life_prefill(self, t_iter: float, now: float) -> dict[int, float]:
+        """Prompt tokens per pass over the request's life at pass time ``t_iter``, by
+        the rank of their class: the most of the queued prompt tokens due before its
+        decode ends over the passes until then and the offered prompt tokens per
         second times the pass time (unit-consistent with the steady count of decoders,
         which is at the offered rate too; the fourth pass of
-        docs/results/admission-issue31.md found the due tokens alone too few at 3x),
-        capped at one chunk."""
-        chunk = float(self.sched.cfg.max_prefill_tokens)
-        p = self.prefill_per_pass or 0.0
+        docs/results/admission-issue31.md found the due tokens alone too few at 3x).
+        Which of it the pass carries is the planner's composition rule
+        (``Policy.forecast``)."""
         due, end = self._due
-        passes = (end - now) * 1000.0 / max(t_iter, 1e-6)
-        p = max(p, due / max(passes, 1.0))
-        tok_s = self.offered_prompt_rate(now)
-        if tok_s is not None:
-            p = max(p, tok_s * t_iter / 1000.0)
-        return min(p, chunk)
+        passes = max((end - now) * 1000.0 / max(t_iter, 1e-6), 1.0)
+        out = {rank: tokens / passes for rank, tokens in due.items()}
+        for rank, tok_s in self.offered_prompt_rate(now).items():
+            out[rank] = max(out.get(rank, 0.0), tok_s * t_iter / 1000.0)
+        return out
 
     def _judge(
         self, batch: list[ReqView], seq: SeqState, rank: int, now: float
@@ -670,14 +671,14 @@ class AdmissionControl:
             power=s.power,
             mask_ms_per_node=s.hw.mask_ms_per_node if s.hw is not None else 0.0,
         )
-        fc: PassForecast | None = s.policy.forecast(view, int(self.prefill_per_pass or 0.0))
+        # the pass without prefill, then with the prefill due at its time (one step of
+        # the fixed point: the prefill lengthens the pass it is due over)
+        fc: PassForecast | None = s.policy.forecast(view, {})
         if fc is None:
             return NO_ANSWER
-        p = self._life_prefill(fc.t_iter_ms, now)
-        if int(p) != int(self.prefill_per_pass or 0.0):
-            fc = s.policy.forecast(view, int(p))
-            if fc is None:
-                return NO_ANSWER
+        fc = s.policy.forecast(view, self._life_prefill(fc.t_iter_ms, now))
+        if fc is None:
+            return NO_ANSWER
         speed = self.time_ratio or 1.0  # measured over planned pass time
         by_cls: dict[str, list[float]] = {}
         for v in batch:
@@ -713,22 +714,27 @@ class AdmissionControl:
         share = stay / life * (1.0 - math.exp(-life / stay))  # mean of exp(-t / stay)
         return max(1.0, steady + (n - steady) * share)
 
-    def observe_arrival(self, t: float, prompt: int = 0) -> None:
-        """A request arrived at ``t`` (s) with ``prompt`` tokens to prefill and is
-        judged (each once: a degradable one is judged again for each looser class at
+    def observe_arrival(self, t: float, prompt: int = 0, rank: int = 0) -> None:
+        """A request arrived at ``t`` (s) with ``prompt`` tokens to prefill, its class
+        of strictness ``rank``, and is judged (each once: a degradable one is judged again for each looser class at
         the same arrival)."""
         if not self._arrived or self._arrived[-1] != t:
             self._arrived.append(t)
-            self._arr_tok.append((t, prompt))
+            self._arr_tok.append((t, prompt, rank))
 
-    def offered_prompt_rate(self, now: float) -> float | None:
-        """Prompt tokens offered per second over the recent window (admitted or not)."""
+    def offered_prompt_rate(self, now: float) -> dict[int, float]:
+        """Prompt tokens offered per second over the recent window (admitted or not),
+        by the rank of their class (empty: too few offered to tell)."""
         q = self._arr_tok
         while q and q[0][0] < now - _FINISH_WINDOW_S:
             q.popleft()
         if len(q) < _MIN_FINISHES:
-            return None
-        return sum(x for _, x in q) / max(now - q[0][0], 1.0)
+            return {}
+        span = max(now - q[0][0], 1.0)
+        out: dict[int, float] = {}
+        for _, x, rank in q:
+            out[rank] = out.get(rank, 0.0) + x / span
+        return out
 
     def arrival_rate(self, now: float) -> float | None:
         """Requests offered per second over the recent window (admitted or not)."""
@@ -802,7 +808,7 @@ class AdmissionControl:
         ``check_admission`` counts, degrades and records the admission; see the module
         docstring)."""
         s = self.sched
-        self.observe_arrival(seq.arrival, seq.to_prefill)
+        self.observe_arrival(seq.arrival, seq.to_prefill, s.rank_of(seq.slo.cls))
         self._pred = (None, None, None)
         self._own_tpot = None
         if len(s.waiting) >= s.cfg.max_waiting:

@@ -200,9 +200,12 @@ class BudgetedPolicy(Policy):
         )
 
     # ------------------------------------------------------------------ forecast
-    def forecast(self, view: BatchView, prefill_tokens: int) -> PassForecast | None:
-        """The pass this planner would plan for ``view``'s decoders with
-        ``prefill_tokens`` prompt tokens of prefill (at most one chunk): the
+    def forecast(self, view: BatchView, prefill: dict[int, float]) -> PassForecast | None:
+        """The pass this planner would plan for ``view``'s decoders with ``prefill``
+        (rank -> prompt tokens per pass) to compose: when it composes
+        (``_composes``), only the firm prefill (ranks below ``defer_rank``) is in
+        every pass, the soft prefill going only into the slack the on-pace decoders
+        leave (``pass_composition.compose``); otherwise all of it; at most one chunk. The
         best-scoring shape of the plan's own evaluation (``_best_shape``: the hardware
         model with the online correction; with the SLO phase, each request's
         requirement A(r), its deficit or credit so far, at the planner's margin) and
@@ -218,7 +221,8 @@ class BudgetedPolicy(Policy):
         arr = Columns.of(dec)
         kv = float(sum(r.context_len for r in view.requests))
         depths = tuple(d for d in DEPTHS if d <= c.max_depth)
-        P = max(0, min(int(prefill_tokens), c.prefill_chunk))
+        firm = (r for r in prefill if not self._composes() or r < c.defer_rank)
+        P = max(0, min(int(sum(prefill[r] for r in firm)), c.prefill_chunk))
         best = self._best_shape(view, arr, depths, self._widths(len(dec)), P, kv, acc)
         g = gain_curve(best.depth, best.width, acc)
         gain = g[np.minimum(best.alloc, len(g) - 1)] if best.depth > 0 else np.zeros(len(dec))
