@@ -117,6 +117,15 @@ NO_ANSWER = _Answer.NONE
 # docs/results/admission-issue31.md, fifth pass)
 ASK_PLANNER_ENV = "ADASERVE_ADMISSION_PLANNER"
 
+# the planner's forecast error is measured on the admitted requests forecast at this
+# share of their target or more (``tpot_error``; chosen, not measured: where the bar
+# decides)
+NEAR_BAR = 0.9
+# the chance of meeting its TPOT a request admitted by the planner's check is promised:
+# the quantile of the forecast's measured error the check allows for (the issue's
+# example for the strict class)
+PROMISE = 0.95
+
 # reason of a queued request ended at its TTFT deadline
 TTFT_DEADLINE = "ttft_deadline"
 # refusals a looser class can avoid (a full queue is full for every class)
@@ -168,6 +177,9 @@ class AdmissionControl:
         # expected tokens per pass; measured over predicted pass time
         self.tok_ratio: dict[str, float] = {}
         self.time_ratio: float | None = None
+        # class -> (forecast pace / target at admission, realised TPOT / forecast pace)
+        # of its admitted requests, judged by the planner (``tpot_error``)
+        self.tpot_err: dict[str, deque[tuple[float, float]]] = {}
         # (arrival, prompt tokens, rank of its class) of the requests offered
         self._arr_tok: deque[tuple[float, int, int]] = deque()
         # the last verdict's predictions for the request judged (promise, TPOT, TTFT)
@@ -270,6 +282,9 @@ class AdmissionControl:
         if seq.pred_tpot_ms is not None and tpot is not None and slo.tpot_ms is not None:
             q = self.tpot_met.setdefault(cls, deque(maxlen=WINDOW))
             q.append((seq.pred_tpot_ms / slo.tpot_ms, tpot <= slo.tpot_ms))
+            if self.ask_planner and seq.pred_tpot_ms > 0:
+                e = self.tpot_err.setdefault(cls, deque(maxlen=WINDOW))
+                e.append((seq.pred_tpot_ms / slo.tpot_ms, tpot / seq.pred_tpot_ms))
         if seq.promise is not None:
             met = (slo.ttft_ms is None or ttft <= slo.ttft_ms) and (
                 slo.tpot_ms is None or tpot is None or tpot <= slo.tpot_ms
@@ -640,21 +655,32 @@ class AdmissionControl:
         self._due = (due, end)
         return batch, n
 
-    def _life_prefill(self, t_iter: float, now: float) -> dict[int, float]:
-        """Prompt tokens per pass over the request's life at pass time ``t_iter``, by
-        the rank of their class: the most of the queued prompt tokens due before its
-        decode ends over the passes until then and the offered prompt tokens per
-        second times the pass time (unit-consistent with the steady count of decoders,
-        which is at the offered rate too; the fourth pass of
-        docs/results/admission-issue31.md found the due tokens alone too few at 3x).
-        Which of it the pass carries is the planner's composition rule
-        (``Policy.forecast``)."""
+    def _life_prefill(self, t_iter: float, now: float) -> dict[int, tuple[float, float]]:
+        """The prompt work per pass over the request's life at pass time ``t_iter``,
+        by the rank of its class: (the queued prompt tokens due before its decode ends,
+        over the passes until then: work that must be done by then; the offered prompt
+        tokens per second times the pass time, unit-consistent with the steady count of
+        decoders, which is at the offered rate too). Which of it the pass carries is
+        the planner's composition rule (``Policy.forecast``)."""
         due, end = self._due
         passes = max((end - now) * 1000.0 / max(t_iter, 1e-6), 1.0)
-        out = {rank: tokens / passes for rank, tokens in due.items()}
-        for rank, tok_s in self.offered_prompt_rate(now).items():
-            out[rank] = max(out.get(rank, 0.0), tok_s * t_iter / 1000.0)
-        return out
+        offered = self.offered_prompt_rate(now)
+        return {
+            rank: (due.get(rank, 0.0) / passes, offered.get(rank, 0.0) * t_iter / 1000.0)
+            for rank in set(due) | set(offered)
+        }
+
+    def tpot_error(self, cls: str) -> float:
+        """The measured error of the planner's forecasts of class ``cls`` near its
+        bar: of its last ``WINDOW`` admitted requests forecast at ``NEAR_BAR`` of
+        their target or more, the ``PROMISE`` quantile of realised TPOT over forecast
+        pace (1 with fewer than ``_MIN_FINISHES`` such). Near the bar is where the
+        forecast decides; far below it the planner steers a request to its aim
+        whatever the forecast, which says nothing of its error."""
+        got = sorted(x for p, x in self.tpot_err.get(cls, ()) if p >= NEAR_BAR)
+        if len(got) < _MIN_FINISHES:
+            return 1.0
+        return got[min(len(got) - 1, int(PROMISE * len(got)))]
 
     def _judge(
         self, batch: list[ReqView], seq: SeqState, rank: int, now: float
@@ -691,7 +717,7 @@ class AdmissionControl:
             acc[1] += max(budget, 0.0)
             acc[2] += left
         for cls, (paced, budget, left, _) in sorted(by_cls.items(), key=lambda x: x[1][3]):
-            pred, allow = paced / left, budget / left
+            pred, allow = paced / left * self.tpot_error(cls), budget / left
             if cls == seq.slo.cls:
                 self._own_tpot = pred
             if pred > allow:  # no tolerance: the planner's margin is its measured error

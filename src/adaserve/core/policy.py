@@ -204,11 +204,14 @@ class Policy(ABC):
         ``{"requirement": accepted tokens it needs this iteration, or None}``."""
         return {"requirement": None}
 
-    def forecast(self, view: BatchView, prefill: dict[int, float]) -> PassForecast | None:
+    def forecast(
+        self, view: BatchView, prefill: dict[int, tuple[float, float]]
+    ) -> PassForecast | None:
         """The pass this policy would plan for the decoding requests of ``view`` with
-        ``prefill`` (rank of a class -> prompt tokens per pass waiting to be prefilled
-        for that class) to compose into it: its predicted time and each decoder's
-        expected tokens. Asked by admission (``core.admission``) of a
+        ``prefill`` to compose into it (rank of a class -> (prompt tokens per pass
+        already queued that must be prefilled within the horizon asked about, prompt
+        tokens per pass offered for that class)): its predicted time and each
+        decoder's expected tokens. Asked by admission (``core.admission``) of a
         hypothetical batch: it must change no state of the policy. Default: None (no
         cost model; admission then judges by the measured paces alone)."""
         return None

@@ -200,12 +200,17 @@ class BudgetedPolicy(Policy):
         )
 
     # ------------------------------------------------------------------ forecast
-    def forecast(self, view: BatchView, prefill: dict[int, float]) -> PassForecast | None:
+    def forecast(
+        self, view: BatchView, prefill: dict[int, tuple[float, float]]
+    ) -> PassForecast | None:
         """The pass this planner would plan for ``view``'s decoders with ``prefill``
-        (rank -> prompt tokens per pass) to compose: when it composes
-        (``_composes``), only the firm prefill (ranks below ``defer_rank``) is in
-        every pass, the soft prefill going only into the slack the on-pace decoders
-        leave (``pass_composition.compose``); otherwise all of it; at most one chunk. The
+        (rank -> (queued prompt tokens due per pass, offered prompt tokens per pass))
+        to compose, at most one chunk: when it composes (``_composes``), the firm
+        prefill (ranks below ``defer_rank``: the most of what is due and what is
+        offered) and the soft prefill already due (it reaches its latest start within
+        the horizon and is firm then); what is offered of the soft classes goes only
+        into the slack the on-pace decoders leave (``pass_composition.compose``), so
+        no decoder pays for it. Without composing, all of it. The
         best-scoring shape of the plan's own evaluation (``_best_shape``: the hardware
         model with the online correction; with the SLO phase, each request's
         requirement A(r), its deficit or credit so far, at the planner's margin) and
@@ -221,8 +226,11 @@ class BudgetedPolicy(Policy):
         arr = Columns.of(dec)
         kv = float(sum(r.context_len for r in view.requests))
         depths = tuple(d for d in DEPTHS if d <= c.max_depth)
-        firm = (r for r in prefill if not self._composes() or r < c.defer_rank)
-        P = max(0, min(int(sum(prefill[r] for r in firm)), c.prefill_chunk))
+        firm = sum(
+            max(due, offered) if not self._composes() or r < c.defer_rank else due
+            for r, (due, offered) in prefill.items()
+        )
+        P = max(0, min(int(firm), c.prefill_chunk))
         best = self._best_shape(view, arr, depths, self._widths(len(dec)), P, kv, acc)
         g = gain_curve(best.depth, best.width, acc)
         gain = g[np.minimum(best.alloc, len(g) - 1)] if best.depth > 0 else np.zeros(len(dec))
