@@ -126,6 +126,8 @@ NEAR_BAR = 0.9
 # example for the strict class)
 PROMISE = 0.95
 
+SPLIT_FRESH = os.environ.get("ADM_SPLIT", "1") == "1"
+
 # reason of a queued request ended at its TTFT deadline
 TTFT_DEADLINE = "ttft_deadline"
 # refusals a looser class can avoid (a full queue is full for every class)
@@ -655,7 +657,7 @@ class AdmissionControl:
         self._due = (due, end)
         return batch, n
 
-    def _life_prefill(self, t_iter: float, now: float) -> dict[int, tuple[float, float]]:
+    def _life_prefill(self, t_iter: float, now: float) -> dict[int, tuple[float, float, float]]:
         """The prompt work per pass over the request's life at pass time ``t_iter``,
         by the rank of its class: (the queued prompt tokens due before its decode ends,
         over the passes until then: work that must be done by then; the offered prompt
@@ -665,10 +667,29 @@ class AdmissionControl:
         due, end = self._due
         passes = max((end - now) * 1000.0 / max(t_iter, 1e-6), 1.0)
         offered = self.offered_prompt_rate(now)
+        admitted = self.admitted_prompt_rate(now)
+        k = t_iter / 1000.0
         return {
-            rank: (due.get(rank, 0.0) / passes, offered.get(rank, 0.0) * t_iter / 1000.0)
-            for rank in set(due) | set(offered)
+            rank: (
+                due.get(rank, 0.0) / passes,
+                offered.get(rank, 0.0) * k,
+                admitted.get(rank, 0.0) * k,
+            )
+            for rank in set(due) | set(offered) | set(admitted)
         }
+
+    def admitted_prompt_rate(self, now: float) -> dict[int, float]:
+        """Prompt tokens admitted per second over the recent window, by the rank of
+        their class."""
+        out: dict[int, float] = {}
+        for cls, q in self._admits.items():
+            while q and q[0][0] < now - _FINISH_WINDOW_S:
+                q.popleft()
+            if len(q) >= _MIN_FINISHES:
+                span = max(now - q[0][0], 1.0)
+                rank = self.sched.rank_of(cls)
+                out[rank] = out.get(rank, 0.0) + sum(p for _, p, _ in q) / span
+        return out
 
     def tpot_error(self, cls: str) -> float:
         """The measured error of the planner's forecasts of class ``cls`` near its
@@ -706,19 +727,25 @@ class AdmissionControl:
         if fc is None:
             return NO_ANSWER
         speed = self.time_ratio or 1.0  # measured over planned pass time
-        by_cls: dict[str, list[float]] = {}
+        # pooled per class and apart for the requests yet to decode (the new one, those
+        # due, the places kept): a running request's credit is its own and the planner
+        # spends it on the requests behind, but a request yet to start has none
+        pools: dict[tuple[str, bool], list[float]] = {}
         for v in batch:
             if v.tpot_ms is None or v.rank > rank:
                 continue
             left = self._left(v)
             budget = v.tpot_ms * (v.n_out + left - 1.0) - v.decode_ms
-            acc = by_cls.setdefault(v.cls, [0.0, 0.0, 0.0, v.rank])
+            fresh = v.n_out == 0 if SPLIT_FRESH else False
+            acc = pools.setdefault((v.cls, fresh), [0.0, 0.0, 0.0, v.rank])
             acc[0] += left * fc.pace_ms(v.rid) * speed / self.tok_ratio.get(v.cls, 1.0)
             acc[1] += max(budget, 0.0)
             acc[2] += left
-        for cls, (paced, budget, left, _) in sorted(by_cls.items(), key=lambda x: x[1][3]):
+        for (cls, fresh), (paced, budget, left, _) in sorted(
+            pools.items(), key=lambda x: (x[1][3], not x[0][1])
+        ):
             pred, allow = paced / left * self.tpot_error(cls), budget / left
-            if cls == seq.slo.cls:
+            if cls == seq.slo.cls and (fresh or not SPLIT_FRESH):
                 self._own_tpot = pred
             if pred > allow:  # no tolerance: the planner's margin is its measured error
                 return cls, pred, allow

@@ -205,7 +205,7 @@ class Policy(ABC):
         return {"requirement": None}
 
     def forecast(
-        self, view: BatchView, prefill: dict[int, tuple[float, float]]
+        self, view: BatchView, prefill: dict[int, tuple[float, float, float]]
     ) -> PassForecast | None:
         """The pass this policy would plan for the decoding requests of ``view`` with
         ``prefill`` to compose into it (rank of a class -> (prompt tokens per pass

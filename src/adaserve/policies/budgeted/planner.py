@@ -201,7 +201,7 @@ class BudgetedPolicy(Policy):
 
     # ------------------------------------------------------------------ forecast
     def forecast(
-        self, view: BatchView, prefill: dict[int, tuple[float, float]]
+        self, view: BatchView, prefill: dict[int, tuple[float, float, float]]
     ) -> PassForecast | None:
         """The pass this planner would plan for ``view``'s decoders with ``prefill``
         (rank -> (queued prompt tokens due per pass, offered prompt tokens per pass))
@@ -227,8 +227,8 @@ class BudgetedPolicy(Policy):
         kv = float(sum(r.context_len for r in view.requests))
         depths = tuple(d for d in DEPTHS if d <= c.max_depth)
         firm = sum(
-            max(due, offered) if not self._composes() or r < c.defer_rank else due
-            for r, (due, offered) in prefill.items()
+            max(due, offered) if not self._composes() or r < c.defer_rank else max(due, adm)
+            for r, (due, offered, adm) in prefill.items()
         )
         P = max(0, min(int(firm), c.prefill_chunk))
         best = self._best_shape(view, arr, depths, self._widths(len(dec)), P, kv, acc)
