@@ -126,8 +126,6 @@ NEAR_BAR = 0.9
 # example for the strict class)
 PROMISE = 0.95
 
-SPLIT_FRESH = os.environ.get("ADM_SPLIT", "1") == "1"
-
 # reason of a queued request ended at its TTFT deadline
 TTFT_DEADLINE = "ttft_deadline"
 # refusals a looser class can avoid (a full queue is full for every class)
@@ -189,6 +187,7 @@ class AdmissionControl:
         self._own_tpot: float | None = None  # the request judged: its class's predicted pace
         # rank -> prompt tokens due before the judged request's decode ends; that end (s)
         self._due: tuple[dict[int, float], float] = ({}, 0.0)
+        self._share = 1.0  # of the batch now, the share that counts over the life judged
         self.ask_planner = os.environ.get(ASK_PLANNER_ENV) == "1"  # see ``planner_off_pace``
 
     def reset(self) -> None:
@@ -563,7 +562,8 @@ class AdmissionControl:
                 lo = mid
             else:
                 hi = mid
-        return cls, pred, target, max(1.0, (m - lo) / rate)
+        # the batch over its life shrinks by ``_share`` of each request that leaves now
+        return cls, pred, target, max(1.0, (m - lo) / self._share / rate)
 
     def _strict_targets(self, seq: SeqState, rank: int, now: float) -> dict[str, float]:
         """The classes to keep on pace: those at or above ``rank`` in the batch, and
@@ -629,16 +629,21 @@ class AdmissionControl:
                 others.append(self._fresh(r, now))
                 rk = s.rank_of(r.slo.cls)
                 due[rk] = due.get(rk, 0.0) + r.to_prefill
-        n = 1.0 + len(others) + self.seats.ahead(seq.retry_token, now)
+        n = 1.0 + len(others)
+        # seats held for retries due ahead of it: requests at their return, counted in
+        # full on top of the relaxed count (they are promised, not part of the flow)
+        held = self.seats.ahead(seq.retry_token, now)
         rate = self.arrival_rate(now)
         life = out * tpot / 1000.0
         n_life = n
+        self._share = 1.0
         if rate is not None and self.decode_s and self.decode_s > 0 and life > 0:
             steady = rate * self.decode_s
             tau = self.decode_s
             share = tau / life * (1.0 - math.exp(-life / tau))  # mean of exp(-t / tau)
             n_life = max(1.0, steady + (n - steady) * share)
-        m = max(1, min(int(round(n_life)), s.cfg.max_num_seqs))
+            self._share = share
+        m = max(1, min(int(round(n_life + held)), s.cfg.max_num_seqs))
         others.sort(key=lambda v: -self._left(v))
         batch = [new] + others[: m - 1]
         # a stricter class seen lately but not in the batch: its next request's place
@@ -736,7 +741,7 @@ class AdmissionControl:
                 continue
             left = self._left(v)
             budget = v.tpot_ms * (v.n_out + left - 1.0) - v.decode_ms
-            fresh = v.n_out == 0 if SPLIT_FRESH else False
+            fresh = v.n_out == 0
             acc = pools.setdefault((v.cls, fresh), [0.0, 0.0, 0.0, v.rank])
             acc[0] += left * fc.pace_ms(v.rid) * speed / self.tok_ratio.get(v.cls, 1.0)
             acc[1] += max(budget, 0.0)
@@ -745,7 +750,7 @@ class AdmissionControl:
             pools.items(), key=lambda x: (x[1][3], not x[0][1])
         ):
             pred, allow = paced / left * self.tpot_error(cls), budget / left
-            if cls == seq.slo.cls and (fresh or not SPLIT_FRESH):
+            if cls == seq.slo.cls and fresh:
                 self._own_tpot = pred
             if pred > allow:  # no tolerance: the planner's margin is its measured error
                 return cls, pred, allow
