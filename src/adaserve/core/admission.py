@@ -186,7 +186,9 @@ class AdmissionControl:
         self._pred: tuple[float | None, float | None, float | None] = (None, None, None)
         self._own_tpot: float | None = None  # the request judged: its class's predicted pace
         # rank -> prompt tokens due before the judged request's decode ends; that end (s)
-        self._due: tuple[dict[int, float], float] = ({}, 0.0)
+        # rank -> (TTFT deadline, prompt tokens) of the queued prompt work (the request
+        # judged included), for the pass's prefill (``_life_prefill``)
+        self._queue: dict[int, list[tuple[float, float]]] = {}
         self._share = 1.0  # of the batch now, the share that counts over the life judged
         self.ask_planner = os.environ.get(ASK_PLANNER_ENV) == "1"  # see ``planner_off_pace``
 
@@ -608,8 +610,8 @@ class AdmissionControl:
         """The decoders over ``seq``'s life (see ``planner_off_pace``), the new request
         first, then those with the most expected tokens left (those that leave first
         are dropped when the batch relaxes down; copies of the new request fill it
-        when it relaxes up), and the count before relaxing. Also sets the pass's
-        prefill (``_life_prefill``)."""
+        when it relaxes up), and the count before relaxing. Also keeps the queued
+        prompt work by rank and deadline for the pass's prefill (``_life_prefill``)."""
         s = self.sched
         tpot = seq.slo.tpot_ms or 0.0
         out = self.out_len.get(seq.slo.cls, 0.0)
@@ -618,17 +620,21 @@ class AdmissionControl:
         end = max(start, now) + out * tpot / 1000.0  # its decode ends (at its target)
         new = self._fresh(seq, now)
         others: list[ReqView] = []
-        due = {s.rank_of(seq.slo.cls): float(seq.to_prefill)}
+        self._queue = {}
+        if math.isfinite(start):
+            self._queue[s.rank_of(seq.slo.cls)] = [(max(start, now), float(seq.to_prefill))]
         for r in itertools.chain(s.running, s.waiting):
             if r in s.running and not r.in_prefill:
                 others.append(s.req_view(r, now))
                 continue
             rt = r.slo.ttft_ms
             rd = r.arrival + (rt / 1000.0 if rt is not None else math.inf)
-            if r.num_output > 0 or rd <= end:
+            rk = s.rank_of(r.slo.cls)
+            dl = now if r.num_output > 0 or rd <= now else rd  # late or preempted: now
+            if math.isfinite(dl):
+                self._queue.setdefault(rk, []).append((dl, float(r.to_prefill)))
+            if r.num_output > 0 or rd <= end:  # decodes beside it over its life
                 others.append(self._fresh(r, now))
-                rk = s.rank_of(r.slo.cls)
-                due[rk] = due.get(rk, 0.0) + r.to_prefill
         n = 1.0 + len(others)
         # seats held for retries due ahead of it: requests at their return, counted in
         # full on top of the relaxed count (they are promised, not part of the flow)
@@ -659,41 +665,26 @@ class AdmissionControl:
         while len(batch) < m:
             batch.append(dataclasses.replace(new, rid=k))
             k -= 1
-        self._due = (due, end)
         return batch, n
 
-    def _life_prefill(self, t_iter: float, now: float) -> dict[int, tuple[float, float, float]]:
+    def _life_prefill(self, t_iter: float, now: float) -> dict[int, tuple[float, float]]:
         """The prompt work per pass over the request's life at pass time ``t_iter``,
-        by the rank of its class: (the queued prompt tokens due before its decode ends,
-        over the passes until then: work that must be done by then; the offered prompt
-        tokens per second times the pass time, unit-consistent with the steady count of
-        decoders, which is at the offered rate too). Which of it the pass carries is
-        the planner's composition rule (``Policy.forecast``)."""
-        due, end = self._due
-        passes = max((end - now) * 1000.0 / max(t_iter, 1e-6), 1.0)
-        offered = self.offered_prompt_rate(now)
-        admitted = self.admitted_prompt_rate(now)
-        k = t_iter / 1000.0
-        return {
-            rank: (
-                due.get(rank, 0.0) / passes,
-                offered.get(rank, 0.0) * k,
-                admitted.get(rank, 0.0) * k,
-            )
-            for rank in set(due) | set(offered) | set(admitted)
-        }
-
-    def admitted_prompt_rate(self, now: float) -> dict[int, float]:
-        """Prompt tokens admitted per second over the recent window, by the rank of
-        their class."""
-        out: dict[int, float] = {}
-        for cls, q in self._admits.items():
-            while q and q[0][0] < now - _FINISH_WINDOW_S:
-                q.popleft()
-            if len(q) >= _MIN_FINISHES:
-                span = max(now - q[0][0], 1.0)
-                rank = self.sched.rank_of(cls)
-                out[rank] = out.get(rank, 0.0) + sum(p for _, p, _ in q) / span
+        by the rank of its class: (the prefill that meets every queued TTFT deadline,
+        earliest first: the most, over the deadlines, of the prompt tokens due by each
+        over the passes until it, a request already late or preempted due now; the
+        offered prompt tokens per second times the pass time, unit-consistent with the
+        steady count of decoders, which is at the offered rate too). Which of it the
+        pass carries is the planner's composition rule (``Policy.forecast``)."""
+        dt = max(t_iter, 1e-6) / 1000.0
+        out: dict[int, tuple[float, float]] = {}
+        for rank, q in self._queue.items():
+            cum = dens = 0.0
+            for deadline, tokens in sorted(q):
+                cum += tokens
+                dens = max(dens, cum / max((deadline - now) / dt, 1.0))
+            out[rank] = (dens, 0.0)
+        for rank, tok_s in self.offered_prompt_rate(now).items():
+            out[rank] = (out.get(rank, (0.0, 0.0))[0], tok_s * dt)
         return out
 
     def tpot_error(self, cls: str) -> float:

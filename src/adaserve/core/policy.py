@@ -205,12 +205,12 @@ class Policy(ABC):
         return {"requirement": None}
 
     def forecast(
-        self, view: BatchView, prefill: dict[int, tuple[float, float, float]]
+        self, view: BatchView, prefill: dict[int, tuple[float, float]]
     ) -> PassForecast | None:
         """The pass this policy would plan for the decoding requests of ``view`` with
         ``prefill`` to compose into it (rank of a class -> (prompt tokens per pass
-        already queued that must be prefilled within the horizon asked about, prompt
-        tokens per pass offered for that class)): its predicted time and each
+        that meet the TTFT deadlines of that class's queued requests, prompt tokens
+        per pass offered for that class)): its predicted time and each
         decoder's expected tokens. Asked by admission (``core.admission``) of a
         hypothetical batch: it must change no state of the policy. Default: None (no
         cost model; admission then judges by the measured paces alone)."""

@@ -201,16 +201,17 @@ class BudgetedPolicy(Policy):
 
     # ------------------------------------------------------------------ forecast
     def forecast(
-        self, view: BatchView, prefill: dict[int, tuple[float, float, float]]
+        self, view: BatchView, prefill: dict[int, tuple[float, float]]
     ) -> PassForecast | None:
         """The pass this planner would plan for ``view``'s decoders with ``prefill``
-        (rank -> (queued prompt tokens due per pass, offered prompt tokens per pass))
-        to compose, at most one chunk: when it composes (``_composes``), the firm
-        prefill (ranks below ``defer_rank``: the most of what is due and what is
-        offered) and the soft prefill already due (it reaches its latest start within
-        the horizon and is firm then); what is offered of the soft classes goes only
-        into the slack the on-pace decoders leave (``pass_composition.compose``), so
-        no decoder pays for it. Without composing, all of it. The
+        (rank -> (prompt tokens per pass that meet its queued requests' TTFT
+        deadlines, offered prompt tokens per pass)) to compose, at most one chunk:
+        when it composes (``_composes``), the firm prefill (ranks below
+        ``defer_rank``: the most of what its deadlines need and what is offered) and
+        what the soft classes' queued deadlines need (a soft request is firm at its
+        latest start); what is offered of the soft classes beyond that goes only into
+        the slack the on-pace decoders leave (``pass_composition.compose``), so no
+        decoder pays for it. Without composing, all of it. The
         best-scoring shape of the plan's own evaluation (``_best_shape``: the hardware
         model with the online correction; with the SLO phase, each request's
         requirement A(r), its deficit or credit so far, at the planner's margin) and
@@ -227,8 +228,8 @@ class BudgetedPolicy(Policy):
         kv = float(sum(r.context_len for r in view.requests))
         depths = tuple(d for d in DEPTHS if d <= c.max_depth)
         firm = sum(
-            max(due, offered) if not self._composes() or r < c.defer_rank else max(due, adm)
-            for r, (due, offered, adm) in prefill.items()
+            max(due, offered) if not self._composes() or r < c.defer_rank else due
+            for r, (due, offered) in prefill.items()
         )
         P = max(0, min(int(firm), c.prefill_chunk))
         best = self._best_shape(view, arr, depths, self._widths(len(dec)), P, kv, acc)
