@@ -25,6 +25,15 @@ Every class gets its own decision (not only the strictest):
   for a request alone is not kept on pace (shedding cannot fix a target the machine
   cannot reach), nor is a class whose pace was last measured more than
   ``PACE_FRESH_S`` ago (admitting is how it gets measured again);
+* **decode pace, asked of the planner** (``planner_off_pace``; instead of the above
+  when ``ask_planner``, env ``ADASERVE_ADMISSION_PLANNER=1``, off by default): the
+  policy's own planner (``Policy.forecast``) forecasts the pass over the new request's
+  life, its batch counted in decoders (those running, those due to decode beside it,
+  itself; relaxed toward the offered rate times the measured decode time) and its
+  prefill at the rate the queued TTFT deadlines need. Each class at or above its
+  strictness must afford its forecast pace from its requests' remaining budgets
+  (their credit and deficit), those yet to decode apart
+  (docs/results/admission-issue31.md, fifth pass);
 * **TTFT**: the predicted time to its first token must be within its TTFT target,
   less ``TTFT_MARGIN`` for the prediction's error (when its own prefill alone fits it:
   a target nothing could meet is served as best it can, behind the others, and not
