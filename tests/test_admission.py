@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adaserve.core.admission import PACE_TOLERANCE, TTFT_DEADLINE, TTFT_MARGIN
+from adaserve.core.admission import NO_ANSWER, PACE_TOLERANCE, TTFT_DEADLINE, TTFT_MARGIN
 from adaserve.core.clock import ManualClock
 from adaserve.core.config import SchedulerConfig
 from adaserve.core.counters import admission_summary
@@ -583,3 +583,58 @@ def test_a_refusal_for_room_holds_a_seat_for_its_retry():
     q = AdmissionRejected("queue", "queue_full", 1.0)
     ac.refused(_Req(11, _slo("chat"), 9.6), q, 9.6)
     assert q.retry_token is None
+
+
+def _planner_measured():
+    """``_four_interactive_measured`` with the ``adaserve`` planner asked
+    (``ask_planner``), both classes measured at 20 output tokens and a decode of
+    0.6 s, and a new interactive request arriving at 4 s."""
+    from adaserve.policies.budgeted.policies import make_adaptive
+
+    clock, sched, _ = _four_interactive_measured()
+    sched.set_policy(make_adaptive("adaserve"))
+    ac = sched.admission
+    ac.ask_planner = True
+    ac.out_len = {"interactive": 20.0, "chat": 20.0}
+    ac.decode_s = 0.6
+    clock.set(4.0)
+    return sched, _Req(300, _slo("interactive"), 4.0)
+
+
+def test_the_planner_counts_decoders_not_requests_queued_past_the_request_s_life():
+    """Issue 31, fifth pass: a burst of relaxed requests queued with deadlines beyond
+    the new request's decode is not a batch of decoders over its life. The measured
+    paces' check counts every request in the engine and refuses (the unit mismatch of
+    the fourth pass); the planner, asked for the pass over its life, admits."""
+    sched, new = _planner_measured()
+    ac = sched.admission
+    for k in range(30):
+        sched.waiting.append(_Req(200 + k, _slo("chat"), 4.0, prompt=50))
+    old = ac.off_pace(new, 0, 4.0)
+    assert old is not None and old[0] == "interactive" and old[1] > 30.0
+    assert ac.planner_off_pace(new, 0, 4.0) is None
+    batch, _ = ac._life_batch(new, 4.0, {})
+    assert len(batch) == 5  # itself and the four decoders: no chat request is due
+    assert ac._own_tpot is not None and ac._own_tpot < 30.0
+
+
+def test_the_planner_refuses_what_would_push_strict_decoders_past_their_target():
+    """Interactive requests queued with deadlines inside the new request's decode
+    run beside it: added one by one, the planner's pass over its life eventually
+    gives the requests yet to decode a pace beyond what they can afford (target x 19
+    of their 20 tokens over 20), and the new request is refused for the interactive
+    class; one fewer was admitted."""
+    sched, new = _planner_measured()
+    ac = sched.admission
+    k = 0
+    while (verdict := ac.planner_off_pace(new, 0, 4.0)) is None:
+        sched.waiting.append(_Req(400 + k, _slo("interactive"), 4.0, prompt=50))
+        k += 1
+        assert k < 64
+    assert k > 10
+    assert verdict is not NO_ANSWER
+    cls, pred, allow, retry = verdict
+    assert cls == "interactive" and pred > allow == pytest.approx(30.0 * 19 / 20)
+    assert retry >= 1.0
+    sched.waiting.pop()
+    assert ac.planner_off_pace(new, 0, 4.0) is None

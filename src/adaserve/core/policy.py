@@ -138,12 +138,34 @@ class LoadHints:
     prefill_chunk: prefill tokens per pass it plans (0: none of its own)
     verified:      rid -> tokens a pass of the latest plan verifies for each decoding
                    request it planned (empty: none planned, or no per-request figures)
+    expected:      rid -> output tokens the latest plan expects to give each decoding
+                   request it planned (1 + its expected accepted candidates; empty:
+                   none), what admission measures the planner's forecasts against
     """
 
     acc_by_rank: tuple[float, ...] = ()
     margin: float = 0.0
     prefill_chunk: int = 0
     verified: dict[int, float] = field(default_factory=dict)
+    expected: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PassForecast:
+    """What a policy predicts a pass would give a batch (``Policy.forecast``).
+
+    t_iter_ms: the pass's predicted time (the policy's cost model with its online
+               correction)
+    tokens:    rid -> expected output tokens the pass gives each decoding request
+               (1 + its expected accepted candidates)
+    """
+
+    t_iter_ms: float
+    tokens: dict[int, float]
+
+    def pace_ms(self, rid: int) -> float:
+        """The predicted ms per output token of request ``rid`` at this pass."""
+        return self.t_iter_ms / self.tokens[rid]
 
 
 class Policy(ABC):
@@ -181,6 +203,18 @@ class Policy(ABC):
         """What the selection log records of ``req`` under ``plan``: at least
         ``{"requirement": accepted tokens it needs this iteration, or None}``."""
         return {"requirement": None}
+
+    def forecast(
+        self, view: BatchView, prefill: dict[int, tuple[float, float]]
+    ) -> PassForecast | None:
+        """The pass this policy would plan for the decoding requests of ``view`` with
+        ``prefill`` to compose into it (rank of a class -> (prompt tokens per pass
+        that meet the TTFT deadlines of that class's queued requests, prompt tokens
+        per pass offered for that class)): its predicted time and each
+        decoder's expected tokens. Asked by admission (``core.admission``) of a
+        hypothetical batch: it must change no state of the policy. Default: None (no
+        cost model; admission then judges by the measured paces alone)."""
+        return None
 
     def load_hints(self, plan: Plan | None) -> LoadHints:
         """What a router reads of this policy and of its latest ``plan`` (None: no plan

@@ -21,6 +21,7 @@ import numpy as np
 from adaserve.core.policy import (
     BatchView,
     LoadHints,
+    PassForecast,
     Plan,
     PlannerState,
     Policy,
@@ -38,7 +39,7 @@ from adaserve.policies.budgeted.evaluation import DepthEvaluation, ShapeChoice, 
 from adaserve.policies.budgeted.margin import MarginEstimate
 from adaserve.policies.budgeted.widths import AcceptanceByRank, load_width, reach, tree_widths
 from adaserve.policies.correction import OnlineCorrection
-from adaserve.policies.typical_tree import depth_curve
+from adaserve.policies.typical_tree import depth_curve, gain_curve
 
 # (score, rate, depth index, width index) of a candidate shape
 Candidate = tuple[float, float, int, int]
@@ -182,15 +183,60 @@ class BudgetedPolicy(Policy):
         acc = self.acc_by_rank
         state = plan.state if plan is not None else None
         verified: dict[int, float] = {}
+        expected: dict[int, float] = {}
         if isinstance(state, BudgetedState) and acc:
-            for rid, k in zip(state.arrays.rid.tolist(), state.choice.alloc.tolist()):
+            ch = state.choice
+            g = gain_curve(ch.depth, ch.width, acc)
+            gain = g[np.minimum(ch.alloc, len(g) - 1)]
+            for rid, k, x in zip(state.arrays.rid.tolist(), ch.alloc.tolist(), gain.tolist()):
                 verified[int(rid)] = 1.0 + float(k)
+                expected[int(rid)] = 1.0 + float(x)
         return LoadHints(
             acc_by_rank=tuple(acc),
             margin=float(self.margin),
             prefill_chunk=int(self.cfg.prefill_chunk),
             verified=verified,
+            expected=expected,
         )
+
+    # ------------------------------------------------------------------ forecast
+    def forecast(
+        self, view: BatchView, prefill: dict[int, tuple[float, float]]
+    ) -> PassForecast | None:
+        """The pass this planner would plan for ``view``'s decoders with ``prefill``
+        (rank -> (prompt tokens per pass that meet its queued requests' TTFT
+        deadlines, offered prompt tokens per pass)) to compose, at most one chunk:
+        when it composes (``_composes``), the firm prefill (ranks below
+        ``defer_rank``: the most of what its deadlines need and what is offered) and
+        what the soft classes' queued deadlines need (a soft request is firm at its
+        latest start); what is offered of the soft classes beyond that goes only into
+        the slack the on-pace decoders leave (``pass_composition.compose``), so no
+        decoder pays for it. Without composing, all of it. The
+        best-scoring shape of the plan's own evaluation (``_best_shape``: the hardware
+        model with the online correction; with the SLO phase, each request's
+        requirement A(r), its deficit or credit so far, at the planner's margin) and
+        each decoder's expected tokens from its allocation on the typical tree of that
+        shape. Changes no state (no acceptance update, no exploration, no streaks).
+        None without a hardware model or decoders."""
+        dec = view.decoding
+        hw = view.hw
+        if hw is None or not dec:
+            return None
+        c = self.cfg
+        acc = self.acc_by_rank
+        arr = Columns.of(dec)
+        kv = float(sum(r.context_len for r in view.requests))
+        depths = tuple(d for d in DEPTHS if d <= c.max_depth)
+        firm = sum(
+            max(due, offered) if not self._composes() or r < c.defer_rank else due
+            for r, (due, offered) in prefill.items()
+        )
+        P = max(0, min(int(firm), c.prefill_chunk))
+        best = self._best_shape(view, arr, depths, self._widths(len(dec)), P, kv, acc)
+        g = gain_curve(best.depth, best.width, acc)
+        gain = g[np.minimum(best.alloc, len(g) - 1)] if best.depth > 0 else np.zeros(len(dec))
+        tokens = {int(rid): 1.0 + float(x) for rid, x in zip(arr.rid.tolist(), gain.tolist())}
+        return PassForecast(t_iter_ms=best.t_iter, tokens=tokens)
 
     # ------------------------------------------------------------------ plan
     def plan(self, view: BatchView) -> Plan:
