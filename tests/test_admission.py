@@ -613,7 +613,7 @@ def test_the_planner_counts_decoders_not_requests_queued_past_the_request_s_life
     old = ac.off_pace(new, 0, 4.0)
     assert old is not None and old[0] == "interactive" and old[1] > 30.0
     assert ac.planner_off_pace(new, 0, 4.0) is None
-    batch, _ = ac._life_batch(new, 4.0, {})
+    batch, _ = ac.planner._life_batch(new, 4.0, {})
     assert len(batch) == 5  # itself and the four decoders: no chat request is due
     assert ac._own_tpot is not None and ac._own_tpot < 30.0
 

@@ -69,8 +69,6 @@ comes from the scheduler's clock, never the wall clock.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import itertools
 import math
 import os
@@ -81,8 +79,15 @@ from typing import TYPE_CHECKING
 from adaserve.core.config import CAPACITY_RETRY_S, QUEUE_FULL_RETRY_S
 from adaserve.core.fair_share import FairShare
 from adaserve.core.kv_room import KV_FULL, kv_verdict
-from adaserve.core.pace import CLASS_EWMA, ClassPaces
-from adaserve.core.policy import BatchView, PassForecast, ReqView
+from adaserve.core.pace import (
+    CLASS_EWMA,
+    FINISH_WINDOW_S,
+    MIN_FINISHES,
+    SEEN_WINDOW_S,
+    ClassPaces,
+)
+from adaserve.core.planner_check import ASK_PLANNER_ENV, NO_ANSWER, PlannerCheck, _Answer
+from adaserve.core.prefill_forecast import DEFAULT_CONTEXT, PrefillForecast
 from adaserve.core.promise import WINDOW, Calibration
 from adaserve.core.retry_seats import RetrySeats
 from adaserve.errors import AdmissionRejected
@@ -93,8 +98,6 @@ PACE_FRESH_S = 5.0
 # a class whose predicted pace for a request alone exceeds its target this many times
 # over runs best effort (no load level would meet it; near the target, shedding helps)
 HOPELESS = 1.5
-# context tokens per request assumed until a pass is measured
-_DEFAULT_CONTEXT = 256.0
 
 if TYPE_CHECKING:
     from adaserve.core.scheduler import Scheduler
@@ -113,29 +116,6 @@ PACE_TOLERANCE = 0.05
 TTFT_MARGIN = 0.2
 
 
-class _Answer(enum.Enum):
-    NONE = "the planner gives no answer"
-
-
-# what ``planner_off_pace`` returns when the planner cannot judge (no cost model, nothing
-# measured yet): the measured paces judge instead (``off_pace``)
-NO_ANSWER = _Answer.NONE
-# the check asks the policy's planner (``planner_off_pace``) instead of the measured
-# paces when this environment variable is "1" (off by default: on the simulator's
-# reference workload it met the goals at 3x capacity but refused more at 0.8x,
-# docs/results/admission-issue31.md, fifth pass)
-ASK_PLANNER_ENV = "ADASERVE_ADMISSION_PLANNER"
-
-# the planner's forecast error is measured on the admitted requests forecast at this
-# share of their target or more (``tpot_error``). Chosen, not measured: where the bar
-# decides; 0.7, 0.8 and 0.9 gave 93.3, 94.1 and 92.5% admitted strict at 3x capacity
-# and 2.4, 0.4 and 0.1% refused at 0.8x (docs/results/admission-issue31.md, fifth pass)
-NEAR_BAR = 0.8
-# the chance of meeting its TPOT a request admitted by the planner's check is promised:
-# the quantile of the forecast's measured error the check allows for (the issue's
-# example for the strict class)
-PROMISE = 0.95
-
 # reason of a queued request ended at its TTFT deadline
 TTFT_DEADLINE = "ttft_deadline"
 # refusals a looser class can avoid (a full queue is full for every class)
@@ -148,16 +128,13 @@ _CONTENDED = ("capacity", KV_FULL)
 _PREFILL_PASS_SHARE = 0.5
 _EWMA = 0.1  # weight of the newest observation in the running means
 _SPEED_PASSES = 32  # passes the measured speed is the median of
-_SEEN_WINDOW_S = 60.0  # a stricter class decoding this recently keeps its room
-_FINISH_WINDOW_S = 30.0  # finishes counted for the finish rate
-_MIN_FINISHES = 4  # below this many finishes in the window the rate is unknown
 
 
 def _mix(old: float | None, new: float, w: float = _EWMA) -> float:
     return new if old is None else (1.0 - w) * old + w * new
 
 
-class AdmissionControl:
+class AdmissionControl(PrefillForecast):
     """Per-class admission decisions and the measurements they use (see the module
     docstring). ``sched`` is the scheduler whose queues and hardware model it reads."""
 
@@ -179,7 +156,7 @@ class AdmissionControl:
         self.ttft_cal: dict[str, Calibration] = {}
         self.out_len: dict[str, float] = {}  # class -> output tokens of its finished requests
         self._arrived: deque[float] = deque()  # arrival times of the requests judged
-        self.fair = FairShare(_FINISH_WINDOW_S)  # each tenant's share of a contended batch
+        self.fair = FairShare(FINISH_WINDOW_S)  # each tenant's share of a contended batch
         self.seats = RetrySeats()  # held for refused clients' retries
         self.stay_s: float | None = None  # arrival to finish of the requests that finished
         self.decode_s: float | None = None  # first token to finish of the same
@@ -195,12 +172,8 @@ class AdmissionControl:
         # the last verdict's predictions for the request judged (promise, TPOT, TTFT)
         self._pred: tuple[float | None, float | None, float | None] = (None, None, None)
         self._own_tpot: float | None = None  # the request judged: its class's predicted pace
-        # rank -> prompt tokens due before the judged request's decode ends; that end (s)
-        # rank -> (TTFT deadline, prompt tokens) of the queued prompt work (the request
-        # judged included), for the pass's prefill (``_life_prefill``)
-        self._queue: dict[int, list[tuple[float, float]]] = {}
-        self._share = 1.0  # of the batch now, the share that counts over the life judged
         self.ask_planner = os.environ.get(ASK_PLANNER_ENV) == "1"  # see ``planner_off_pace``
+        self.planner = PlannerCheck(self)  # the planner's answer and its state
 
     def reset(self) -> None:
         """Forget every measurement (after a profile run, whose passes are not load)."""
@@ -273,7 +246,7 @@ class AdmissionControl:
         class's output length and the calibration of its predictions; its promise is
         counted against whether it met its SLO."""
         self._finishes.append(t)
-        while self._finishes and self._finishes[0] < t - _FINISH_WINDOW_S:
+        while self._finishes and self._finishes[0] < t - FINISH_WINDOW_S:
             self._finishes.popleft()
         if seq is None or seq.cancelled or seq.first_token_at is None:
             return
@@ -304,76 +277,16 @@ class AdmissionControl:
             )
             self.sched.counters.count_promise(cls, seq.promise, met)
 
-    def finish_rate(self, now: float) -> float | None:
-        """Running requests finishing per second over the recent window (None: too few
-        finishes to tell)."""
-        f = self._finishes
-        while f and f[0] < now - _FINISH_WINDOW_S:
-            f.popleft()
-        if len(f) < _MIN_FINISHES:
-            return None
-        span = max(now - f[0], 1e-3)
-        return len(f) / span
-
     def admitted(self, seq: SeqState, now: float) -> None:
         """``seq`` passed the checks and was queued at ``now``: it keeps the last
         verdict's promise and predictions."""
         seq.promise, seq.pred_tpot_ms, seq.pred_ttft_ms = self._pred
         q = self._admits.setdefault(seq.slo.cls, deque())
         q.append((now, seq.to_prefill, seq.slo.ttft_ms))
-        while q and q[0][0] < now - _FINISH_WINDOW_S:
+        while q and q[0][0] < now - FINISH_WINDOW_S:
             q.popleft()
 
-    def _arrivals(self, now: float) -> dict[str, tuple[float, float, float]]:
-        """Per class with a TTFT target: its admitted requests per second over the
-        recent window, their mean prompt tokens and its TTFT target (ms)."""
-        out = {}
-        for cls, q in self._admits.items():
-            while q and q[0][0] < now - _FINISH_WINDOW_S:
-                q.popleft()
-            if len(q) < _MIN_FINISHES or q[-1][2] is None:
-                continue
-            span = max(now - q[0][0], 1.0)
-            out[cls] = (len(q) / span, sum(p for _, p, _ in q) / len(q), float(q[-1][2]))
-        return out
-
     # ------------------------------------------------------------------ predictions
-    def prefill_ms(self, tokens: int, context: int = 0) -> float | None:
-        """Predicted ms to prefill ``tokens`` prompt tokens at a chunk per pass beside the
-        running decodes, each chunk attending ``context`` tokens already in the KV (a
-        cached prefix): the hardware model's passes scaled by the measured speed (the
-        measured pass time itself, without a model; None with neither)."""
-        s = self.sched
-        chunk = s.cfg.max_prefill_tokens
-        full, rest = divmod(max(int(tokens), 0), chunk)
-        if s.hw is None:
-            if self.pass_ms is None:
-                return None
-            return (full + (rest > 0)) * self.pass_ms
-        decoders = sum(1 for r in s.running if not r.in_prefill)
-        kv = decoders * (self.context if self.context is not None else _DEFAULT_CONTEXT)
-        speed = self.speed()
-        ctx = max(int(context), 0)
-        t = full * float(
-            s.hw.iteration_ms(
-                chunk + decoders, kv, prefill_pairs=chunk * ctx, requests=decoders + 1
-            )
-        )
-        if rest:
-            t += float(
-                s.hw.iteration_ms(
-                    rest + decoders, kv, prefill_pairs=rest * ctx, requests=decoders + 1
-                )
-            )
-        return t * speed
-
-    def speed(self) -> float:
-        """Measured over predicted pass time: the median of the recent passes (robust to
-        a pass that compiled or was stalled), 1 before any."""
-        if not self._speeds:
-            return 1.0
-        return float(statistics.median(self._speeds))
-
     def decode_pass_ms(self, n: float) -> float | None:
         """Predicted ms of a pass with ``n`` requests decoding at the measured tree size,
         context and prefill per pass (None without a hardware model)."""
@@ -382,55 +295,8 @@ class AdmissionControl:
             return None
         nodes = self.nodes_per_decode or 0.0
         tokens = n * (1.0 + nodes) + (self.prefill_per_pass or 0.0)
-        ctx = self.context if self.context is not None else _DEFAULT_CONTEXT
+        ctx = self.context if self.context is not None else DEFAULT_CONTEXT
         return float(hw.iteration_ms(tokens, n * ctx, requests=n)) * self.speed()
-
-    def alone_ms(self, seq: SeqState) -> float:
-        """Predicted ms of ``seq``'s prefill with nothing ahead of it (0 without a model
-        of the pass time)."""
-        return self.prefill_ms(seq.to_prefill, _in_kv(seq)) or 0.0
-
-    def predicted_ttft_ms(self, seq: SeqState, now: float) -> float | None:
-        """Predicted ms from ``now`` to ``seq``'s first token (None without a model of
-        the pass time); see the module docstring."""
-        if self.prefill_ms(1) is None:
-            return None
-        s = self.sched
-        ttft = seq.slo.ttft_ms
-        deadline = seq.arrival + (ttft / 1000.0 if ttft is not None else math.inf)
-        tokens: float = seq.to_prefill
-        seats_ahead: float = 0
-        for r in itertools.chain(s.running, s.waiting):
-            waiting = r not in s.running
-            if not (waiting or r.in_prefill):
-                continue
-            if r.num_output > 0:  # preempted: back at the front of the queue
-                tokens += r.to_prefill
-                seats_ahead += waiting
-                continue
-            rt = r.slo.ttft_ms
-            rd = r.arrival + (rt / 1000.0 if rt is not None else math.inf)
-            if rd <= deadline and rd > now:
-                tokens += r.to_prefill
-                seats_ahead += waiting
-        # requests still to come that will go ahead of it: those of a class whose
-        # deadline, if they arrive before ``deadline - their ttft``, falls before its own
-        for cls, (rate, prompt, cls_ttft) in self._arrivals(now).items():
-            window = deadline - cls_ttft / 1000.0 - now
-            if cls != seq.slo.cls and window > 0:
-                tokens += rate * window * prompt
-                seats_ahead += rate * window
-        t = self.prefill_ms(math.ceil(tokens))
-        assert t is not None  # as ``prefill_ms(1)`` above: the same model answers
-        if s.hw is not None:  # its own chunks attend its cached prefix
-            t += s.hw.prefill_ms_per_pair * seq.to_prefill * _in_kv(seq) * self.speed()
-        free = s.cfg.max_num_seqs - len(s.running)
-        short = seats_ahead + 1 - free
-        if short > 0:
-            finishing = self.finish_rate(now)
-            if finishing is not None:
-                t = max(t, short / finishing * 1000.0 + self.alone_ms(seq))
-        return t
 
     def pace_ms(self, cls: str) -> float | None:
         """The ms per token class ``cls`` runs at now (``ClassPaces.pace_ms``)."""
@@ -475,10 +341,10 @@ class AdmissionControl:
         admitted requests predicted at that load or above (all of them without
         ``load``), the share that met it, counting one more that did (a few finishes
         are weak evidence of a miss: the chance is not judged below the bar on one
-        unlucky request); None with fewer than ``_MIN_FINISHES`` such."""
+        unlucky request); None with fewer than ``MIN_FINISHES`` such."""
         q = self.tpot_met.get(cls) or ()
         got = [met for x, met in q if load is None or x >= load]
-        return (sum(got) + 1) / (len(got) + 1) if len(got) >= _MIN_FINISHES else None
+        return (sum(got) + 1) / (len(got) + 1) if len(got) >= MIN_FINISHES else None
 
     def ttft_chance(self, cls: str, target: float, predicted: float) -> float:
         """The chance a request of ``cls`` predicted at ``predicted`` ms from arrival to
@@ -500,7 +366,7 @@ class AdmissionControl:
         # stricter class seen decoding lately (its next request must still find room)
         targets: dict[str, float] = {}
         for cls, seen in self.paces.seen.items():
-            if s.rank_of(cls) < rank and now - seen <= _SEEN_WINDOW_S:
+            if s.rank_of(cls) < rank and now - seen <= SEEN_WINDOW_S:
                 t = s.class_slo(cls).tpot_ms if s.knows_class(cls) else None
                 if t:
                     targets[cls] = t
@@ -522,255 +388,12 @@ class AdmissionControl:
                 return cls, pred, targets[cls], self._retry_pace(cls, n, targets[cls], seq, now)
         return None
 
-    # ------------------------------------------------------------------ ask the planner
     def planner_off_pace(
         self, seq: SeqState, rank: int, now: float
     ) -> tuple[str, float, float, float] | None | _Answer:
-        """``off_pace`` answered by the policy's own planner (``Policy.forecast``): the
-        first class at or above ``rank``'s strictness whose requests, in the pass the
-        planner would compose for the batch over ``seq``'s life, would run slower than
-        what they can afford over the rest of their lives; None when every one keeps
-        pace; ``NO_ANSWER`` when the planner cannot answer (no cost model, nothing measured):
-        the measured paces judge instead.
-
-        The batch over its life (``_life_batch``): the decoders it shares passes with,
-        counted as decoders (the running decoders, the prefilling or queued requests
-        whose TTFT deadline falls before its decode ends, itself), relaxed toward the
-        steady count of decoders (the offered rate times the measured decode time,
-        first token to finish, Little's law) as in ``load_over_life``; when that
-        batch is infeasible, the steady count is taken at most the largest batch the
-        planner finds feasible (what comes later is admitted only while it fits). The pass's
-        prefill (``_life_prefill``) is the prompt work due in it. Each class is judged
-        pooled: its requests' predicted ms per token (the pass time over the tokens
-        the planner's allocation gives each), weighted by their expected remaining
-        tokens, against their pooled budget (target x their expected tokens less the
-        decode time they have spent: their credit and deficit, over their expected
-        remaining tokens)."""
-        s = self.sched
-        if s.hw is None or not s.running or self.decode_s is None:
-            return NO_ANSWER
-        tpot = seq.slo.tpot_ms
-        out = self.out_len.get(seq.slo.cls)
-        if not tpot or not out:
-            return NO_ANSWER
-        targets = self._strict_targets(seq, rank, now)
-        batch, n = self._life_batch(seq, now, targets)
-        if batch is None:
-            return NO_ANSWER
-        m = len(batch)
-        verdict = self._judge(batch, seq, rank, now)
-        if verdict is NO_ANSWER:
-            return NO_ANSWER
-        if verdict is None:
-            return None
-        cls, pred, target = verdict
-        # Retry-After: the time for the batch to shrink to the largest size the planner
-        # finds feasible (bisection on the batch's size), at the measured finish rate
-        rate = self.finish_rate(now)
-        lo, hi = 1, m  # lo: unknown/feasible bound, hi: known infeasible
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self._judge(batch[:mid], seq, rank, now) is None:
-                lo = mid
-            else:
-                hi = mid
-        # the steady count is of what is offered, but what comes will be admitted only
-        # while it fits: over its life the batch relaxes toward the offered count, at
-        # most the largest batch the planner finds feasible
-        if self._steady is not None:
-            steady = min(self._steady, float(lo))
-            n_c = max(1.0, steady + (n - steady) * self._share) + self._held
-            m_c = max(1, int(round(n_c)))
-            if m_c < m and self._judge(batch[:m_c], seq, rank, now) is None:
-                return None
-            self._own_tpot = None
-        if rate is None:
-            return cls, pred, target, CAPACITY_RETRY_S
-        # the batch over its life shrinks by ``_share`` of each request that leaves now
-        return cls, pred, target, max(1.0, (m - lo) / self._share / rate)
-
-    def _strict_targets(self, seq: SeqState, rank: int, now: float) -> dict[str, float]:
-        """The classes to keep on pace: those at or above ``rank`` in the batch, and
-        every stricter class seen decoding lately (its next request must find room)."""
-        s = self.sched
-        targets: dict[str, float] = {}
-        for cls, seen in self.paces.seen.items():
-            if s.rank_of(cls) < rank and now - seen <= _SEEN_WINDOW_S:
-                t = s.class_slo(cls).tpot_ms if s.knows_class(cls) else None
-                if t:
-                    targets[cls] = t
-        for r in itertools.chain(s.running, s.waiting, (seq,)):
-            t = r.slo.tpot_ms
-            if t and s.rank_of(r.slo.cls) <= rank:
-                targets[r.slo.cls] = min(t, targets.get(r.slo.cls, t))
-        return targets
-
-    def _fresh(self, r: SeqState, now: float, rid: int | None = None) -> ReqView:
-        """``r`` as a decoder just past its first token (no credit, no deficit), its
-        context at its prompt plus half its class's measured output."""
-        v = self.sched.req_view(r, now)
-        half = 0.5 * self.out_len.get(r.slo.cls, 0.0)
-        return dataclasses.replace(
-            v,
-            rid=v.rid if rid is None else rid,
-            n_out=0,
-            decode_ms=0.0,
-            prefill_left=0,
-            waited_ms=0.0,
-            context_len=int(r.num_tokens + half),
-        )
-
-    def _left(self, v: ReqView) -> float:
-        """Expected output tokens ``v`` still produces: its class's measured output
-        length less what it has (at least 1), capped by its ``max_tokens`` left."""
-        out = self.out_len.get(v.cls, float(v.n_out + 1))
-        return max(1.0, min(out - v.n_out, float(v.max_tokens)))
-
-    def _life_batch(
-        self, seq: SeqState, now: float, targets: dict[str, float]
-    ) -> tuple[list[ReqView] | None, float]:
-        """The decoders over ``seq``'s life (see ``planner_off_pace``), the new request
-        first, then those with the most expected tokens left (those that leave first
-        are dropped when the batch relaxes down; copies of the new request fill it
-        when it relaxes up), and the count before relaxing. Also keeps the queued
-        prompt work by rank and deadline for the pass's prefill (``_life_prefill``)."""
-        s = self.sched
-        tpot = seq.slo.tpot_ms or 0.0
-        out = self.out_len.get(seq.slo.cls, 0.0)
-        st = seq.slo.ttft_ms
-        start = seq.arrival + st / 1000.0 if st is not None else now
-        end = max(start, now) + out * tpot / 1000.0  # its decode ends (at its target)
-        new = self._fresh(seq, now)
-        others: list[ReqView] = []
-        self._queue = {}
-        if math.isfinite(start):
-            self._queue[s.rank_of(seq.slo.cls)] = [(max(start, now), float(seq.to_prefill))]
-        for r in itertools.chain(s.running, s.waiting):
-            if r in s.running and not r.in_prefill:
-                others.append(s.req_view(r, now))
-                continue
-            rt = r.slo.ttft_ms
-            rd = r.arrival + (rt / 1000.0 if rt is not None else math.inf)
-            rk = s.rank_of(r.slo.cls)
-            dl = now if r.num_output > 0 or rd <= now else rd  # late or preempted: now
-            if math.isfinite(dl):
-                self._queue.setdefault(rk, []).append((dl, float(r.to_prefill)))
-            if r.num_output > 0 or rd <= end:  # decodes beside it over its life
-                others.append(self._fresh(r, now))
-        n = 1.0 + len(others)
-        # seats held for retries due ahead of it: requests at their return, counted in
-        # full on top of the relaxed count (they are promised, not part of the flow)
-        held = self.seats.ahead(seq.retry_token, now)
-        rate = self.arrival_rate(now)
-        life = out * tpot / 1000.0
-        n_life = n
-        self._share = 1.0
-        self._steady: float | None = None
-        self._held = held
-        if rate is not None and self.decode_s and self.decode_s > 0 and life > 0:
-            steady = rate * self.decode_s
-            tau = self.decode_s
-            share = tau / life * (1.0 - math.exp(-life / tau))  # mean of exp(-t / tau)
-            n_life = max(1.0, steady + (n - steady) * share)
-            self._share = share
-            self._steady = steady
-        m = max(1, min(int(round(n_life + held)), s.cfg.max_num_seqs))
-        others.sort(key=lambda v: -self._left(v))
-        batch = [new] + others[: m - 1]
-        # a stricter class seen lately but not in the batch: its next request's place
-        have = {v.cls for v in batch}
-        k = -1
-        for cls in targets:
-            if cls not in have and s.knows_class(cls):
-                probe = dataclasses.replace(
-                    new, rid=k, cls=cls, tpot_ms=targets[cls], rank=s.rank_of(cls)
-                )
-                batch.insert(1, probe)
-                k -= 1
-        while len(batch) < m:
-            batch.append(dataclasses.replace(new, rid=k))
-            k -= 1
-        return batch, n
-
-    def _life_prefill(self, t_iter: float, now: float) -> dict[int, tuple[float, float]]:
-        """The prompt work per pass over the request's life at pass time ``t_iter``,
-        by the rank of its class: (the prefill that meets every queued TTFT deadline,
-        earliest first: the most, over the deadlines, of the prompt tokens due by each
-        over the passes until it, a request already late or preempted due now; the
-        offered prompt tokens per second times the pass time, unit-consistent with the
-        steady count of decoders, which is at the offered rate too). Which of it the
-        pass carries is the planner's composition rule (``Policy.forecast``)."""
-        dt = max(t_iter, 1e-6) / 1000.0
-        out: dict[int, tuple[float, float]] = {}
-        for rank, q in self._queue.items():
-            cum = dens = 0.0
-            for deadline, tokens in sorted(q):
-                cum += tokens
-                dens = max(dens, cum / max((deadline - now) / dt, 1.0))
-            out[rank] = (dens, 0.0)
-        for rank, tok_s in self.offered_prompt_rate(now).items():
-            out[rank] = (out.get(rank, (0.0, 0.0))[0], tok_s * dt)
-        return out
-
-    def tpot_error(self, cls: str) -> float:
-        """The measured error of the planner's forecasts of class ``cls`` near its
-        bar: of its last ``WINDOW`` admitted requests forecast at ``NEAR_BAR`` of
-        their target or more, the ``PROMISE`` quantile of realised TPOT over forecast
-        pace (1 with fewer than ``_MIN_FINISHES`` such). Near the bar is where the
-        forecast decides; far below it the planner steers a request to its aim
-        whatever the forecast, which says nothing of its error."""
-        got = sorted(x for p, x in self.tpot_err.get(cls, ()) if p >= NEAR_BAR)
-        if len(got) < _MIN_FINISHES:
-            return 1.0
-        return got[min(len(got) - 1, int(PROMISE * len(got)))]
-
-    def _judge(
-        self, batch: list[ReqView], seq: SeqState, rank: int, now: float
-    ) -> tuple[str, float, float] | None | _Answer:
-        """The first class at or above ``rank`` off pace in the planner's pass for
-        ``batch`` (class, predicted ms per token, its pooled budget per token), None
-        when none is, ``NO_ANSWER`` when the planner gives no forecast."""
-        s = self.sched
-        view = BatchView(
-            now_ms=now * 1000.0,
-            requests=batch,
-            free_kv_slots=s.allocator.num_free * s.cfg.block_size,
-            hw=s.hw,
-            power=s.power,
-            mask_ms_per_node=s.hw.mask_ms_per_node if s.hw is not None else 0.0,
-        )
-        # the pass without prefill, then with the prefill due at its time (one step of
-        # the fixed point: the prefill lengthens the pass it is due over)
-        fc: PassForecast | None = s.policy.forecast(view, {})
-        if fc is None:
-            return NO_ANSWER
-        fc = s.policy.forecast(view, self._life_prefill(fc.t_iter_ms, now))
-        if fc is None:
-            return NO_ANSWER
-        speed = self.time_ratio or 1.0  # measured over planned pass time
-        # pooled per class and apart for the requests yet to decode (the new one, those
-        # due, the places kept): a running request's credit is its own and the planner
-        # spends it on the requests behind, but a request yet to start has none
-        pools: dict[tuple[str, bool], list[float]] = {}
-        for v in batch:
-            if v.tpot_ms is None or v.rank > rank:
-                continue
-            left = self._left(v)
-            budget = v.tpot_ms * (v.n_out + left - 1.0) - v.decode_ms
-            fresh = v.n_out == 0
-            acc = pools.setdefault((v.cls, fresh), [0.0, 0.0, 0.0, v.rank])
-            acc[0] += left * fc.pace_ms(v.rid) * speed / self.tok_ratio.get(v.cls, 1.0)
-            acc[1] += max(budget, 0.0)
-            acc[2] += left
-        for (cls, fresh), (paced, budget, left, _) in sorted(
-            pools.items(), key=lambda x: (x[1][3], not x[0][1])
-        ):
-            pred, allow = paced / left * self.tpot_error(cls), budget / left
-            if cls == seq.slo.cls and fresh:
-                self._own_tpot = pred
-            if pred > allow:  # no tolerance: the planner's margin is its measured error
-                return cls, pred, allow
-        return None
+        """``off_pace`` answered by the policy's own planner (``PlannerCheck.off_pace``);
+        ``NO_ANSWER`` when it cannot answer."""
+        return self.planner.off_pace(seq, rank, now)
 
     def load_over_life(self, n: float, seq: SeqState, now: float) -> float:
         """The mean batch size over ``seq``'s decode, from ``n`` now: a request's TPOT
@@ -800,9 +423,9 @@ class AdmissionControl:
         """Prompt tokens offered per second over the recent window (admitted or not),
         by the rank of their class (empty: too few offered to tell)."""
         q = self._arr_tok
-        while q and q[0][0] < now - _FINISH_WINDOW_S:
+        while q and q[0][0] < now - FINISH_WINDOW_S:
             q.popleft()
-        if len(q) < _MIN_FINISHES:
+        if len(q) < MIN_FINISHES:
             return {}
         span = max(now - q[0][0], 1.0)
         out: dict[int, float] = {}
@@ -813,9 +436,9 @@ class AdmissionControl:
     def arrival_rate(self, now: float) -> float | None:
         """Requests offered per second over the recent window (admitted or not)."""
         q = self._arrived
-        while q and q[0] < now - _FINISH_WINDOW_S:
+        while q and q[0] < now - FINISH_WINDOW_S:
             q.popleft()
-        if len(q) < _MIN_FINISHES:
+        if len(q) < MIN_FINISHES:
             return None
         return len(q) / max(now - q[0], 1.0)
 
@@ -858,7 +481,7 @@ class AdmissionControl:
     # ------------------------------------------------------------------ room
     def refused(self, seq: SeqState, e: AdmissionRejected, now: float) -> None:
         """``seq`` was refused (``e``) at ``now``: a tenant refused room (capacity or KV)
-        makes the batch contended (``fair_share_verdict``) for ``_FINISH_WINDOW_S``;
+        makes the batch contended (``fair_share_verdict``) for ``FINISH_WINDOW_S``;
         a refusal for room holds a seat for the client's retry (``e.retry_token``)."""
         if e.reason in _CONTENDED:
             self.fair.refused_room(seq.tenant, now)
@@ -950,9 +573,3 @@ class AdmissionControl:
             and (now - r.arrival) * 1000.0 + (alone := self.alone_ms(r)) > r.slo.ttft_ms
             and r.slo.ttft_ms >= alone
         ]
-
-
-def _in_kv(seq: SeqState) -> int:
-    """Prompt tokens of ``seq`` that need no prefill (a cached prefix, earlier chunks):
-    its prefill attends them."""
-    return max(seq.num_tokens - seq.to_prefill, 0)

@@ -14,6 +14,9 @@ from __future__ import annotations
 import math
 
 CLASS_EWMA = 0.05  # weight of the newest pass in a class's running means
+SEEN_WINDOW_S = 60.0  # a stricter class decoding this recently keeps its room
+MIN_FINISHES = 4  # below this many finishes in the window the rate is unknown
+FINISH_WINDOW_S = 30.0  # finishes counted for the finish rate
 # the load buckets (``by_load``): decoders 20% apart, each a running mean (weight of the
 # newest pass) that counts for this long after its last pass. Chosen in the simulator
 # (docs/results/admission-issue31.md, third pass): 10 s and 30 s gave 9.7/1.4/1.4% and
