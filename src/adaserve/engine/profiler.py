@@ -8,7 +8,7 @@ from __future__ import annotations
 import platform
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,9 @@ from adaserve.kv.cache import KVCache
 from adaserve.models.attention import AttnMetadata, SeqSpec
 from adaserve.models.llama import LlamaModel
 from adaserve.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from adaserve.core.trace import StepTrace
 
 VERIFY_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DRAFT_TOKENS = (1, 4, 16, 64, 256)
@@ -273,6 +276,37 @@ def _at_zero_kv(lat: list[float], sizes, per_kv: float, ctx: int) -> list[float]
     return [max(1e-3, v - per_kv * min(8, n) * ctx) for v, n in zip(lat, sizes)]
 
 
+def _timed_steps(
+    engine, policy, requests: int, max_tokens: int, stride: int, clock=time.perf_counter
+) -> list[tuple[float, bool, int, StepTrace | None]]:
+    """Serve ``requests`` greedy 32-token prompts (request i's tokens ``stride * i + j``)
+    together under ``policy`` until they finish, then restore the engine's policy. Per
+    step: (ms by ``clock``, whether every request was decoding before it, their context
+    tokens before it, its trace)."""
+    V = engine.target.cfg.vocab_size
+    saved = engine.policy
+    engine.set_policy(policy)
+    steps = []
+    try:
+        reqs = [
+            engine.add_request(
+                [(stride * i + j) % V for j in range(1, 33)],
+                SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                SLO(),
+            )
+            for i in range(requests)
+        ]
+        while not all(r.finished for r in reqs):
+            decoding = all(r.first_token_at is not None and not r.finished for r in reqs)
+            kv = sum(len(r.tokens) for r in reqs)
+            t0 = clock()
+            engine.step()
+            steps.append(((clock() - t0) * 1000, decoding, kv, engine.last_trace))
+    finally:
+        engine.set_policy(saved)
+    return steps
+
+
 def measure_step_overhead(engine, new_tokens: int = 24) -> list[float]:
     """Measured ms of each plain decode step of a single request (``new_tokens``
     steps without speculation, the first two dropped as warm-up): the engine's whole
@@ -280,20 +314,7 @@ def measure_step_overhead(engine, new_tokens: int = 24) -> list[float]:
     overhead is their median less the profiled one-token verification."""
     from adaserve.policies.static import AutoregressivePolicy
 
-    saved = engine.policy
-    engine.set_policy(AutoregressivePolicy())
-    try:
-        prompt = [i % engine.target.cfg.vocab_size for i in range(1, 33)]
-        r = engine.add_request(
-            prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True), SLO()
-        )
-        times = []
-        while not r.finished:
-            t0 = time.perf_counter()
-            engine.step()
-            times.append((time.perf_counter() - t0) * 1000)
-    finally:
-        engine.set_policy(saved)
+    times = [ms for ms, *_ in _timed_steps(engine, AutoregressivePolicy(), 1, new_tokens, 0)]
     return times[2:] if len(times) > 3 else times
 
 
@@ -314,29 +335,10 @@ def measure_request_overhead(
     ``clock``: seconds (tests inject one)."""
     from adaserve.policies.static import AutoregressivePolicy
 
-    V = engine.target.cfg.vocab_size
-    saved = engine.policy
-    engine.set_policy(AutoregressivePolicy())
-    over = []
-    try:
-        reqs = [
-            engine.add_request(
-                [(3 * i + j) % V for j in range(1, 33)],
-                SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
-                SLO(),
-            )
-            for i in range(requests)
-        ]
-        while not all(r.finished for r in reqs):
-            decoding = all(r.first_token_at is not None and not r.finished for r in reqs)
-            kv = sum(len(r.tokens) for r in reqs)
-            t0 = clock()
-            engine.step()
-            ms = (clock() - t0) * 1000
-            if decoding:
-                over.append(ms - float(hw.verify_latency(requests, kv)))
-    finally:
-        engine.set_policy(saved)
+    steps = _timed_steps(engine, AutoregressivePolicy(), requests, 16, 3, clock)
+    over = [
+        ms - float(hw.verify_latency(requests, kv)) for ms, decoding, kv, _ in steps if decoding
+    ]
     if len(over) < 3:
         return 0.0
     return max(0.0, (statistics.median(over[2:]) - one_ms) / (requests - 1))
@@ -348,9 +350,9 @@ def measure_tree_host(
     """Host ms per speculating request of a step beyond its profiled passes (its tree's
     verification: the batch built, the nodes sampled, the accepted nodes' KV moved):
     steps of ``requests`` requests all drafting 4-token chains together (the first
-    ``TREE_WARMUP`` dropped as warm-up), each less ``hw``'s price of the same pass without this term
-    (``drift.predicted_pass_ms`` of its ``StepTrace``), per speculating request (>= 0).
-    ``clock``: seconds (tests inject one)."""
+    ``TREE_WARMUP`` dropped as warm-up), each less ``hw``'s price of the same pass
+    without this term (``drift.predicted_pass_ms`` of its ``StepTrace``), per
+    speculating request (>= 0). ``clock``: seconds (tests inject one)."""
     import dataclasses
 
     from adaserve.hardware.drift import predicted_pass_ms
@@ -359,31 +361,13 @@ def measure_tree_host(
     if engine.draft is None:
         return 0.0
     hw = dataclasses.replace(hw, tree_host_ms=0.0)
-    V = engine.target.cfg.vocab_size
-    saved = engine.policy
-    engine.set_policy(make_policy("spec-chain:4"))
     per = []
-    try:
-        reqs = [
-            engine.add_request(
-                [(5 * i + j) % V for j in range(1, 33)],
-                SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
-                SLO(),
-            )
-            for i in range(requests)
-        ]
-        while not all(r.finished for r in reqs):
-            t0 = clock()
-            engine.step()
-            ms = (clock() - t0) * 1000
-            tr = engine.last_trace
-            if tr is None or tr.prefill or len(tr.spec) < requests:  # the full batch only
-                continue
-            rows = len(tr.decode) + sum(tr.tree_nodes.values())
-            pred = predicted_pass_ms(hw, tr.tokens, tr.kv_tokens, 0, tr.draft, len(tr.decode), rows)
-            per.append((ms - pred) / len(tr.spec))
-    finally:
-        engine.set_policy(saved)
+    for ms, _, _, tr in _timed_steps(engine, make_policy("spec-chain:4"), requests, 40, 5, clock):
+        if tr is None or tr.prefill or len(tr.spec) < requests:  # the full batch only
+            continue
+        rows = len(tr.decode) + sum(tr.tree_nodes.values())
+        pred = predicted_pass_ms(hw, tr.tokens, tr.kv_tokens, 0, tr.draft, len(tr.decode), rows)
+        per.append((ms - pred) / len(tr.spec))
     # the first speculating steps run cold (first calls of their shapes): left out
     if len(per) < 2 + TREE_WARMUP:
         return 0.0
