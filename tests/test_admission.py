@@ -518,15 +518,23 @@ def _reference_workload() -> list[str]:
     return list(mod.REF)
 
 
-def test_retry_after_is_honest_at_three_times_capacity(tmp_path):
+@pytest.mark.parametrize("planner", [False, True], ids=["paces", "planner"])
+def test_retry_after_is_honest_at_three_times_capacity(tmp_path, monkeypatch, planner):
     """Issue 31's goal: at 3x capacity (the reference workload, 6 req/s against a
     capacity of 2), at least half of the retries that honour Retry-After are admitted:
     a refusal for room holds a seat for its client's retry (``retry_token``), which
     new arrivals count once clients are seen to come back. Without the seats, fresh
-    arrivals took the room first (24 of 208 retries got in)."""
+    arrivals took the room first (24 of 208 retries got in); with the planner's check,
+    before its Retry-After counted every seat held ahead and the seats were queued at
+    the finish rate, 33% got in over 180 s."""
     import json
 
     from adaserve.cli import main
+
+    if planner:
+        monkeypatch.setenv("ADASERVE_ADMISSION_PLANNER", "1")
+    else:
+        monkeypatch.delenv("ADASERVE_ADMISSION_PLANNER", raising=False)
 
     args = [
         "simulate",
@@ -583,6 +591,36 @@ def test_a_refusal_for_room_holds_a_seat_for_its_retry():
     q = AdmissionRejected("queue", "queue_full", 1.0)
     ac.refused(_Req(11, _slo("chat"), 9.6), q, 9.6)
     assert q.retry_token is None
+
+
+def test_held_seats_are_a_queue_at_the_finish_rate():
+    """Seats come due no closer than one finish apart, in the order they were held (a
+    burst of refusals told the same wait would come back as a burst the batch cannot
+    absorb); the Retry-After given is the wait to the seat's due time."""
+    from adaserve.core.retry_seats import RetrySeats
+
+    seats = RetrySeats()
+    waits = [seats.hold(10.0, 1.0, 0.5)[1] for _ in range(3)]
+    assert waits == pytest.approx([1.0, 1.5, 2.0])
+    assert seats.hold(10.0, 9.0, 0.5)[1] == pytest.approx(9.0)  # already later: kept
+    assert seats.hold(12.0, 0.2, 0.5)[1] == pytest.approx(7.5)  # behind the last one
+    # through admission: the refusal's Retry-After becomes the seat's wait
+    clock = ManualClock(0.0)
+    ac = _sched(clock).admission
+    e1, e2 = AdmissionRejected("full", "capacity", 2.0), AdmissionRejected("full", "capacity", 2.0)
+    ac.refused(_Req(1, _slo("chat"), 0.0), e1, 0.0)
+    ac.refused(_Req(2, _slo("chat"), 0.0), e2, 0.0)
+    assert e1.retry_after_s == 2.0  # the finish rate is not measured yet: no spacing
+    assert e2.retry_after_s == 2.0
+    for i in range(20):  # 2 finishes per second
+        ac.observe_finish(0.5 * i)
+    clock.set(10.0)
+    e3, e4 = AdmissionRejected("full", "capacity", 2.0), AdmissionRejected("full", "capacity", 2.0)
+    ac.refused(_Req(3, _slo("chat"), 10.0), e3, 10.0)
+    ac.refused(_Req(4, _slo("chat"), 10.0), e4, 10.0)
+    rate = ac.finish_rate(10.0)
+    assert rate == pytest.approx(2.0, rel=0.1)
+    assert e3.retry_after_s == 2.0 and e4.retry_after_s == pytest.approx(2.0 + 1.0 / rate)
 
 
 def _planner_measured():

@@ -486,7 +486,10 @@ class AdmissionControl(PrefillForecast):
         if e.reason in _CONTENDED:
             self.fair.refused_room(seq.tenant, now)
         if e.reason in _CONTENDED:
-            e.retry_token = self.seats.hold(now, e.retry_after_s)
+            rate = self.finish_rate(now)
+            e.retry_token, e.retry_after_s = self.seats.hold(
+                now, e.retry_after_s, 1.0 / rate if rate else 0.0
+            )
 
     def use_seat(self, seq: SeqState) -> None:
         """``seq`` came back with its retry token and was judged: its seat is used."""

@@ -59,6 +59,7 @@ class PlannerCheck:
         self._share = 1.0  # of the batch now, the share that counts over the life judged
         self._steady: float | None = None  # the steady count of decoders (Little's law)
         self._held = 0.0
+        self._n_life = 1.0  # the batch's count over the life, before the held seats
 
     def off_pace(
         self, seq: SeqState, rank: int, now: float
@@ -123,8 +124,12 @@ class PlannerCheck:
             self.adm._own_tpot = None
         if rate is None:
             return cls, pred, target, CAPACITY_RETRY_S
-        # the batch over its life shrinks by ``_share`` of each request that leaves now
-        return cls, pred, target, max(1.0, (m - lo) / self._share / rate)
+        # the batch over its life shrinks by ``_share`` of each request that leaves now;
+        # each seat held ahead takes one leaving request in full (all of them, beyond
+        # the ``max_num_seqs`` the judged batch is capped at)
+        over_life = max(0.0, self._n_life - lo)
+        seats = max(0.0, self._held - max(0.0, lo - self._n_life))
+        return cls, pred, target, max(1.0, (over_life / self._share + seats) / rate)
 
     def _strict_targets(self, seq: SeqState, rank: int, now: float) -> dict[str, float]:
         """The classes to keep on pace: those at or above ``rank`` in the batch, and
@@ -211,6 +216,7 @@ class PlannerCheck:
             n_life = max(1.0, steady + (n - steady) * share)
             self._share = share
             self._steady = steady
+        self._n_life = n_life
         m = max(1, min(int(round(n_life + held)), s.cfg.max_num_seqs))
         others.sort(key=lambda v: -self._left(v))
         batch = [new] + others[: m - 1]

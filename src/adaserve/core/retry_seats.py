@@ -12,6 +12,7 @@ whose client came back (``WINDOW`` of them). Torch-free; time is the scheduler's
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections import deque
 
@@ -33,14 +34,17 @@ class RetrySeats:
     def __contains__(self, token: str) -> bool:
         return token in self._seats
 
-    def hold(self, now: float, wait_s: float) -> str:
-        """Hold a seat for a client told at ``now`` to come back in ``wait_s``; its
-        token."""
+    def hold(self, now: float, wait_s: float, spacing_s: float = 0.0) -> tuple[str, float]:
+        """Hold a seat for a client told at ``now`` to come back in ``wait_s``, due no
+        earlier than ``spacing_s`` after the last seat held (the seats are a queue: each
+        takes one leaving request, so clients told apart come back apart, not in a
+        burst the batch cannot absorb); its token and the wait it is due in."""
         self._n += 1
         token = f"{self._n:x}-{secrets.token_hex(6)}"
-        due = now + wait_s
-        self._seats[token] = (due, due + max(SEAT_GRACE_S, 0.5 * wait_s))
-        return token
+        last = max((d for d, _ in self._seats.values()), default=-math.inf)
+        due = max(now + wait_s, last + spacing_s)
+        self._seats[token] = (due, due + max(SEAT_GRACE_S, 0.5 * (due - now)))
+        return token, due - now
 
     def use(self, token: str | None) -> None:
         """The client of ``token`` came back (and was judged): its seat is used."""
