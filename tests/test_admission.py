@@ -623,6 +623,45 @@ def test_held_seats_are_a_queue_at_the_finish_rate():
     assert e3.retry_after_s == 2.0 and e4.retry_after_s == pytest.approx(2.0 + 1.0 / rate)
 
 
+def test_the_check_asks_the_planner_by_default(monkeypatch):
+    """``admission_check``: the planner by default, the measured paces on request; the
+    environment's "0" / "1" overrides it; anything else is refused by the config."""
+    from adaserve.errors import InvalidRequestError
+
+    monkeypatch.delenv("ADASERVE_ADMISSION_PLANNER", raising=False)
+    clock = ManualClock(0.0)
+    assert _sched(clock).admission.ask_planner
+    assert not _sched(clock, admission_check="paces").admission.ask_planner
+    monkeypatch.setenv("ADASERVE_ADMISSION_PLANNER", "0")
+    assert not _sched(clock).admission.ask_planner
+    monkeypatch.setenv("ADASERVE_ADMISSION_PLANNER", "1")
+    assert _sched(clock, admission_check="paces").admission.ask_planner
+    with pytest.raises(InvalidRequestError, match="admission_check"):
+        SchedulerConfig(admission_check="guess")
+
+
+def test_the_flow_to_come_is_filled_in_the_offered_classes_shares():
+    """The batch over a request's life is filled up to its steady count with requests
+    in the shares of the classes offered lately, the strictest first: a relaxed request
+    is judged beside the strict requests that will arrive, not beside copies of
+    itself (before, it was: at 3x capacity it let in twice as much relaxed work and
+    half the strict requests)."""
+    clock = ManualClock(10.0)
+    ac = _sched(clock).admission
+    ac.out_len = {"interactive": 20.0, "chat": 30.0}
+    chat = _Req(1, _slo("chat"), 10.0)
+    # nothing offered yet: copies of the request judged
+    assert ac.planner._fill_classes(3, chat, 10.0) == ["chat"] * 3
+    for i in range(30):  # 3 interactive to 1 chat to 1 of an unknown class, over 9 s
+        cls = ("interactive", "interactive", "interactive", "chat", "other")[i % 5]
+        ac.observe_arrival(0.3 * i, 10, 0, cls)
+    got = ac.planner._fill_classes(8, chat, 10.0)
+    assert got == ["interactive"] * 6 + ["chat"] * 2  # the unknown class left out
+    # a class whose output length is not measured cannot be forecast: left out too
+    ac.out_len = {"chat": 30.0}
+    assert ac.planner._fill_classes(4, chat, 10.0) == ["chat"] * 4
+
+
 def _planner_measured():
     """``_four_interactive_measured`` with the ``adaserve`` planner asked
     (``ask_planner``), both classes measured at 20 output tokens and a decode of

@@ -25,8 +25,9 @@ Every class gets its own decision (not only the strictest):
   for a request alone is not kept on pace (shedding cannot fix a target the machine
   cannot reach), nor is a class whose pace was last measured more than
   ``PACE_FRESH_S`` ago (admitting is how it gets measured again);
-* **decode pace, asked of the planner** (``planner_off_pace``; instead of the above
-  when ``ask_planner``, env ``ADASERVE_ADMISSION_PLANNER=1``, off by default): the
+* **decode pace, asked of the planner** (``planner_off_pace``; the default, instead of
+  the above, when ``SchedulerConfig.admission_check`` is "planner"; env
+  ``ADASERVE_ADMISSION_PLANNER`` "0" / "1" overrides it): the
   policy's own planner (``Policy.forecast``) forecasts the pass over the new request's
   life, its batch counted in decoders (those running, those due to decode beside it,
   itself; relaxed toward the offered rate times the measured decode time) and its
@@ -172,7 +173,11 @@ class AdmissionControl(PrefillForecast):
         # the last verdict's predictions for the request judged (promise, TPOT, TTFT)
         self._pred: tuple[float | None, float | None, float | None] = (None, None, None)
         self._own_tpot: float | None = None  # the request judged: its class's predicted pace
-        self.ask_planner = os.environ.get(ASK_PLANNER_ENV) == "1"  # see ``planner_off_pace``
+        # see ``planner_off_pace``: the config's choice, or the environment's override
+        env = os.environ.get(ASK_PLANNER_ENV)
+        self.ask_planner = (
+            env == "1" if env in ("0", "1") else sched.cfg.admission_check == "planner"
+        )
         self.planner = PlannerCheck(self)  # the planner's answer and its state
 
     def reset(self) -> None:
@@ -411,13 +416,25 @@ class AdmissionControl(PrefillForecast):
         share = stay / life * (1.0 - math.exp(-life / stay))  # mean of exp(-t / stay)
         return max(1.0, steady + (n - steady) * share)
 
-    def observe_arrival(self, t: float, prompt: int = 0, rank: int = 0) -> None:
-        """A request arrived at ``t`` (s) with ``prompt`` tokens to prefill, its class
-        of strictness ``rank``, and is judged (each once: a degradable one is judged again for each looser class at
-        the same arrival)."""
+    def observe_arrival(self, t: float, prompt: int = 0, rank: int = 0, cls: str = "") -> None:
+        """A request of class ``cls`` arrived at ``t`` (s) with ``prompt`` tokens to
+        prefill, its class of strictness ``rank``, and is judged (each once: a degradable
+        one is judged again for each looser class at the same arrival)."""
         if not self._arrived or self._arrived[-1] != t:
             self._arrived.append(t)
-            self._arr_tok.append((t, prompt, rank))
+            self._arr_tok.append((t, prompt, rank, cls))
+
+    def offered_mix(self, now: float) -> dict[str, float]:
+        """Each class's share of the requests offered over the recent window (admitted
+        or not; empty: too few offered to tell)."""
+        self.offered_prompt_rate(now)  # drops what is past the window
+        q = self._arr_tok
+        if len(q) < MIN_FINISHES:
+            return {}
+        out: dict[str, float] = {}
+        for *_, cls in q:
+            out[cls] = out.get(cls, 0.0) + 1.0 / len(q)
+        return out
 
     def offered_prompt_rate(self, now: float) -> dict[int, float]:
         """Prompt tokens offered per second over the recent window (admitted or not),
@@ -429,7 +446,7 @@ class AdmissionControl(PrefillForecast):
             return {}
         span = max(now - q[0][0], 1.0)
         out: dict[int, float] = {}
-        for _, x, rank in q:
+        for _, x, rank, _ in q:
             out[rank] = out.get(rank, 0.0) + x / span
         return out
 
@@ -508,7 +525,7 @@ class AdmissionControl(PrefillForecast):
         ``check_admission`` counts, degrades and records the admission; see the module
         docstring)."""
         s = self.sched
-        self.observe_arrival(seq.arrival, seq.to_prefill, s.rank_of(seq.slo.cls))
+        self.observe_arrival(seq.arrival, seq.to_prefill, s.rank_of(seq.slo.cls), seq.slo.cls)
         self._pred = (None, None, None)
         self._own_tpot = None
         if len(s.waiting) >= s.cfg.max_waiting:

@@ -18,6 +18,10 @@ QUEUE_FULL_RETRY_S = 1.0
 CAPACITY_RETRY_S = 1.0
 
 
+# how admission judges a request's TPOT (``SchedulerConfig.admission_check``)
+ADMISSION_CHECKS = ("planner", "paces")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of admission, batching and the KV pool's block size.
@@ -28,6 +32,10 @@ class SchedulerConfig:
     max_model_len:      context limit (None: the model's)
     admission:          shed new requests under overload (queue full, strict capacity)
     max_waiting:        waiting-queue bound when ``admission`` is on
+    admission_check:    how admission judges a request's TPOT: "planner" (the policy's
+                        own planner forecasts the pass over its life; the measured
+                        paces where it cannot) or "paces" (the measured paces only);
+                        env ``ADASERVE_ADMISSION_PLANNER`` ("1" / "0") overrides it
     enable_prefix_caching: map a new request's longest cached prefix of full KV
                         blocks instead of computing it (vLLM's automatic prefix caching)
     prefix_cache_eviction: "lru" (vLLM's) or "slo" (the strictest class that used a
@@ -44,6 +52,7 @@ class SchedulerConfig:
     default_class: str | None = "chat"
     admission: bool = False
     max_waiting: int = 1024
+    admission_check: str = "planner"
     enable_prefix_caching: bool = True
     prefix_cache_eviction: str = "lru"
 
@@ -58,6 +67,11 @@ class SchedulerConfig:
             raise InvalidRequestError("max_model_len must be at least 2", "max_model_len")
         if self.max_waiting < 1:
             raise InvalidRequestError("max_waiting must be positive", "max_waiting")
+        if self.admission_check not in ADMISSION_CHECKS:
+            raise InvalidRequestError(
+                f"admission_check must be one of {', '.join(ADMISSION_CHECKS)}",
+                "admission_check",
+            )
         if self.prefix_cache_eviction not in EVICTION:
             raise InvalidRequestError(
                 f"prefix_cache_eviction must be one of {', '.join(EVICTION)}",

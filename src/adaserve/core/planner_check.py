@@ -28,10 +28,10 @@ class _Answer(enum.Enum):
 # what ``planner_off_pace`` returns when the planner cannot judge (no cost model, nothing
 # measured yet): the measured paces judge instead (``off_pace``)
 NO_ANSWER = _Answer.NONE
-# the check asks the policy's planner (``planner_off_pace``) instead of the measured
-# paces when this environment variable is "1" (off by default: on the simulator's
-# reference workload it met the goals at 3x capacity but refused more at 0.8x,
-# docs/results/admission-issue31.md, fifth pass)
+# "1" / "0": the check asks the policy's planner (``planner_off_pace``), or the
+# measured paces, whatever ``SchedulerConfig.admission_check`` says (the planner by
+# default: on the simulator's reference workload it meets the goals below capacity
+# the measured paces miss, docs/results/admission-issue31.md, sixth pass)
 ASK_PLANNER_ENV = "ADASERVE_ADMISSION_PLANNER"
 
 # the planner's forecast error is measured on the admitted requests forecast at this
@@ -230,10 +230,48 @@ class PlannerCheck:
                 )
                 batch.insert(1, probe)
                 k -= 1
-        while len(batch) < m:
-            batch.append(dataclasses.replace(new, rid=k))
+        # the rest of the batch over its life is the flow to come: fresh requests in
+        # the classes' shares of what is offered (a relaxed request is judged with the
+        # strict requests that will arrive beside it, not with copies of itself)
+        for cls in self._fill_classes(m - len(batch), seq, now):
+            if cls == new.cls:
+                batch.append(dataclasses.replace(new, rid=k))
+            else:
+                slo = s.class_slo(cls)
+                batch.append(
+                    dataclasses.replace(
+                        new,
+                        rid=k,
+                        cls=cls,
+                        tpot_ms=slo.tpot_ms,
+                        rank=s.rank_of(cls),
+                        max_tokens=max(new.max_tokens, int(self.adm.out_len.get(cls, 1.0))),
+                    )
+                )
             k -= 1
         return batch, n
+
+    def _fill_classes(self, f: int, seq: SeqState, now: float) -> list[str]:
+        """The classes of ``f`` requests to come, in the shares of the classes offered
+        lately (largest remainder; the new request's class where nothing is measured),
+        the strictest first."""
+        s = self.adm.sched
+        if f <= 0:
+            return []
+        mix = {
+            c: w
+            for c, w in self.adm.offered_mix(now).items()
+            if c == seq.slo.cls
+            or (s.knows_class(c) and s.class_slo(c).tpot_ms and c in self.adm.out_len)
+        }
+        if not mix:
+            return [seq.slo.cls] * f
+        tot = sum(mix.values())
+        want = {c: f * w / tot for c, w in mix.items()}
+        got = {c: int(x) for c, x in want.items()}
+        for c in sorted(want, key=lambda c: got[c] - want[c])[: f - sum(got.values())]:
+            got[c] += 1
+        return [c for c in sorted(got, key=s.rank_of) for _ in range(got[c])]
 
     def _life_prefill(self, t_iter: float, now: float) -> dict[int, tuple[float, float]]:
         """The prompt work per pass over the request's life at pass time ``t_iter``,

@@ -97,6 +97,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "kept (default on; --no-admission queues everything)",
     )
     p.add_argument(
+        "--admission-check",
+        choices=["planner", "paces"],
+        default=None,
+        help="how admission judges a request's TPOT: planner (the policy's planner "
+        "forecasts the pass over its life; the default) or paces (the measured class paces)",
+    )
+    p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -365,6 +372,7 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
         "structured_outputs_backend": getattr(args, "structured_outputs_backend", None),
         "enable_prefix_caching": getattr(args, "enable_prefix_caching", None),
         "prefix_cache_eviction": getattr(args, "prefix_cache_eviction", None),
+        "admission_check": getattr(args, "admission_check", None),
     }
     kw.update({k: v for k, v in flags.items() if v is not None})
     if getattr(args, "reprofile", False):

@@ -86,6 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="add the policy's measured decision time to each iteration (default none)",
     )
     s.add_argument(
+        "--admission-check",
+        choices=["planner", "paces"],
+        default="planner",
+        help="with --admission: how a request's TPOT is judged, by the policy's planner "
+        "(default) or by the measured class paces",
+    )
+    s.add_argument(
         "--retry-refused",
         action="store_true",
         help="with --admission: a refused client tries once more after its Retry-After "
