@@ -311,6 +311,32 @@ def _finish(sched, req, t_first, t_end, n_out, reason="stop"):
     sched.finish(req, reason, t_end)
 
 
+def test_the_planner_s_error_is_measured_against_its_own_forecast():
+    """A request admitted at the planner's forecast scaled by its measured error
+    (``tpot_error``) counts, when it finishes, realised over the planner's own forecast:
+    measured against the scaled one, each correction would be measured against the
+    last and the correction would swing (3x strict: 94.2% before, 96.3% after)."""
+    clock = ManualClock(0.0)
+    sched = _sched(clock)
+    ac = sched.admission
+    r = _Req(7, _slo("interactive"), 0.0)
+    # the planner forecast 25 ms per token; scaled by a measured error of 1.2: 30 ms
+    ac._own_tpot, ac._own_err = 30.0, 1.2
+    ac._pred = (1.0, 30.0, None)
+    ac.admitted(r, 0.0)
+    _finish(sched, r, 0.1, 0.1 + 0.025 * 20, 21)  # realised 25 ms per token
+    ((ratio, err),) = ac.tpot_err["interactive"]
+    assert ratio == pytest.approx(25.0 / 30.0) and err == pytest.approx(1.0)
+    assert not ac._err_at  # forgotten once finished
+    # a prediction of the measured paces (no planner error) is not counted as its error
+    q = _Req(8, _slo("interactive"), 0.0)
+    ac._own_tpot, ac._own_err = 30.0, None
+    ac._pred = (1.0, 30.0, None)
+    ac.admitted(q, 0.0)
+    _finish(sched, q, 0.1, 0.6, 21)
+    assert len(ac.tpot_err["interactive"]) == 1
+
+
 def test_ttft_promise_learns_from_what_admitted_requests_realised():
     """Issue 31 items 2 and 6: an admitted request carries its predicted chance of
     meeting its SLO, from the class's fit of what its requests realised on what was

@@ -173,6 +173,12 @@ class AdmissionControl(PrefillForecast):
         # the last verdict's predictions for the request judged (promise, TPOT, TTFT)
         self._pred: tuple[float | None, float | None, float | None] = (None, None, None)
         self._own_tpot: float | None = None  # the request judged: its class's predicted pace
+        # the planner's measured error its prediction was scaled by (``tpot_error``), of
+        # the request judged and, by id, of those admitted until they finish: the error
+        # is measured against the planner's own forecast, not the scaled one (else each
+        # correction would be measured against the last, and swing)
+        self._own_err: float | None = None  # None: not the planner's prediction
+        self._err_at: dict[int, float] = {}
         # see ``planner_off_pace``: the config's choice, or the environment's override
         env = os.environ.get(ASK_PLANNER_ENV)
         self.ask_planner = (
@@ -253,6 +259,7 @@ class AdmissionControl(PrefillForecast):
         self._finishes.append(t)
         while self._finishes and self._finishes[0] < t - FINISH_WINDOW_S:
             self._finishes.popleft()
+        err = self._err_at.pop(seq.rid, None) if seq is not None else None
         if seq is None or seq.cancelled or seq.first_token_at is None:
             return
         cls, slo = seq.slo.cls, seq.slo
@@ -273,9 +280,10 @@ class AdmissionControl(PrefillForecast):
         if seq.pred_tpot_ms is not None and tpot is not None and slo.tpot_ms is not None:
             q = self.tpot_met.setdefault(cls, deque(maxlen=WINDOW))
             q.append((seq.pred_tpot_ms / slo.tpot_ms, tpot <= slo.tpot_ms))
-            if self.ask_planner and seq.pred_tpot_ms > 0:
+            if seq.pred_tpot_ms > 0 and err is not None:
+                raw = seq.pred_tpot_ms / err  # the planner's own forecast
                 e = self.tpot_err.setdefault(cls, deque(maxlen=WINDOW))
-                e.append((seq.pred_tpot_ms / slo.tpot_ms, tpot / seq.pred_tpot_ms))
+                e.append((raw / slo.tpot_ms, tpot / raw))
         if seq.promise is not None:
             met = (slo.ttft_ms is None or ttft <= slo.ttft_ms) and (
                 slo.tpot_ms is None or tpot is None or tpot <= slo.tpot_ms
@@ -286,6 +294,8 @@ class AdmissionControl(PrefillForecast):
         """``seq`` passed the checks and was queued at ``now``: it keeps the last
         verdict's promise and predictions."""
         seq.promise, seq.pred_tpot_ms, seq.pred_ttft_ms = self._pred
+        if self._own_err is not None and seq.pred_tpot_ms is not None:
+            self._err_at[seq.rid] = self._own_err
         q = self._admits.setdefault(seq.slo.cls, deque())
         q.append((now, seq.to_prefill, seq.slo.ttft_ms))
         while q and q[0][0] < now - FINISH_WINDOW_S:
@@ -527,7 +537,7 @@ class AdmissionControl(PrefillForecast):
         s = self.sched
         self.observe_arrival(seq.arrival, seq.to_prefill, s.rank_of(seq.slo.cls), seq.slo.cls)
         self._pred = (None, None, None)
-        self._own_tpot = None
+        self._own_tpot, self._own_err = None, None
         if len(s.waiting) >= s.cfg.max_waiting:
             return AdmissionRejected("server queue is full", "queue_full", QUEUE_FULL_RETRY_S)
         slo = seq.slo

@@ -121,7 +121,7 @@ class PlannerCheck:
             m_c = max(1, int(round(n_c)))
             if m_c < m and self._judge(batch[:m_c], seq, rank, now) is None:
                 return None
-            self.adm._own_tpot = None
+            self.adm._own_tpot, self.adm._own_err = None, None
         if rate is None:
             return cls, pred, target, CAPACITY_RETRY_S
         # the batch over its life shrinks by ``_share`` of each request that leaves now;
@@ -346,9 +346,10 @@ class PlannerCheck:
         for (cls, fresh), (paced, budget, left, _) in sorted(
             pools.items(), key=lambda x: (x[1][3], not x[0][1])
         ):
-            pred, allow = paced / left * self.tpot_error(cls), budget / left
+            err = self.tpot_error(cls)
+            pred, allow = paced / left * err, budget / left
             if cls == seq.slo.cls and fresh:
-                self.adm._own_tpot = pred
+                self.adm._own_tpot, self.adm._own_err = pred, err
             if pred > allow:  # no tolerance: the planner's margin is its measured error
                 return cls, pred, allow
         return None
