@@ -86,10 +86,14 @@ def test_pinning_moves_only_the_calling_thread():
     def run():
         seen["pinned"] = threads.pin_current_thread(plan)
         seen["mask"] = tuple(sorted(os.sched_getaffinity(0)))
+        # the pinned thread choosing again (as the serving loop's thread does when it
+        # builds the engine) sees the process's cores: the reserve is not taken twice
+        seen["again"] = threads.choose(env={})
 
     t = threading.Thread(target=run)
     t.start()
     t.join()
     assert seen["pinned"] and seen["mask"] == plan.cores
+    assert seen["again"] == threads.choose(env={}) and seen["again"].usable == len(cores)
     assert tuple(sorted(os.sched_getaffinity(0))) == cores  # this thread kept its mask
     assert not threads.pin_current_thread(threads.choose(env={}, cores=(0,)))

@@ -74,11 +74,13 @@ class ThreadPlan:
 
 
 def usable_cores() -> tuple[int, ...]:
-    """The cores this process may run on (its affinity mask; all CPUs where the OS
-    has no affinity call)."""
+    """The cores this process may run on (its main thread's affinity mask, not the
+    calling thread's: the serving loop's thread, pinned to the plan's cores, chooses
+    again when it builds the engine, and must not take the reserve off a second
+    time; all CPUs where the OS has no affinity call)."""
     if hasattr(os, "sched_getaffinity"):
         try:
-            return tuple(sorted(os.sched_getaffinity(0)))
+            return tuple(sorted(os.sched_getaffinity(os.getpid())))
         except OSError:
             pass
     return tuple(range(os.cpu_count() or 1))
