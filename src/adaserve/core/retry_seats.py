@@ -3,7 +3,10 @@
 At several times capacity, a Retry-After computed from the finish rate is the time a
 seat frees, not the time one is free for this client: fresh arrivals take it first.
 So a refusal for room holds a seat under a retry token (``AdmissionRejected.retry_token``,
-the ``Retry-Token`` header of the 429), due at its Retry-After. Admission counts held
+the ``Retry-Token`` header of the 429), due at its Retry-After. The seats are a queue:
+each comes due no earlier than one finish interval after the one held before it, and
+the Retry-After told is the wait to that due time (at 3x capacity a burst of refusals
+told the same wait came back as a burst the batch could not absorb). Admission counts held
 seats into the batch a new request is judged at, all of them for a new arrival, only
 those due before its own for the retry that brings its token back. Clients that never
 retry would hold room for nothing, so held seats count in the share of recent seats
