@@ -169,7 +169,7 @@ class AdmissionControl(PrefillForecast):
         # of its admitted requests, judged by the planner (``tpot_error``)
         self.tpot_err: dict[str, deque[tuple[float, float]]] = {}
         # (arrival, prompt tokens, rank of its class) of the requests offered
-        self._arr_tok: deque[tuple[float, int, int]] = deque()
+        self._arr_tok: deque[tuple[float, int, int, str]] = deque()
         # the last verdict's predictions for the request judged (promise, TPOT, TTFT)
         self._pred: tuple[float | None, float | None, float | None] = (None, None, None)
         self._own_tpot: float | None = None  # the request judged: its class's predicted pace
