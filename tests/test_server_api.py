@@ -500,17 +500,25 @@ def test_disconnect_mid_stream_frees_request_and_kv(srv):
         "stream": True,
     }
     seen = 0
-    with (
-        httpx.Client(base_url=srv.url, timeout=60) as h,
-        h.stream("POST", "/v1/completions", json=body) as r,
-    ):
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                seen += 1
-            if seen >= 3:
-                break
-        assert srv.state.loop.snapshot.running == 1
+    # steps of at least 20 ms (the server's step pacing), so that the 400 tokens cannot
+    # all be made before this client has read three chunks (the tiny pair makes them in
+    # a few hundred ms, which a client slowed by the busy machine can take)
+    loop = srv.state.loop
+    pace, loop.step_pace_ms = loop.step_pace_ms, (20.0, 0.0)
+    try:
+        with (
+            httpx.Client(base_url=srv.url, timeout=60) as h,
+            h.stream("POST", "/v1/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    seen += 1
+                if seen >= 3:
+                    break
+            assert loop.snapshot.running == 1
+    finally:
+        loop.step_pace_ms = pace
     # the connection is closed: the request and its KV go within an iteration or so
 
     def freed():
