@@ -434,11 +434,17 @@ class AdmissionControl(PrefillForecast):
             self._arrived.append(t)
             self._arr_tok.append((t, prompt, rank, cls))
 
+    def _offered(self, now: float) -> deque[tuple[float, int, int, str]]:
+        """The requests offered over the recent window (older ones dropped)."""
+        q = self._arr_tok
+        while q and q[0][0] < now - FINISH_WINDOW_S:
+            q.popleft()
+        return q
+
     def offered_mix(self, now: float) -> dict[str, float]:
         """Each class's share of the requests offered over the recent window (admitted
         or not; empty: too few offered to tell)."""
-        self.offered_prompt_rate(now)  # drops what is past the window
-        q = self._arr_tok
+        q = self._offered(now)
         if len(q) < MIN_FINISHES:
             return {}
         out: dict[str, float] = {}
@@ -449,9 +455,7 @@ class AdmissionControl(PrefillForecast):
     def offered_prompt_rate(self, now: float) -> dict[int, float]:
         """Prompt tokens offered per second over the recent window (admitted or not),
         by the rank of their class (empty: too few offered to tell)."""
-        q = self._arr_tok
-        while q and q[0][0] < now - FINISH_WINDOW_S:
-            q.popleft()
+        q = self._offered(now)
         if len(q) < MIN_FINISHES:
             return {}
         span = max(now - q[0][0], 1.0)
@@ -512,7 +516,6 @@ class AdmissionControl(PrefillForecast):
         a refusal for room holds a seat for the client's retry (``e.retry_token``)."""
         if e.reason in _CONTENDED:
             self.fair.refused_room(seq.tenant, now)
-        if e.reason in _CONTENDED:
             rate = self.finish_rate(now)
             e.retry_token, e.retry_after_s = self.seats.hold(
                 now, e.retry_after_s, 1.0 / rate if rate else 0.0
