@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -291,3 +292,40 @@ def test_adaserve_usage_command(tmp_path):
     ):
         r = _usage_cli(*argv)
         assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_budget_refresh_racing_a_commit_counts_the_row_once(tmp_path):
+    """The budgets' refresh reads the database's totals and adds this server's rows not
+    yet committed. A refresh that falls between a row's commit and its future being
+    marked done counted it twice (seen under load: a two-replica cluster refused the
+    third of four requests against requests_per_day = 4)."""
+    from adaserve.ledger import Budget, BudgetBook
+
+    cfg = UsageConfig(db=str(tmp_path / "u.db"), budget_refresh_s=3600.0)
+    book = BudgetBook({"t": Budget(requests_per_day=4)})
+    led = Ledger(cfg, book)
+    committed, release = threading.Event(), threading.Event()
+    write = led.store.write
+
+    def slow_write(items):  # commits, then lingers before the writer marks the rows done
+        n = write(items)
+        committed.set()
+        release.wait(10)
+        return n
+
+    led.store.write = slow_write
+    try:
+        assert book.admit("t")
+        book.settle("t", True, 8, 0.25, True, lambda: led.record(row(1, tenant="t")))
+        assert committed.wait(10)
+        refresh = threading.Thread(target=book.load, args=(led.store, led.writer.commit_lock))
+        refresh.start()
+        refresh.join(0.3)
+        release.set()
+        refresh.join(10)
+        assert book.spent("t")["requests_today"] == 1
+        book.load(led.store, led.writer.commit_lock)
+        assert book.spent("t")["requests_today"] == 1
+    finally:
+        release.set()
+        led.close()

@@ -13,8 +13,11 @@ the window (the next UTC midnight, or the first of the next month)."""
 from __future__ import annotations
 
 import calendar
+import contextlib
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 DAY_S = 86400
@@ -88,42 +91,44 @@ class BudgetBook:
     def __bool__(self) -> bool:
         return bool(self.budgets)
 
-    def load(self, store) -> None:
+    def load(self, store, commit_lock: threading.Lock | None = None) -> None:
         """Start from the ledger's hourly totals of the current day and month; called
         again every few seconds (``Ledger``: ``budget_refresh_s``), it takes in what
         other servers on the same database (replicas) have spent. This server's rows
-        not yet committed are added to the database's totals (a row committed while
-        the totals are read may count twice until the next refresh: never less)."""
+        not yet committed are added to the database's totals. ``commit_lock`` is the
+        writer's, held from a commit until its rows' futures are done: the totals are
+        read and merged under it, so a row whose future is not done then was not in
+        the totals, and no row counts twice or not at all (``settle`` puts a row in the
+        pending list before it is queued, so none is committed before it is listed)."""
         if not self.budgets:
             return
-        with self._lock:
-            self._pending = [p for p in self._pending if not p[3].done()]
-            pending = list(self._pending)
         now = self.clock()
         day0_h = day_of(now) * DAY_S // 3600
         month0_h = int(month_start(now) // 3600)
         names = sorted(self.budgets)
         marks = ", ".join("?" * len(names))
-        rows = store.query(
-            "SELECT tenant, "
-            "SUM(CASE WHEN hour >= ? THEN prompt_tokens + completion_tokens ELSE 0 END), "
-            "SUM(CASE WHEN hour >= ? THEN requests ELSE 0 END), SUM(charge) "
-            f"FROM usage_hourly WHERE hour >= ? AND tenant IN ({marks}) GROUP BY tenant",
-            [day0_h, day0_h, month0_h, *names],
-        )
-        got = {t: (float(a or 0), int(b or 0), float(c or 0.0)) for t, a, b, c in rows}
         d, m = day_of(now), month_of(now)
-        with self._lock:
-            for tenant in self.budgets:
-                s = self._fresh(tenant, now)
-                s.tokens, s.requests, s.charge = got.get(tenant, (0.0, 0, 0.0))
-                for t, tokens, charge, _, pd, pm in pending:
-                    if t == tenant:
-                        if pd == d:
-                            s.tokens += tokens
-                            s.requests += 1
-                        if pm == m:
-                            s.charge += charge
+        with commit_lock or contextlib.nullcontext():
+            rows = store.query(
+                "SELECT tenant, "
+                "SUM(CASE WHEN hour >= ? THEN prompt_tokens + completion_tokens ELSE 0 END), "
+                "SUM(CASE WHEN hour >= ? THEN requests ELSE 0 END), SUM(charge) "
+                f"FROM usage_hourly WHERE hour >= ? AND tenant IN ({marks}) GROUP BY tenant",
+                [day0_h, day0_h, month0_h, *names],
+            )
+            got = {t: (float(a or 0), int(b or 0), float(c or 0.0)) for t, a, b, c in rows}
+            with self._lock:
+                self._pending = [p for p in self._pending if not p[3].done()]
+                for tenant in self.budgets:
+                    s = self._fresh(tenant, now)
+                    s.tokens, s.requests, s.charge = got.get(tenant, (0.0, 0, 0.0))
+                    for t, tokens, charge, _, pd, pm in self._pending:
+                        if t == tenant:
+                            if pd == d:
+                                s.tokens += tokens
+                                s.requests += 1
+                            if pm == m:
+                                s.charge += charge
 
     def _fresh(self, tenant: str, now: float) -> _Spent:
         s = self._s.setdefault(tenant, _Spent())
@@ -163,25 +168,31 @@ class BudgetBook:
         admitted: bool,
         tokens: int,
         charge: float,
-        finished: bool,
-        future=None,
-    ):
-        """A request admitted by ``admit`` has ended: ``finished`` (it has a ledger
-        row, being committed by ``future``) counts it, its tokens and its charge;
-        otherwise only its in-flight slot is given back."""
+        finished: bool = False,
+        record: Callable[[], Future] | None = None,
+    ) -> Future | None:
+        """A request admitted by ``admit`` has ended. ``finished``: it counts the
+        request, its tokens and its charge; otherwise only its in-flight slot is given
+        back. ``record`` (a finished request's row for the ledger) queues the row and
+        returns its future; the row is listed as pending before it is queued, so it
+        cannot be committed unlisted (see ``load``). Returns the row's future."""
         if tenant not in self.budgets:
-            return
+            return None if record is None else record()
         now = self.clock()
         with self._lock:
             s = self._fresh(tenant, now)
             if admitted:
                 s.inflight = max(0, s.inflight - 1)
-            if finished:
-                s.requests += 1
-                s.tokens += tokens
-                s.charge += charge
-                if future is not None:
-                    self._pending.append((tenant, tokens, charge, future, s.day, s.month))
+            if not finished:
+                return None if record is None else record()
+            s.requests += 1
+            s.tokens += tokens
+            s.charge += charge
+            if record is None:
+                return None
+            future = record()
+            self._pending.append((tenant, tokens, charge, future, s.day, s.month))
+            return future
 
     def spent(self, tenant: str) -> dict:
         with self._lock:

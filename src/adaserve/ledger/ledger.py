@@ -99,7 +99,7 @@ class Ledger:
                     log.warning("usage ledger housekeeping failed: %s", e)
             elif self.budgets and not self.writer.stats.spooling:
                 try:
-                    self.budgets.load(self.store)
+                    self.budgets.load(self.store, self.writer.commit_lock)
                 except Exception as e:
                     log.debug("usage ledger: budgets not refreshed: %s", e)
             if self._stop.wait(self.cfg.budget_refresh_s):

@@ -58,6 +58,10 @@ class LedgerWriter:
         self._next_try = 0.0
         # callback(seconds from submit to committed or spooled), per item, writer thread
         self.on_done: Callable[[float], None] | None = None
+        # held from a commit until its futures are done: a reader that holds it sees
+        # every row either committed with its future done, or neither (``BudgetBook.load``
+        # adds this server's rows whose futures are not done to the database's totals)
+        self.commit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="adaserve-ledger", daemon=True)
         self._thread.start()
 
@@ -112,6 +116,21 @@ class LedgerWriter:
             self._try_replay(force=True)
 
     def _write(self, batch: list) -> None:
+        with self.commit_lock:
+            how = self._store(batch)
+            if how is None:
+                return
+            for _, fut in batch:
+                fut.set_result(how)
+        if self.on_done is not None:
+            now = time.perf_counter()
+            for it, fut in batch:
+                if isinstance(it, UsageRow):
+                    self.on_done(now - fut.submitted)
+
+    def _store(self, batch: list) -> str | None:
+        """Commit (or spool) the batch's items: how they were stored, or None when
+        neither worked (the futures then hold the error)."""
         items = [it for it, _ in batch if it is not None]
         how = COMMITTED
         if self._spooling:
@@ -138,12 +157,8 @@ class LedgerWriter:
             log.error("usage ledger: %d record(s) neither committed nor spooled: %s", len(items), e)
             for _, fut in batch:
                 fut.set_exception(e)
-            return
-        now = time.perf_counter()
-        for it, fut in batch:
-            fut.set_result(how)
-            if self.on_done is not None and isinstance(it, UsageRow):
-                self.on_done(now - fut.submitted)
+            return None
+        return how
 
     def _took(self, s: float) -> None:
         st = self.stats

@@ -213,7 +213,7 @@ async def generate(
         if not streaming:
             job.close()
         if not acc.expected:  # never submitted: no row will settle its budget
-            state.budgets.settle(tenant.name, acc.budget_admitted, 0, 0.0, False)
+            state.budgets.settle(tenant.name, acc.budget_admitted, 0, 0.0)
 
 
 def budget_error(e: OverBudget) -> ApiError:

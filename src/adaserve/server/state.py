@@ -347,15 +347,14 @@ class ServerState:
             last, row = acc.add(index, part)
             if not last:
                 return
-            if row is not None and self.ledger is not None:
-                acc.future = self.ledger.record(row)
-            self.budgets.settle(
+            ledger = self.ledger
+            acc.future = self.budgets.settle(
                 acc.tenant,
                 acc.budget_admitted,
                 0 if row is None else row.prompt_tokens + row.completion_tokens,
                 0.0 if row is None else row.charge,
                 row is not None,
-                acc.future,
+                None if row is None or ledger is None else lambda: ledger.record(row),
             )
         except Exception:
             log.exception("usage ledger: recording request %s failed", acc.id)
