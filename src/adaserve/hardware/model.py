@@ -135,6 +135,11 @@ class HardwareModel:
         object.__setattr__(self, "_dtab", _Table.of(self.draft_tokens, self.draft_ms))
         object.__setattr__(self, "_vdense", np.zeros(0))  # verify ms at 0, 1, 2, ... tokens
 
+    def steepness(self) -> float:
+        """How steeply a pass's cost grows with its tokens: a 64-token verification
+        over a one-token one (the CPU pair: 2.4-3.3x; the A100 70B preset: 1.5x)."""
+        return float(self.verify_latency(64)) / max(float(self.verify_latency(1)), 1e-9)
+
     # ------------------------------------------------------------------ predictions
     def verify_latency(self, tokens: Any, kv_tokens: Any = 0.0, prefill_pairs: Any = 0.0) -> Any:
         """Predicted ms of a target pass over ``tokens`` new tokens attending ``kv_tokens``

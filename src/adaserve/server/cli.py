@@ -98,10 +98,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--admission-check",
-        choices=["planner", "paces"],
+        choices=["auto", "planner", "paces"],
         default=None,
         help="how admission judges a request's TPOT: planner (the policy's planner "
-        "forecasts the pass over its life; the default) or paces (the measured class paces)",
+        "forecasts the pass over its life), paces (the measured class paces) or auto "
+        "(the default: the planner, but the paces where the profile's pass cost is steep, "
+        "as on a CPU)",
     )
     p.add_argument(
         "--enable-prefix-caching",

@@ -79,7 +79,7 @@ class SimBackend:
             selection_time=args.selection_time,
             has_draft=bool(self.hw_info["has_draft"]),
             admission=args.admission,
-            admission_check=getattr(args, "admission_check", "planner"),
+            admission_check=getattr(args, "admission_check", "auto"),
             retry_refused=bool(getattr(args, "retry_refused", False)),
             enable_prefix_caching=args.enable_prefix_caching,
             prefix_cache_eviction=args.prefix_cache_eviction,

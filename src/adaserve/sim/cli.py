@@ -87,10 +87,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument(
         "--admission-check",
-        choices=["planner", "paces"],
-        default="planner",
-        help="with --admission: how a request's TPOT is judged, by the policy's planner "
-        "(default) or by the measured class paces",
+        choices=["auto", "planner", "paces"],
+        default="auto",
+        help="with --admission: how a request's TPOT is judged, by the policy's planner, "
+        "by the measured class paces, or auto (the default: the planner, but the paces "
+        "where the pass cost is steep, as on a CPU)",
     )
     s.add_argument(
         "--retry-refused",

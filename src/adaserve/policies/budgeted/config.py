@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from adaserve.core.config import STEEP
+
 DEPTHS = (0, 1, 2, 3, 4, 5, 6, 8)  # the draft depths a plan evaluates (0 = no speculation)
 EXTRAS = np.array([0, 4, 8, 16, 32, 64, 128, 256, 512])  # goodput-phase sizes tried
 
@@ -64,9 +66,11 @@ class AdaptiveConfig:
     sit_out: bool = False
     # ... and automatically where a pass's cost grows steeply with its tokens: when the
     # profile's 64-token verification costs at least this many one-token ones (the CPU
-    # pair: 3.3x; the A100 70B preset: 1.5x); there a relaxed decoder's token is dear
-    # to the strict ones. 0 = never automatically (docs/results/engine-issue30.md)
-    sit_out_steepness: float = 2.5
+    # pair: 2.4-3.3x; the A100 70B preset: 1.5x); there a relaxed decoder's token is
+    # dear to the strict ones, and every class's prefill is soft until its latest start
+    # (``_defer_rank``). 0 = never automatically (``core.config.STEEP``;
+    # docs/results/engine-issue30.md)
+    sit_out_steepness: float = STEEP
     min_slack_tokens: int = 0  # soft prefill smaller than this waits (0: any slack is used)
     # power as a constraint (hardware/power.py; needs the view's PowerModel): shapes whose
     # predicted power (W, the deployment's) exceeds power_cap_w, or whose predicted

@@ -30,19 +30,21 @@ def compose(
     cfg: AdaptiveConfig,
     theta: np.ndarray,
     margin: float,
+    defer_rank: int,
 ) -> tuple[dict[int, int], ShapeChoice]:
     """The pass's prefill and tree shape, composed (``policies/composition.py``):
     firm prefill (strict classes, and requests at their latest start) first in
     TTFT-deadline order; soft prefill only into the slack the on-pace decoders
     leave under the plan made without it; then the trees re-planned around the
     pass that results. ``shape(prefill)`` is the best shape for a prefill; ``theta``
-    the online correction's coefficients."""
+    the online correction's coefficients; prefill of ranks >= ``defer_rank`` is soft
+    until its latest start."""
     c = cfg
     pre = view.prefilling
     if not pre:
         return {}, shape({})
     key = lambda r: composition.ttft_deadline(r, c.no_ttft_defer_ms)  # noqa: E731
-    strict = [r for r in sorted(pre, key=key) if r.rank < c.defer_rank]
+    strict = [r for r in sorted(pre, key=key) if r.rank < defer_rank]
     first = composition.chunk_in_order(strict, c.prefill_chunk)
     best = shape(first)
     th = theta
@@ -57,7 +59,7 @@ def compose(
         chunk=c.prefill_chunk,
         t_pass_ms=t_pass,
         margin=margin,
-        defer_rank=c.defer_rank,
+        defer_rank=defer_rank,
         no_ttft_ms=c.no_ttft_defer_ms,
     )
     firm = composition.chunk_in_order(split.firm, c.prefill_chunk)

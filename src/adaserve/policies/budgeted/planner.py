@@ -227,8 +227,9 @@ class BudgetedPolicy(Policy):
         arr = Columns.of(dec)
         kv = float(sum(r.context_len for r in view.requests))
         depths = tuple(d for d in DEPTHS if d <= c.max_depth)
+        defer = self._defer_rank(hw)
         firm = sum(
-            max(due, offered) if not self._composes() or r < c.defer_rank else due
+            max(due, offered) if not self._composes() or r < defer else due
             for r, (due, offered) in prefill.items()
         )
         P = max(0, min(int(firm), c.prefill_chunk))
@@ -304,8 +305,24 @@ class BudgetedPolicy(Policy):
         """The pass's prefill and tree shape, composed (``pass_composition.compose``)."""
         th = self.correction.theta
         return pass_composition.compose(
-            view, arr, widths, acc, shape, cfg=self.cfg, theta=th, margin=self.margin
+            view,
+            arr,
+            widths,
+            acc,
+            shape,
+            cfg=self.cfg,
+            theta=th,
+            margin=self.margin,
+            defer_rank=self._defer_rank(view.hw),
         )
+
+    def _defer_rank(self, hw: Any) -> int:
+        """The rank from which prefill is soft (``defer_rank``): every class's on
+        hardware whose pass cost is steep (``sit_out_steepness``), where a strict
+        prompt's chunk costs its own class's decoders more than its TTFT needs (on the
+        CPU pair a 256-token chunk is about ten interactive tokens' budget); a strict
+        request still prefills at once once it reaches its latest start."""
+        return 0 if self._steep(hw) else self.cfg.defer_rank
 
     def _sit_out(
         self,
