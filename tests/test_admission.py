@@ -649,11 +649,11 @@ def test_held_seats_are_a_queue_at_the_finish_rate():
     assert e3.retry_after_s == 2.0 and e4.retry_after_s == pytest.approx(2.0 + 1.0 / rate)
 
 
-def test_the_check_asks_the_planner_by_default_but_the_paces_on_steep_hardware(monkeypatch):
-    """``admission_check``: "auto" by default, the planner on a flat hardware model and
-    the measured paces on a steep one (a 64-token pass at least ``STEEP`` one-token
-    passes, as on a CPU); "planner" / "paces" on request; the environment's "0" / "1"
-    overrides it; anything else is refused by the config."""
+def test_the_check_asks_the_planner_and_on_steep_hardware_the_paces_too(monkeypatch):
+    """``admission_check``: "auto" by default, the planner on a flat hardware model, the
+    planner and the measured paces on a steep one (a 64-token pass at least ``STEEP``
+    one-token passes, as on a CPU); "planner" / "paces" alone on request; the
+    environment's "0" / "1" overrides it; anything else is refused by the config."""
     from adaserve.core.config import STEEP
     from adaserve.errors import InvalidRequestError
 
@@ -665,15 +665,19 @@ def test_the_check_asks_the_planner_by_default_but_the_paces_on_steep_hardware(m
     s = _sched(clock)
     assert s.cfg.admission_check == "auto"
     s.set_hardware(flat)
-    assert s.admission.ask_planner
+    assert s.admission.ask_planner and not s.admission.paces_too
     s.set_hardware(steep)
-    assert not s.admission.ask_planner
-    assert _sched(clock, admission_check="planner").admission.ask_planner
+    assert s.admission.ask_planner and s.admission.paces_too
+    s = _sched(clock, admission_check="planner")
+    s.set_hardware(steep)
+    assert s.admission.ask_planner and not s.admission.paces_too
     assert not _sched(clock, admission_check="paces").admission.ask_planner
     monkeypatch.setenv("ADASERVE_ADMISSION_PLANNER", "0")
-    assert not _sched(clock, admission_check="planner").admission.ask_planner
+    assert not _sched(clock).admission.ask_planner
     monkeypatch.setenv("ADASERVE_ADMISSION_PLANNER", "1")
-    assert _sched(clock, admission_check="paces").admission.ask_planner
+    s = _sched(clock, admission_check="paces")
+    s.set_hardware(steep)
+    assert s.admission.ask_planner and not s.admission.paces_too
     with pytest.raises(InvalidRequestError, match="admission_check"):
         SchedulerConfig(admission_check="guess")
 

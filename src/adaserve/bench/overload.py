@@ -179,9 +179,20 @@ async def _client(c, cls: str, body: dict, t0: float, retry_max_s: float | None)
     return o
 
 
-def summarize(outcomes: list[Outcome], targets: dict[str, dict], slack_s: float = 0.5) -> dict:
+def summarize(
+    outcomes: list[Outcome],
+    targets: dict[str, dict],
+    slack_s: float = 0.5,
+    duration_s: float | None = None,
+) -> dict:
     """Per class and overall: counts, shed latency, unanswered-by-deadline, attainment of
-    the admitted (TPOT and TTFT against ``targets``: class -> {tpot_ms, ttft_ms})."""
+    the admitted (TPOT and TTFT against ``targets``: class -> {tpot_ms, ttft_ms}), and
+    goodput: the tokens of the requests that met both, per second of ``duration_s``
+    (the arrivals' span; None: first send to last token)."""
+    if duration_s is None:
+        ends = [o.last for o in outcomes if o.last is not None]
+        starts = [o.sent for o in outcomes]
+        duration_s = max(ends) - min(starts) if ends and starts else 0.0
 
     def block(os: list[Outcome], tgt: dict) -> dict:
         ttft = tgt.get("ttft_ms")
@@ -192,7 +203,8 @@ def summarize(outcomes: list[Outcome], targets: dict[str, dict], slack_s: float 
         bad_shed = [o for o in shed if not o.retry_after or int(o.retry_after) < 1]
         shed_ms = [(o.answered - o.sent) * 1000 for o in shed if o.answered is not None]
         late = 0  # no answer (token or 429) by the TTFT deadline
-        attained = 0
+        attained = good = missed_ttft = missed_tpot = 0
+        tpots: list[float] = []
         for o in os:
             answer = o.first if o.status == 200 else o.answered
             if ttft is not None and (answer is None or answer - o.sent > ttft / 1000 + slack_s):
@@ -203,6 +215,11 @@ def summarize(outcomes: list[Outcome], targets: dict[str, dict], slack_s: float 
             if tpot is not None and o.tokens > 1 and o.first is not None and o.last is not None:
                 p_ok = (o.last - o.first) * 1000 / (o.tokens - 1) <= tpot
             attained += t_ok and p_ok
+            good += o.tokens if t_ok and p_ok else 0
+            missed_ttft += not t_ok
+            missed_tpot += not p_ok
+            if o.tokens > 1 and o.first is not None and o.last is not None:
+                tpots.append((o.last - o.first) * 1000 / (o.tokens - 1))
         return {
             "requests": len(os),
             "admitted": len(ok),
@@ -217,6 +234,10 @@ def summarize(outcomes: list[Outcome], targets: dict[str, dict], slack_s: float 
             "unanswered_by_deadline": late,
             "admitted_attained": attained,
             "admitted_attainment": attained / len(ok) if ok else None,
+            "goodput_tok_s": good / duration_s if duration_s else None,
+            "admitted_missed_ttft": missed_ttft,
+            "admitted_missed_tpot": missed_tpot,
+            "admitted_tpot_ms": _quantiles(tpots),
             "tpot_target_ms": tpot,
             "ttft_target_ms": ttft,
             "retries": sum(o.retry is not None for o in os),
@@ -246,7 +267,16 @@ def summarize(outcomes: list[Outcome], targets: dict[str, dict], slack_s: float 
             "retries_with_token",
         )
     }
+    out["overall"]["goodput_tok_s"] = sum(b["goodput_tok_s"] or 0.0 for b in tot)
     return out
+
+
+def _quantiles(xs: list[float]) -> dict[str, float] | None:
+    """p10 / p50 / p90 of ``xs`` (None when empty)."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return {f"p{q}": xs[min(len(xs) - 1, int(q / 100 * len(xs)))] for q in (10, 50, 90)}
 
 
 def _count(xs) -> dict[str, int]:
@@ -321,7 +351,7 @@ def run(args) -> int:
     except httpx.HTTPError as e:
         print(f"error: cannot reach {args.base_url}: {e}", file=sys.stderr)
         return 1
-    s = summarize(outcomes, targets)
+    s = summarize(outcomes, targets, duration_s=args.duration)
     s["capacity_rps"], s["rate_rps"] = cap, rate
     if args.json:
         print(json.dumps(s, indent=2))

@@ -19,12 +19,12 @@ CAPACITY_RETRY_S = 1.0
 
 
 # how admission judges a request's TPOT (``SchedulerConfig.admission_check``)
-# "auto": the planner's check, or the measured paces on steep hardware (``STEEP``)
+# "auto": the planner's check, and the measured paces too on steep hardware (``STEEP``)
 ADMISSION_CHECKS = ("auto", "planner", "paces")
 
 # a hardware model whose ``steepness`` reaches this is steep: a pass's tokens are dear
 # there, so the planner composes passes for it (``AdaptiveConfig.sit_out_steepness``)
-# and admission judges by the measured paces (``admission_check`` "auto").
+# and admission asks the measured paces too (``admission_check`` "auto").
 # Between the A100 70B preset's 1.5 and the CPU pair's 2.4-3.3 (profiles of two
 # machines); at 2.5 the second CPU profile (2.45) was not steep, and adaserve attained
 # 1.6-2.4 points less there (docs/results/admission-issue31.md, seventh pass)
@@ -44,9 +44,9 @@ class SchedulerConfig:
     admission_check:    how admission judges a request's TPOT: "planner" (the policy's
                         own planner forecasts the pass over its life; the measured
                         paces where it cannot), "paces" (the measured paces only) or
-                        "auto" (the planner, but the paces on a steep hardware model,
-                        ``STEEP``); env ``ADASERVE_ADMISSION_PLANNER`` ("1" / "0")
-                        overrides it
+                        "auto" (the planner, and on a steep hardware model, ``STEEP``,
+                        the measured paces too); env ``ADASERVE_ADMISSION_PLANNER``
+                        ("1" / "0": the planner / the paces alone) overrides it
     enable_prefix_caching: map a new request's longest cached prefix of full KV
                         blocks instead of computing it (vLLM's automatic prefix caching)
     prefix_cache_eviction: "lru" (vLLM's) or "slo" (the strictest class that used a

@@ -102,8 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="how admission judges a request's TPOT: planner (the policy's planner "
         "forecasts the pass over its life), paces (the measured class paces) or auto "
-        "(the default: the planner, but the paces where the profile's pass cost is steep, "
-        "as on a CPU)",
+        "(the default: the planner, and the paces too where the profile's pass cost is "
+        "steep, as on a CPU)",
     )
     p.add_argument(
         "--enable-prefix-caching",

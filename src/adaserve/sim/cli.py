@@ -90,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["auto", "planner", "paces"],
         default="auto",
         help="with --admission: how a request's TPOT is judged, by the policy's planner, "
-        "by the measured class paces, or auto (the default: the planner, but the paces "
+        "by the measured class paces, or auto (the default: the planner, and the paces too "
         "where the pass cost is steep, as on a CPU)",
     )
     s.add_argument(
