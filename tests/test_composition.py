@@ -151,6 +151,41 @@ def test_strict_prefill_is_never_deferred():
     assert plan.prefill.get(50) == 200
 
 
+# a CPU-like pass: its cost grows steeply with its tokens (64 tokens = 3x one token)
+CPU = HardwareModel.from_dict(
+    {
+        "verify": {"tokens": [1, 16, 64, 256], "latency_ms": [10.0, 16.0, 30.0, 110.0]},
+        "draft_step_ms": 1.5,
+    }
+)
+
+
+def test_on_steep_hardware_strict_prefill_waits_for_its_latest_start():
+    """Where a pass's cost is steep (``core.config.STEEP``), a strict prompt's chunk
+    costs its own class's decoders more than its TTFT needs: its prefill is soft like
+    a relaxed one's, deferred while the strict decoders are behind their aim, and run
+    once its TTFT deadline needs it."""
+    from adaserve.core.config import STEEP
+
+    assert CPU.steepness() >= STEEP > GPU.steepness()
+    pol = AdaServePolicy()
+    strict = [decoder(i, 20.0) for i in range(4)]  # at their target: behind their aim
+
+    def run(waited_ms, hw):
+        view = BatchView(
+            now_ms=0.0,
+            requests=[*strict, prompt(50, 200, waited_ms, ttft_ms=2000.0, rank=0)],
+            free_kv_slots=10**6,
+            hw=hw,
+            acc_by_rank=ACC,
+        )
+        return pol.plan(view).prefill.get(50, 0)
+
+    assert 0 < run(0.0, CPU) < 50  # 2 s to its deadline: only what the slack allows
+    assert run(1800.0, CPU) == 200  # at its latest start: all of it at once
+    assert run(0.0, GPU) == 200  # flat hardware: strict prefill is firm at once
+
+
 def test_earliest_deadline_first_among_urgent_prefills():
     """Two relaxed prompts at their latest start: the earlier deadline is served first,
     and the cumulative tokens make the later one urgent sooner."""
