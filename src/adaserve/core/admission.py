@@ -25,8 +25,9 @@ Every class gets its own decision (not only the strictest):
   for a request alone is not kept on pace (shedding cannot fix a target the machine
   cannot reach), nor is a class whose pace was last measured more than
   ``PACE_FRESH_S`` ago (admitting is how it gets measured again);
-* **decode pace, asked of the planner** (``planner_off_pace``; the default, instead of
-  the above, when ``SchedulerConfig.admission_check`` is "planner"; env
+* **decode pace, asked of the planner** (``planner_off_pace``; instead of the above when
+  ``SchedulerConfig.admission_check`` is "planner" or "auto", the default; on "auto"
+  with a steep hardware model, ``STEEP``, besides it: ``paces_too``; env
   ``ADASERVE_ADMISSION_PLANNER`` "0" / "1" overrides it): the
   policy's own planner (``Policy.forecast``) forecasts the pass over the new request's
   life, its batch counted in decoders (those running, those due to decode beside it,
