@@ -212,14 +212,13 @@ def summarize(
         for o in ok:
             t_ok = ttft is None or (o.first is not None and (o.first - o.sent) * 1000 <= ttft)
             p_ok = True
-            if tpot is not None and o.tokens > 1 and o.first is not None and o.last is not None:
-                p_ok = (o.last - o.first) * 1000 / (o.tokens - 1) <= tpot
+            if o.tokens > 1 and o.first is not None and o.last is not None:
+                tpots.append((o.last - o.first) * 1000 / (o.tokens - 1))
+                p_ok = tpot is None or tpots[-1] <= tpot
             attained += t_ok and p_ok
             good += o.tokens if t_ok and p_ok else 0
             missed_ttft += not t_ok
             missed_tpot += not p_ok
-            if o.tokens > 1 and o.first is not None and o.last is not None:
-                tpots.append((o.last - o.first) * 1000 / (o.tokens - 1))
         return {
             "requests": len(os),
             "admitted": len(ok),

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from adaserve.config import EngineConfig
+from adaserve.core.config import ADMISSION_CHECKS
 from adaserve.errors import AdaServeError, InvalidRequestError, ModelLoadError
 from adaserve.ledger.config import UsageConfigError
 from adaserve.server.config import (
@@ -98,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--admission-check",
-        choices=["auto", "planner", "paces"],
+        choices=ADMISSION_CHECKS,
         default=None,
         help="how admission judges a request's TPOT: planner (the policy's planner "
         "forecasts the pass over its life), paces (the measured class paces) or auto "

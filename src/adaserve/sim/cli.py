@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from adaserve.bench.options import add_sweep_arguments
+from adaserve.core.config import ADMISSION_CHECKS
 from adaserve.util.cli_args import int_at_least
 
 
@@ -87,7 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument(
         "--admission-check",
-        choices=["auto", "planner", "paces"],
+        choices=ADMISSION_CHECKS,
         default="auto",
         help="with --admission: how a request's TPOT is judged, by the policy's planner, "
         "by the measured class paces, or auto (the default: the planner, and the paces too "
