@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from adaserve.bench.runner import class_slos
@@ -19,7 +20,14 @@ from adaserve.engine.engine import Engine, build_engine
 from adaserve.errors import InvalidRequestError
 from adaserve.hardware.drift import DriftConfig, DriftMonitor
 from adaserve.hardware.model import UNLOADED_KV_TOKENS, HardwareModel, unloaded_tpot_ms
-from adaserve.hardware.profile_stats import SanityLimits, check_profile, summarize, time_points
+from adaserve.hardware.profile_stats import (
+    SanityLimits,
+    check_profile,
+    imprecise,
+    median_interval,
+    summarize,
+    time_points,
+)
 from adaserve.sampling import SamplingParams
 
 KV = 4 << 20
@@ -46,7 +54,7 @@ def test_points_are_timed_round_robin_and_medians_made_monotone():
 
         return once
 
-    samples = time_points([timer(i) for i in range(4)], reps=5)
+    samples = time_points([timer(i) for i in range(4)], reps=5, extra_time=0.0)
     assert calls == [0, 1, 2, 3] + [0, 1, 2, 3] * 5  # warm-ups, then interleaved rounds
     st = summarize(samples)
     assert st.raw_median == (388, 5.1, 4.2, 43.9)
@@ -56,6 +64,40 @@ def test_points_are_timed_round_robin_and_medians_made_monotone():
     assert st.reps == 5
     with pytest.raises(ValueError):
         time_points([timer(0)], reps=0)
+
+
+def test_imprecise_points_are_repeated_within_the_time_budget():
+    """A point whose samples spread widely is timed again, interleaved with the other
+    imprecise ones, until its median is known to 5%; a steady point is not; the
+    repeats stop when they have taken the first rounds' time."""
+    rng = np.random.default_rng(0)
+    calls = []
+
+    def timer(i, make):
+        def once():
+            calls.append(i)
+            return make()
+
+        return once
+
+    steady = timer(0, lambda: 40.0 + rng.uniform(-0.5, 0.5))
+    noisy = timer(1, lambda: 8.0 * (1.0 + (rng.random() < 0.4) * rng.uniform(0.2, 0.8)))
+    noisy2 = timer(2, lambda: 9.0 * (1.0 + (rng.random() < 0.4) * rng.uniform(0.2, 0.8)))
+    samples = time_points([steady, noisy, noisy2], reps=5)
+    assert len(samples[0]) == 5 and not imprecise(samples[0])
+    assert len(samples[1]) > 5 and len(samples[2]) > 5
+    extra = calls[3 + 15 :]  # after the warm-ups and the five rounds
+    assert 0 not in extra and extra[:4] == [1, 2, 1, 2]  # interleaved
+    spent = sum(samples[1][5:]) + sum(samples[2][5:])
+    first = sum(sum(xs[:5]) for xs in samples)
+    assert spent <= first + max(samples[1] + samples[2])  # within the budget (one call over)
+    # more precise with the repeats: the interval of the median narrowed
+    lo5, hi5 = median_interval(samples[1][:5])
+    lo, hi = median_interval(samples[1])
+    assert hi - lo < hi5 - lo5
+    st = summarize(samples)
+    assert st.reps == 5 and st.reps_by_point == tuple(len(x) for x in samples)
+    assert st.spread()["reps_by_point"] == list(st.reps_by_point)
 
 
 def _fake_timer(scale: float = 1.0, spike: float = 0.0):

@@ -215,3 +215,32 @@ def test_engines_profiling_at_once_take_the_first_record(tmp_path, capsys):
     assert profile._record_targets(b, path, replace=True) == b
     assert json.loads(path.read_text()) == b
     assert not list(path.parent.glob("*.tmp"))
+
+
+def test_the_step_overheads_are_measured_against_forwards_timed_beside_them(eng, monkeypatch):
+    """The machine's speed drifts between the curve's timing and the steps' (20-40% in
+    seconds on a shared host): the step overhead is the step less a one-token forward
+    timed beside it, and the per-request slope is shifted by what a many-request
+    forward takes now beyond the curve's price, not the curve's own price."""
+    curve = profile.measure(eng.target, eng.draft, reps=2, timer=_timer(3.0))  # timed slow
+    monkeypatch.setattr(profile, "measure", lambda *a, **k: json.loads(json.dumps(curve)))
+    monkeypatch.setattr(profile, "measure_step_overhead", _steps(5.0))
+    now = {1: 4.0, profile.HOST_REQUESTS: 6.0}
+    monkeypatch.setattr(profile, "forward_now_ms", lambda model, n, ctx: now[n])
+    seen = {}
+
+    def per_request(engine, hw, one_ms, shift_ms=0.0):
+        seen.update(one=one_ms, shift=shift_ms)
+        return 0.05
+
+    monkeypatch.setattr(profile, "measure_request_overhead", per_request)
+    monkeypatch.setattr(profile, "measure_draft_host", lambda *a, **k: 1.0)
+    monkeypatch.setattr(profile, "measure_tree_host", lambda *a, **k: 0.0)
+    prof = profile.profile_engine(eng)
+    hw = HardwareModel.from_dict(curve)
+    assert seen["one"] == pytest.approx(5.0 - 4.0)
+    n = profile.HOST_REQUESTS
+    assert seen["shift"] == pytest.approx(6.0 - float(hw.verify_latency(n, n * 40)))
+    assert prof["overhead_ms"] == pytest.approx(5.0 - 4.0 - 0.05, abs=1e-3)
+    # against the curve's own one-token price the overhead would be 0.77 ms larger
+    assert 5.0 - float(hw.verify_latency(1, 40)) - 0.05 > prof["overhead_ms"] + 0.5

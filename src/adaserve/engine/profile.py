@@ -16,9 +16,11 @@ import torch
 
 # the measurements; ``profile_engine`` calls them through this module (tests replace them)
 from adaserve.engine.profiler import (  # noqa: F401  (fit_prefill_pairs: re-exported)
+    HOST_REQUESTS,
     KV_LENS,
     VERIFY_TOKENS,
     fit_prefill_pairs,
+    forward_now_ms,
     measure,
     measure_draft_host,
     measure_mask,
@@ -100,9 +102,16 @@ def profile_engine(engine, reps: int = 5, timer=None, progress=None) -> dict:
     step = statistics.median(steps)
     hw = HardwareModel.from_dict(prof)
     one = float(hw.verify_latency(1, 40))
-    # the host's work per request of a step (sampling, output): its slope from 1 to
-    # HOST_REQUESTS requests decoding (injected timers measure nothing of the machine)
-    per_request = measure_request_overhead(engine, hw, step - one) if timer is None else 0.0
+    per_request = 0.0
+    if timer is None:  # injected timers measure nothing of the machine
+        # the overheads against forwards timed beside the steps, not the curve timed
+        # seconds before at another speed of the machine (``forward_now_ms``)
+        one = forward_now_ms(engine.target, 1, 40)
+        many = forward_now_ms(engine.target, HOST_REQUESTS, 40)
+        shift = many - float(hw.verify_latency(HOST_REQUESTS, HOST_REQUESTS * 40))
+        # the host's work per request of a step (sampling, output): its slope from 1
+        # to HOST_REQUESTS requests decoding
+        per_request = measure_request_overhead(engine, hw, step - one, shift_ms=shift)
     prof["overhead_ms"] = round(max(0.0, step - one - per_request), 3)
     prof["overhead_ms_per_request"] = round(per_request, 4)
     prof["decode_step_ms"] = round(step, 3)
@@ -190,6 +199,8 @@ def measure_checked(engine, reps: int = 3, timer=None) -> dict:
     total = profile_calls(reps, engine.draft is not None)
     with tqdm(total=total, desc="adaserve: profile", unit="pass", disable=None) as bar:
         prof = profile_engine(engine, reps=reps, timer=timer, progress=bar.update)
+        bar.total = bar.n  # imprecise points took repeats beyond ``profile_calls``
+        bar.refresh()
     if _flags(prof):
         for f in _flags(prof):
             _say(f"profile check: {f}")

@@ -38,11 +38,12 @@ PREFILL_CHUNKS = (64, 256)
 PREFILL_CTX = (0, 1024)
 
 
-def _forward_timer(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int):
+def _forward_timer(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int, seqs: int = 8):
     """A function timing (ms) one paged forward: ``n_tokens`` new tokens split over up
-    to 8 sequences (tree-shaped: each attends ``ctx`` cached tokens + causal new tokens)."""
+    to ``seqs`` sequences (tree-shaped: each attends ``ctx`` cached tokens + causal new
+    tokens)."""
     device = model.embed_tokens.weight.device
-    n_seq = min(8, n_tokens)
+    n_seq = min(seqs, n_tokens)
     per = [n_tokens // n_seq + (1 if i < n_tokens % n_seq else 0) for i in range(n_seq)]
     seqs, base = [], 0
     for q in per:
@@ -153,7 +154,8 @@ def _ticking(fn, progress):
 
 
 def profile_calls(reps: int, has_draft: bool) -> int:
-    """Timed forward passes of one ``measure`` (warm-ups included): a progress bar's total."""
+    """Timed forward passes of one ``measure`` (warm-ups included) before any repeat of
+    an imprecise point (``profile_stats.time_points``): a progress bar's least total."""
     points = len(KV_LENS) * len(VERIFY_TOKENS) + len(PREFILL_CHUNKS) * len(PREFILL_CTX)
     points += len(KV_LENS) * len(DRAFT_TOKENS) if has_draft else 0
     return points * (reps + 1)
@@ -307,6 +309,22 @@ def _timed_steps(
     return steps
 
 
+def forward_now_ms(model: LlamaModel, requests: int, ctx: int, reps: int = 9) -> float:
+    """Median ms of a forward of ``requests`` one-token decodes, each over ``ctx`` cached
+    tokens, timed now: the host overheads are measured against this, not against the
+    curve timed seconds earlier, as the machine's speed drifts by 20-40% over that on a
+    shared host (two profiles in a row put a one-token pass at 11.5 and 8.7 ms)."""
+    kv = KVCache(
+        model.cfg,
+        requests * (ctx + 1) + 64,
+        model.embed_tokens.weight.device,
+        model.embed_tokens.weight.dtype,
+    )
+    return statistics.median(
+        time_points([_forward_timer(model, kv, requests, ctx, seqs=requests)], reps)[0]
+    )
+
+
 def measure_step_overhead(engine, new_tokens: int = 24) -> list[float]:
     """Measured ms of each plain decode step of a single request (``new_tokens``
     steps without speculation, the first two dropped as warm-up): the engine's whole
@@ -326,18 +344,26 @@ TREE_WARMUP = 4
 
 
 def measure_request_overhead(
-    engine, hw, one_ms: float, requests: int = HOST_REQUESTS, clock=time.perf_counter
+    engine,
+    hw,
+    one_ms: float,
+    requests: int = HOST_REQUESTS,
+    clock=time.perf_counter,
+    shift_ms: float = 0.0,
 ) -> float:
     """Host ms per request of an iteration: plain decode steps of ``requests``
     requests decoding together (the first two dropped as warm-up), each less the
-    profile's verification of their tokens and context (``hw``), against ``one_ms``,
-    the same overhead of a single request's step; the slope between the two (>= 0).
-    ``clock``: seconds (tests inject one)."""
+    profile's verification of their tokens and context (``hw``) plus ``shift_ms`` (what
+    that forward takes now beyond the curve's price, ``forward_now_ms``), against
+    ``one_ms``, the same overhead of a single request's step; the slope between the two
+    (>= 0). ``clock``: seconds (tests inject one)."""
     from adaserve.policies.static import AutoregressivePolicy
 
     steps = _timed_steps(engine, AutoregressivePolicy(), requests, 16, 3, clock)
     over = [
-        ms - float(hw.verify_latency(requests, kv)) for ms, decoding, kv, _ in steps if decoding
+        ms - float(hw.verify_latency(requests, kv)) - shift_ms
+        for ms, decoding, kv, _ in steps
+        if decoding
     ]
     if len(over) < 3:
         return 0.0

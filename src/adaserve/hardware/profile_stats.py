@@ -2,7 +2,9 @@
 
 ``time_points`` runs a set of timers round-robin (every repeat visits every point
 before any point is timed again), so a burst of load on a shared machine spreads over
-all the token counts instead of landing on one of them. ``summarize`` takes each
+all the token counts instead of landing on one of them, and repeats the points whose
+median is not yet precise (``MEDIAN_PRECISION``; the cheap passes, whose relative spread
+is the widest, get most of the repeats). ``summarize`` takes each
 point's median, enforces that the medians never decrease with the token count, and
 keeps the spread (10th and 90th percentiles) for the cache file. ``check_profile``
 compares a measured profile with what the model's weight bytes and FLOPs allow on the
@@ -16,11 +18,45 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+# the precision a profile point's median is measured to: the 95% interval of the median
+# within +-5% of it (on this project's 2-core machine a one-token pass's samples spread
+# -10% / +40% around their median, so five samples put the median anywhere in a 30-70%
+# band: three profiles in a row measured a two-token verification at 15.8, 10.3 and 9.0 ms)
+MEDIAN_PRECISION = 0.05
+# the time the repeats of imprecise points may take, in units of the ``reps`` rounds'
+# time: the cheap (small) passes take them, whose relative spread is the widest, and a
+# profile takes at most twice as long as its rounds alone
+EXTRA_TIME = 1.0
 
-def time_points(timers: Sequence[Callable[[], float]], reps: int) -> list[list[float]]:
+
+def median_interval(xs: Sequence[float]) -> tuple[float, float]:
+    """The distribution-free 95% interval of the median of ``xs`` (order statistics:
+    ranks n/2 -+ 0.98 sqrt(n), clipped to the sample)."""
+    s = sorted(xs)
+    n = len(s)
+    half = 0.98 * math.sqrt(n)
+    lo = max(0, round(n / 2 - half) - 1)
+    hi = min(n - 1, round(1 + n / 2 + half) - 1)
+    return s[lo], s[hi]
+
+
+def imprecise(xs: Sequence[float], precision: float = MEDIAN_PRECISION) -> bool:
+    """Whether the median of ``xs`` is not yet known to +-``precision`` of itself."""
+    lo, hi = median_interval(xs)
+    return (hi - lo) / 2 > precision * abs(statistics.median(xs))
+
+
+def time_points(
+    timers: Sequence[Callable[[], float]],
+    reps: int,
+    extra_time: float = EXTRA_TIME,
+    precision: float = MEDIAN_PRECISION,
+) -> list[list[float]]:
     """Samples (ms) of each timer: one warm-up call each, then ``reps`` rounds in which
     every timer is called once, in order (interleaved, never all repeats of one point
-    in a row)."""
+    in a row), then more rounds over the points whose median is not yet known to
+    ``precision`` (``imprecise``), still interleaved, until none is or they have taken
+    ``extra_time`` x the first rounds' time (by the timers' own ms)."""
     if reps < 1:
         raise ValueError("reps must be at least 1")
     for t in timers:
@@ -29,6 +65,14 @@ def time_points(timers: Sequence[Callable[[], float]], reps: int) -> list[list[f
     for _ in range(reps):
         for i, t in enumerate(timers):
             samples[i].append(float(t()))
+    budget = extra_time * sum(map(sum, samples))
+    while budget > 0:
+        todo = [i for i, xs in enumerate(samples) if imprecise(xs, precision)]
+        if not todo:
+            break
+        for i in todo:
+            samples[i].append(float(timers[i]()))
+            budget -= samples[i][-1]
     return samples
 
 
@@ -62,7 +106,8 @@ class PointStats:
     median:     the monotone (non-decreasing) medians the profile uses
     raw_median: the medians as measured, before the monotone correction
     p10 / p90:  each point's 10th and 90th percentile (the measurement's spread)
-    reps:       samples per point
+    reps:       samples per point (the fewest of any point)
+    reps_by_point: each point's samples (``time_points`` repeats an imprecise one)
     """
 
     median: tuple[float, ...]
@@ -70,6 +115,7 @@ class PointStats:
     p10: tuple[float, ...]
     p90: tuple[float, ...]
     reps: int
+    reps_by_point: tuple[int, ...] = ()
 
     def spread(self) -> dict:
         """The cache file's record of the measurement: raw medians, p10, p90, reps."""
@@ -79,6 +125,7 @@ class PointStats:
             "p10_ms": r(self.p10),
             "p90_ms": r(self.p90),
             "reps": self.reps,
+            "reps_by_point": list(self.reps_by_point),
         }
 
 
@@ -93,6 +140,7 @@ def summarize(samples: Sequence[Sequence[float]]) -> PointStats:
         p10=tuple(_quantile(s, 0.1) for s in samples),
         p90=tuple(_quantile(s, 0.9) for s in samples),
         reps=min(len(s) for s in samples),
+        reps_by_point=tuple(len(s) for s in samples),
     )
 
 
