@@ -323,6 +323,13 @@ def test_relaxed_decoders_sit_out_for_a_strict_one_short_of_its_requirement():
     assert plan.skip == {1}
     assert 1 not in plan.shapes and 1 not in plan.state.arrays.rid.tolist()
     assert plan_of(AdaServePolicy(), reqs).skip == set()  # off by default
+    # a strict decoder too far behind for any tree to put it back on pace this pass
+    # still has the relaxed one sit out: a shorter pass is what helps it
+    hopeless = decoder(0, 30.6, behind_ms=2000.0)
+    assert plan_of(on, [hopeless, easy, tight]).skip == {1}
+    # a strict decoder on pace has nobody sit out
+    ahead = decoder(0, 30.6, behind_ms=-400.0)
+    assert plan_of(on, [ahead, easy, tight]).skip == set()
 
 
 class _Decoding(_Seq):
