@@ -43,12 +43,14 @@ def srv(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     # the start-up measurement: a fake machine at 1x (no real forward timed)
     mp.setattr(profiler, "_forward_timer", _timer(1.0))
-    s = LiveServer(
-        engine_config(target, draft, policy="adaserve"), parse_config(tomllib.loads(CONFIG))
-    )
-    yield s, mp
-    s.stop()
-    mp.undo()
+    try:  # undone even when the server fails to start (else it leaks into later tests)
+        s = LiveServer(
+            engine_config(target, draft, policy="adaserve"), parse_config(tomllib.loads(CONFIG))
+        )
+        yield s, mp
+        s.stop()
+    finally:
+        mp.undo()
 
 
 def _report(s):

@@ -38,10 +38,15 @@ PREFILL_CHUNKS = (64, 256)
 PREFILL_CTX = (0, 1024)
 
 
-def _forward_timer(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int, max_seqs: int = 8):
+def _forward_timer(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int):
     """A function timing (ms) one paged forward: ``n_tokens`` new tokens split over up
-    to ``max_seqs`` sequences (tree-shaped: each attends ``ctx`` cached tokens + causal new
-    tokens)."""
+    to 8 sequences (tree-shaped: each attends ``ctx`` cached tokens + causal new
+    tokens). Tests replace it with fake timings."""
+    return _paged_timer(model, kv, n_tokens, ctx, 8)
+
+
+def _paged_timer(model: LlamaModel, kv: KVCache, n_tokens: int, ctx: int, max_seqs: int):
+    """``_forward_timer`` over up to ``max_seqs`` sequences."""
     device = model.embed_tokens.weight.device
     n_seq = min(max_seqs, n_tokens)
     per = [n_tokens // n_seq + (1 if i < n_tokens % n_seq else 0) for i in range(n_seq)]
@@ -321,7 +326,7 @@ def forward_now_ms(model: LlamaModel, requests: int, ctx: int, reps: int = 9) ->
         model.embed_tokens.weight.dtype,
     )
     return statistics.median(
-        time_points([_forward_timer(model, kv, requests, ctx, max_seqs=requests)], reps)[0]
+        time_points([_paged_timer(model, kv, requests, ctx, requests)], reps)[0]
     )
 
 
