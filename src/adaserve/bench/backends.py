@@ -53,6 +53,10 @@ class InProcessBackend:
         for p in self.policies:  # before the models load
             check_servable(p)
         self.engine = self.factory(self.policies[0])
+        # start-up state out of the collector's reach, as a server does (``util.gc_heap``)
+        from adaserve.util.gc_heap import freeze_startup_heap
+
+        freeze_startup_heap()
         self.energy = energy_model(args)
 
     def workload(self, spec: WorkloadSpec):

@@ -58,6 +58,7 @@ from adaserve.server.engine_messages import (
 )
 from adaserve.spec_decode.request import Status
 from adaserve.text.generation_config import sampling_defaults
+from adaserve.util import gc_heap
 from adaserve.util.jsonsafe import json_safe
 
 if TYPE_CHECKING:
@@ -228,6 +229,9 @@ class EngineLoop:
             from adaserve.engine.warmup import warm_up
 
             warm_up(e)  # every kernel and pass family run once before /health says ready
+            # start-up state out of the collector's reach: a full collection walked it
+            # in ~200 ms, a stall of every running request (``util.gc_heap``)
+            gc_heap.freeze_startup_heap()
             assert e.cfg.default_class is not None  # EngineConfig requires one
             self.info = EngineInfo(
                 model_dir=str(e.model_dir),
@@ -513,7 +517,8 @@ def _drift_of(e: Engine) -> dict:
 
 
 def engine_provenance(e: Engine, pinned: bool = False) -> dict:
-    """Threads, profile and where the class targets come from (immutable once made)."""
+    """Threads, profile, where the class targets come from and the start-up heap's
+    freeze (``util.gc_heap``; immutable once made)."""
     plan = e.thread_plan
     hw = e.hw
     out: dict = {"threads": None, "profile": None}
@@ -521,6 +526,8 @@ def engine_provenance(e: Engine, pinned: bool = False) -> dict:
         out["threads"] = {**plan.as_dict(), "pinned": bool(pinned)}
     if hw is not None and hasattr(hw, "provenance"):
         out["profile"] = hw.provenance()
+    heap = gc_heap.frozen()
+    out["gc"] = heap.as_dict() if heap is not None else None
     return out
 
 
