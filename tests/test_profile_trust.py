@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 
 import pytest
 import torch
 
 from adaserve.config import EngineConfig
+from adaserve.core import stalls
 from adaserve.core.clock import TickClock
 from adaserve.core.stalls import StallDetector
 from adaserve.engine import profile
@@ -142,9 +144,12 @@ def test_stalls_are_counted_with_their_cause(tiny_pair, cheap_profile):
         clock=TickClock(0.5),
     )
     eng.set_hardware(HardwareModel.load(cheap_profile))
-    cpu, wall, compiles = [0.0], [0.0], [0]
+    cpu, wall, compiles, gc_ms = [0.0], [0.0], [0], [0.0]
     eng.stalls = StallDetector(
-        cpu_time=lambda: cpu[0], wall_time=lambda: wall[0], compiles=lambda: compiles[0]
+        cpu_time=lambda: cpu[0],
+        wall_time=lambda: wall[0],
+        compiles=lambda: compiles[0],
+        gc_time=lambda: gc_ms[0],
     )
     forward = eng.runner.verify_forward
     what = {"n": 0}
@@ -155,7 +160,9 @@ def test_stalls_are_counted_with_their_cause(tiny_pair, cheap_profile):
         wall[0] += 1.0
         cpu[0] += 0.2 if kind == "slowed_machine" else 1.0
         if kind == "gc":
-            gc.collect()
+            gc_ms[0] += 600.0  # most of the pass's second
+        else:
+            gc_ms[0] += 0.2  # a young collection: not what stalled it
         if kind == "compile":
             compiles[0] += 1
         return forward(*a, **k)
@@ -170,6 +177,17 @@ def test_stalls_are_counted_with_their_cause(tiny_pair, cheap_profile):
     # passes within 3x of the prediction are not stalls
     d = StallDetector(cpu_time=lambda: 0.0, wall_time=lambda: 0.0, compiles=lambda: 0)
     assert d.end(d.begin(), 10.0, 29.0) is None and d.end(d.begin(), 10.0, 31.0) == "unknown"
+    # the real collector's clock: a full collection during a stall is timed and named
+    real = StallDetector(cpu_time=lambda: 0.0, wall_time=lambda: 0.0, compiles=lambda: 0)
+    probe = real.begin()
+    junk = [[] for _ in range(200_000)]
+    for a, b in zip(junk, junk[1:]):
+        a.append(b)
+    t0 = time.perf_counter()
+    gc.collect()
+    took = (time.perf_counter() - t0) * 1000.0
+    assert stalls.gc_ms() - probe.gc_ms >= 0.9 * took
+    assert real.end(probe, took / 10.0, took) == "gc"
     with pytest.raises(ValueError):
         StallDetector(factor=1.0)
 
