@@ -34,7 +34,7 @@ class _GcClock:
         self.total_ms = 0.0
         self._t0: float | None = None
 
-    def __call__(self, phase: str, info: dict) -> None:
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._t0 = time.perf_counter()
         elif self._t0 is not None:
