@@ -101,9 +101,9 @@ def profile_engine(engine, reps: int = 5, timer=None, progress=None) -> dict:
     )
     step = statistics.median(steps)
     hw = HardwareModel.from_dict(prof)
-    one = float(hw.verify_latency(1, 40))
-    per_request = 0.0
-    if timer is None:  # injected timers measure nothing of the machine
+    if timer is not None:  # injected timers measure nothing of the machine
+        one, per_request = float(hw.verify_latency(1, 40)), 0.0
+    else:
         # the overheads against forwards timed beside the steps, not the curve timed
         # seconds before at another speed of the machine (``forward_now_ms``)
         one = forward_now_ms(engine.target, 1, 40)
