@@ -737,6 +737,33 @@ def test_the_planner_counts_decoders_not_requests_queued_past_the_request_s_life
     assert ac._own_tpot is not None and ac._own_tpot < 30.0
 
 
+def test_a_burst_that_arrives_while_requests_only_wait_is_judged():
+    """Issue 31, ninth pass: between two passes the engine may hold waiting requests
+    and none running (its batch just finished; a burst arrived). Both checks
+    answered "no load" then, and on the CPU engine at 3x capacity 89 of 95 admitted
+    interactive requests came in that way, unchecked. The requests waiting are the
+    batch the new one joins: queued one by one, the planner refuses at about the
+    count it refuses at with decoders running, and the measured paces refuse too."""
+
+    def refused_at(clear: bool):
+        sched, new = _planner_measured()
+        ac = sched.admission
+        if clear:
+            sched.running.clear()  # the four decoders finished: nothing runs
+        for k in range(1, 65):
+            sched.waiting.append(_Req(400 + k, _slo("interactive"), 4.0, prompt=50))
+            verdict = ac.planner_off_pace(new, 0, 4.0)
+            if verdict is not None:
+                return k, verdict, ac.off_pace(new, 0, 4.0)
+        raise AssertionError("never refused")
+
+    k_run, _, _ = refused_at(clear=False)
+    k, verdict, paces = refused_at(clear=True)
+    assert verdict is not NO_ANSWER and verdict[0] == "interactive"
+    assert abs(k - k_run) <= 4  # the four decoders that left, at most
+    assert paces is not None and paces[0] == "interactive"
+
+
 def test_the_planner_refuses_what_would_push_strict_decoders_past_their_target():
     """Interactive requests queued with deadlines inside the new request's decode
     run beside it: added one by one, the planner's pass over its life eventually

@@ -402,7 +402,7 @@ class AdmissionControl(PrefillForecast):
         token, target, Retry-After s), or None when every one keeps pace (or nothing is
         measured). Sets ``seq``'s own predicted TPOT (``_own_tpot``) on the way."""
         s = self.sched
-        if not s.running:  # nothing decodes: no load to be off pace because of
+        if not s.running and not s.waiting:  # no load to be off pace because of
             return None
         # the classes to keep on pace: those at or above rank in the batch, and every
         # stricter class seen decoding lately (its next request must still find room)

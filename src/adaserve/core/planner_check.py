@@ -85,7 +85,9 @@ class PlannerCheck:
         decode time they have spent: their credit and deficit, over their expected
         remaining tokens)."""
         s = self.adm.sched
-        if s.hw is None or not s.running or self.adm.decode_s is None:
+        # (requests that wait count: between two passes the engine may hold only
+        # waiting ones, and a burst that arrives then is the batch it would join)
+        if s.hw is None or not (s.running or s.waiting) or self.adm.decode_s is None:
             return NO_ANSWER
         tpot = seq.slo.tpot_ms
         out = self.adm.out_len.get(seq.slo.cls)
