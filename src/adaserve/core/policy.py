@@ -30,6 +30,8 @@ class ReqView:
     rank:         strictness of its class (0 = strictest)
     constrained:  its output follows a grammar (structured outputs): every node of its
                   trees costs a grammar mask on the host
+    acc_scale:    its drafts' calibrated confidence relative to the mean request's,
+                  shrunk toward 1 (``SeqState.acc_scale``)
     """
 
     rid: int
@@ -47,6 +49,7 @@ class ReqView:
     max_queue_ms: float | None = None
     deadline_ms: float | None = None
     constrained: bool = False
+    acc_scale: float = 1.0
 
     @property
     def decoding(self) -> bool:

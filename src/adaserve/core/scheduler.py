@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from adaserve.core.admission import DEGRADABLE, TTFT_DEADLINE, AdmissionControl
@@ -50,6 +50,10 @@ from adaserve.errors import InvalidRequestError, PromptTooLongError
 
 # context tokens per sequence assumed when pricing the full-batch capacity
 _CAPACITY_CONTEXT = 256.0
+# the weight of a pass in the running mean of the drafting decoders' confidence over
+# plan (``Scheduler._record_drafts``): about the last ten passes, several requests'
+# lives on the CPU pair, so one request's drafts do not set the mean it is judged by
+DRAFT_MEAN_WEIGHT = 0.1
 
 
 class Scheduler:
@@ -100,6 +104,9 @@ class Scheduler:
         self._hits: dict[int, int] = {}
         self.admission = AdmissionControl(self)
         self._last: StepTrace | None = None  # the last pass, for admission's measurements
+        # the drafting decoders' mean ratio of confidence over plan (``_record_drafts``),
+        # a running mean over passes (weight ``DRAFT_MEAN_WEIGHT``)
+        self._draft_mean: float | None = None
         # queued requests ended at their TTFT deadline in this step (``begin_step``)
         self.expired: list[SeqState] = []
 
@@ -331,9 +338,31 @@ class Scheduler:
             predicted_ms=outcome.predicted_ms,
             stall=outcome.stall,
         )
+        self._record_drafts(out.plan, batch.decode, outcome.expected)
         self._last = tr
         self.policy.feedback(out.plan, outcome.ms)
         return tr
+
+    def _record_drafts(self, plan: Plan, decode: list[SeqState], own: Mapping[int, float]) -> None:
+        """Each drafting decoder's record (``SeqState.record_drafts``): its verified
+        tree's accepted tokens expected by the draft's confidence (``own``) over the
+        plan's expectation of its allocation, relative to the same over the pass's
+        drafting decoders (the calibrations of the two differ by a factor common to
+        all requests). A constrained request's forced tokens are certain: not counted."""
+        planned = self.policy.load_hints(plan).expected if own else {}
+        ratios: dict[int, float] = {}
+        for r in decode:
+            e, o = planned.get(r.rid, 1.0) - 1.0, own.get(r.rid)
+            if e > 0 and o is not None and not r.constrained:
+                ratios[r.rid] = o / e
+        if ratios:
+            mean = sum(ratios.values()) / len(ratios)
+            m = self._draft_mean
+            self._draft_mean = mean if m is None else m + DRAFT_MEAN_WEIGHT * (mean - m)
+        ref = self._draft_mean or 1.0
+        for r in decode:
+            x = ratios.get(r.rid)
+            r.record_drafts(x / ref if x is not None and ref > 0 else None)
 
     def begin_step(self) -> None:
         """Read the clock for this step; start its trace; with admission control, end
@@ -403,6 +432,7 @@ class Scheduler:
             max_queue_ms=r.slo.max_queue_ms,
             deadline_ms=r.slo.deadline_ms,
             constrained=r.constrained,
+            acc_scale=r.acc_scale,
         )
 
     def view(self, acc_by_rank: tuple[float, ...] = ()) -> BatchView:

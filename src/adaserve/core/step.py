@@ -133,6 +133,8 @@ class StepOutcome:
     commits:    per request of the batch, prefills then decodes, in batch order
     tree_nodes: rid -> candidate nodes verified (0 = root only), per decoding request
     accepted:   rid -> candidates accepted
+    expected:   rid -> the verified candidates' accepted tokens expected by the draft's
+                calibrated confidence (the sum of their ``f``), per drafting request
     tokens:     target tokens of the verification pass (prefill + roots + candidates)
     draft:      the draft's work
     predicted_ms / stall: the profile's prediction of the pass and the stall cause
@@ -144,6 +146,7 @@ class StepOutcome:
     commits: tuple[Commit, ...] = ()
     tree_nodes: Mapping[int, int] = field(default_factory=dict)
     accepted: Mapping[int, int] = field(default_factory=dict)
+    expected: Mapping[int, float] = field(default_factory=dict)
     tokens: int = 0
     draft: DraftWork = DraftWork()
     predicted_ms: float = 0.0

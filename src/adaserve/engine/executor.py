@@ -106,6 +106,11 @@ class EngineExecutor:
             commits=tuple(commits),
             tree_nodes={rid: len(t.tokens) - 1 for rid, t in trees.items()},
             accepted=accepted,
+            expected={
+                rid: float(trees[rid].f[1:].sum())
+                for rid in drafts
+                if rid in trees and trees[rid].num_candidates
+            },
             tokens=tokens,
             draft=work,
             predicted_ms=predicted,

@@ -25,7 +25,7 @@ import dataclasses
 import heapq
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import numpy as np
@@ -165,6 +165,9 @@ class PassOutcome:
     tokens: int
     draft: DraftWork = DraftWork()
     drafted_rids: frozenset[int] = frozenset()  # requests whose draft cache caught up
+    # the verified candidates' expected accepted tokens (their calibrated f), per
+    # drafting request (``StepOutcome.expected``)
+    expected: dict[int, float] = field(default_factory=dict)
 
 
 class _Run:
@@ -421,6 +424,7 @@ class _Run:
             commits=tuple(commits),
             tree_nodes=tree_nodes,
             accepted=accepted,
+            expected=out.expected,
             tokens=out.tokens,
             draft=out.draft,
         )
@@ -535,6 +539,11 @@ class _Run:
             tokens=v_tokens,
             draft=draft,
             drafted_rids=frozenset(trees),
+            expected={
+                rid: float(trees[rid].f[selected[rid][1:]].sum())
+                for rid in trees
+                if sizes.get(rid, 1) > 1
+            },
         )
 
     def _reveal(self, batches) -> list[tuple[np.ndarray, np.ndarray]]:

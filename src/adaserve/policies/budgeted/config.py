@@ -59,6 +59,12 @@ class AdaptiveConfig:
     # width-2 trees instead, so the calibrator keeps learning how often second-ranked
     # children are accepted (chains alone teach it nothing about them); 0 = never
     explore_every: int = 256
+    # ``adaserve``: plan with the calibrated acceptance scaled by the decoders' own
+    # drafts' confidence where it is below the mean request's (``own_acceptance``): a
+    # request whose prompt the draft does not follow gets shorter trees, or none, where
+    # speculation costs it more than it gains (docs/results/engine-issue30.md, eighth
+    # pass). Off: the calibrated mean only
+    request_acceptance: bool = True
     # ``adaserve``: relaxed decoders well inside their target sit a pass out while a
     # strict decoder is short of its requirement (``_sit_out``). Off: on the reference
     # experiment it cost 0.9 / 1.3 points at 2 / 3 req/s (the relaxed requests stay

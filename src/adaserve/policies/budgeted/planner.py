@@ -108,6 +108,12 @@ class BudgetedPolicy(Policy):
         (``exploration.py``). Default: no."""
         return False
 
+    def _own_acceptance(self) -> bool:
+        """Whether the plan scales the calibrated acceptance by the decoders' own
+        drafts' confidence (``own_acceptance``). Default: no (the published baselines
+        plan with the calibrated mean)."""
+        return False
+
     def _pick(self, evs: list[DepthEvaluation], D: int) -> Candidate:
         """The (score, rate, depth index, width index) of the shape to take, from the
         evaluations of each width over D depths: the highest rate (the first shape on
@@ -252,6 +258,8 @@ class BudgetedPolicy(Policy):
         n = len(dec)
         kv = float(sum(r.context_len for r in view.requests))
         acc = self._acc_est.update(view.acc_by_rank, c.max_width)
+        if self._own_acceptance():
+            acc = own_acceptance(acc, dec)
         arr = Columns.of(dec)
         depths = tuple(d for d in DEPTHS if d <= c.max_depth)
         widths = self._widths(n)
@@ -413,3 +421,12 @@ class BudgetedPolicy(Policy):
 def _warm_up() -> None:
     """Compile the planner's kernel once per process, when the first policy is built."""
     plan_kernel.warm_up()
+
+
+def own_acceptance(acc: tuple[float, ...], dec: list[ReqView]) -> tuple[float, ...]:
+    """The calibrated acceptance by sibling rank ``acc`` scaled by the decoders' mean
+    ``ReqView.acc_scale`` where that is below 1: the plan's shapes and rates then price
+    what these requests' drafts are worth, not the mean request's. Never scaled up: a
+    confident batch's deeper trees cost more draft passes than they gain."""
+    rho = sum(r.acc_scale for r in dec) / len(dec) if dec else 1.0
+    return acc if rho >= 1.0 else tuple(a * rho for a in acc)

@@ -64,6 +64,11 @@ class AdaServePolicy(BudgetedPolicy):
         """Explore wider trees unless ``explore_every`` is 0."""
         return self.cfg.explore_every > 0
 
+    def _own_acceptance(self) -> bool:
+        """Plan at the decoders' own drafts' acceptance unless ``request_acceptance``
+        is off."""
+        return self.cfg.request_acceptance
+
     def admission_key(self, waiting: ReqView) -> tuple[Any, ...]:
         """The admission sort key: past its max queue wait first, then the earliest
         TTFT deadline."""
