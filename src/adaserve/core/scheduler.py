@@ -328,6 +328,7 @@ class Scheduler:
             classes=classes,
             tree_nodes=dict(outcome.tree_nodes),
             accepted=dict(outcome.accepted),
+            expected=dict(outcome.expected),
             tokens=outcome.tokens,
             kv_tokens=out.kv_tokens,
             prefill_pairs=out.prefill_pairs,

@@ -95,6 +95,8 @@ class StepTrace:
     classes:     rid -> class it arrived in, for every request in the pass
     tree_nodes:  rid -> candidate nodes verified (0 = root only)
     accepted:    rid -> candidates accepted
+    expected:    rid -> the verified candidates' accepted tokens expected by the draft's
+                 calibrated confidence (``StepOutcome.expected``)
     tokens:      tokens in the verification pass (prefill + roots + candidates)
     kv_tokens:   context tokens the pass attends (cached + new, per request)
     prefill_pairs: new x context token pairs of its prefill chunks (``Batch.prefill_pairs``)
@@ -116,6 +118,7 @@ class StepTrace:
     classes: dict[int, str] = field(default_factory=dict)
     tree_nodes: dict[int, int] = field(default_factory=dict)
     accepted: dict[int, int] = field(default_factory=dict)
+    expected: dict[int, float] = field(default_factory=dict)
     tokens: int = 0
     kv_tokens: int = 0
     prefill_pairs: int = 0

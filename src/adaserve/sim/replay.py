@@ -3,8 +3,8 @@
 The engine and the simulator are twins by construction (one ``Scheduler``); a replay
 checks it on a real run. The recorded run gives the arrivals (``RecordedRequest``) and,
 per step, what only the models could decide: the start and commit times, the
-calibrated acceptance shown to the policy, the verified tree sizes and the accepted
-candidates (``StepTrace``). The simulator runs its own scheduler and a fresh policy on
+calibrated acceptance shown to the policy, the verified tree sizes, the accepted
+candidates and what the draft's confidence expected of them (``StepTrace``). The simulator runs its own scheduler and a fresh policy on
 those outcomes; its traces must make the same admission, prefill-chunk, preemption
 and plan decisions at every step (``decisions``).
 """
@@ -174,4 +174,5 @@ class _ReplayRun(_Run):
             tokens=rec.tokens,
             draft=draft,
             drafted_rids=frozenset(r.rid for r, _ in batch.spec),
+            expected={rid: e for rid, e in rec.expected.items() if sizes.get(rid, 1) > 1},
         )

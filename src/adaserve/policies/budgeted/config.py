@@ -59,11 +59,13 @@ class AdaptiveConfig:
     # width-2 trees instead, so the calibrator keeps learning how often second-ranked
     # children are accepted (chains alone teach it nothing about them); 0 = never
     explore_every: int = 256
-    # ``adaserve``: plan with the calibrated acceptance scaled by the decoders' own
-    # drafts' confidence where it is below the mean request's (``own_acceptance``): a
-    # request whose prompt the draft does not follow gets shorter trees, or none, where
-    # speculation costs it more than it gains (docs/results/engine-issue30.md, eighth
-    # pass). Off: the calibrated mean only
+    # ``adaserve``, on steep hardware (``sit_out_steepness``): plan with the calibrated
+    # acceptance scaled by the decoders' own drafts' confidence where it is below the
+    # mean request's (``own_acceptance``): a request whose prompt the draft does not
+    # follow gets shorter trees, or none, where a pass's tokens are dear and speculation
+    # costs it more than it gains. Not on the A100 reference (steepness 1.5), where a
+    # tree is nearly free and it cost 1.1 points at 3x capacity (95.8 -> 94.7% strict;
+    # docs/results/engine-issue30.md, eighth pass). Off: the calibrated mean only
     request_acceptance: bool = True
     # ``adaserve``: relaxed decoders well inside their target sit a pass out while a
     # strict decoder is short of its requirement (``_sit_out``). Off: on the reference

@@ -110,8 +110,8 @@ class BudgetedPolicy(Policy):
 
     def _own_acceptance(self) -> bool:
         """Whether the plan scales the calibrated acceptance by the decoders' own
-        drafts' confidence (``own_acceptance``). Default: no (the published baselines
-        plan with the calibrated mean)."""
+        drafts' confidence (``own_acceptance``) on steep hardware. Default: no (the
+        published baselines plan with the calibrated mean)."""
         return False
 
     def _pick(self, evs: list[DepthEvaluation], D: int) -> Candidate:
@@ -258,7 +258,7 @@ class BudgetedPolicy(Policy):
         n = len(dec)
         kv = float(sum(r.context_len for r in view.requests))
         acc = self._acc_est.update(view.acc_by_rank, c.max_width)
-        if self._own_acceptance():
+        if self._own_acceptance() and self._steep(hw):
             acc = own_acceptance(acc, dec)
         arr = Columns.of(dec)
         depths = tuple(d for d in DEPTHS if d <= c.max_depth)
