@@ -347,9 +347,10 @@ class Scheduler:
     def _record_drafts(self, plan: Plan, decode: list[SeqState], own: Mapping[int, float]) -> None:
         """Each drafting decoder's record (``SeqState.record_drafts``): its verified
         tree's accepted tokens expected by the draft's confidence (``own``) over the
-        plan's expectation of its allocation, relative to the same over the pass's
-        drafting decoders (the calibrations of the two differ by a factor common to
-        all requests). A constrained request's forced tokens are certain: not counted."""
+        plan's expectation of its allocation, relative to the running mean of that
+        ratio over passes (``DRAFT_MEAN_WEIGHT``: the calibrations of the two differ by
+        a factor common to all requests). A constrained request's forced tokens are
+        certain: not counted."""
         planned = self.policy.load_hints(plan).expected if own else {}
         ratios: dict[int, float] = {}
         for r in decode:
@@ -363,7 +364,7 @@ class Scheduler:
         ref = self._draft_mean or 1.0
         for r in decode:
             x = ratios.get(r.rid)
-            r.record_drafts(x / ref if x is not None and ref > 0 else None)
+            r.record_drafts(x / ref if x is not None else None)
 
     def begin_step(self) -> None:
         """Read the clock for this step; start its trace; with admission control, end

@@ -110,7 +110,7 @@ class SeqState:
         """One decode step of this request: ``ratio`` is the accepted tokens its verified
         tree was expected to give by the draft's own calibrated confidence over what
         the plan expected of its allocation at the calibrated acceptance, relative to
-        the batch's (``Scheduler.update_from_output``); None when it did not
+        the running mean over passes (``Scheduler._record_drafts``); None when it did not
         speculate. The record forgets ``DRAFT_FORGET`` of itself a step, so a request
         that stopped speculating returns to the mean and is tried again."""
         self.draft_steps *= DRAFT_FORGET

@@ -4,9 +4,10 @@ The engine and the simulator are twins by construction (one ``Scheduler``); a re
 checks it on a real run. The recorded run gives the arrivals (``RecordedRequest``) and,
 per step, what only the models could decide: the start and commit times, the
 calibrated acceptance shown to the policy, the verified tree sizes, the accepted
-candidates and what the draft's confidence expected of them (``StepTrace``). The simulator runs its own scheduler and a fresh policy on
-those outcomes; its traces must make the same admission, prefill-chunk, preemption
-and plan decisions at every step (``decisions``).
+candidates and what the draft's confidence expected of them (``StepTrace``). The
+simulator runs its own scheduler and a fresh policy on those outcomes; its traces must
+make the same admission, prefill-chunk, preemption and plan decisions at every step
+(``decisions``).
 """
 
 from __future__ import annotations
