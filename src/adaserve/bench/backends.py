@@ -4,6 +4,7 @@ progress)`` and ``config()`` (the simulator's is ``sim.backend.SimBackend``)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from adaserve.bench.runner import (
     EngineFactory,
     class_ranks,
     class_slos,
+    keep_off_server_cores,
     measure_unloaded_tpot,
     run_http,
     run_in_process,
@@ -118,6 +120,9 @@ class HttpBackend:
         self.unloaded = args.unloaded_tpot_ms
         if self.unloaded is None:
             self.unloaded = measure_unloaded_tpot(args.base_url, api_key=args.api_key)
+        note = keep_off_server_cores(args.base_url, api_key=args.api_key)
+        if note:
+            print(f"adaserve bench: {note}", file=sys.stderr)
         self.energy = None
 
     def workload(self, spec: WorkloadSpec):

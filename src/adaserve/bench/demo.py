@@ -195,7 +195,7 @@ def run(args) -> int:
     from adaserve.bench.demo_report import format_demo, load_line
     from adaserve.bench.metrics import summarize
     from adaserve.bench.report import write_report
-    from adaserve.bench.runner import class_slos, run_http, server_targets
+    from adaserve.bench.runner import class_slos, keep_off_server_cores, run_http, server_targets
     from adaserve.core.slo import DEFAULT_CLASSES
     from adaserve.policies.registry import check_servable, make_policy
     from adaserve.text.tokenizer import load_tokenizer
@@ -238,6 +238,9 @@ def run(args) -> int:
                 wait_healthy(base_url, proc, HEALTH_TIMEOUT_S)
             except AdaServeError as e:
                 raise AdaServeError(f"{e}\n--- server log tail ---\n{_tail(log_path)}") from None
+            note = keep_off_server_cores(base_url)  # each policy's server pins alike
+            if note and config is None:
+                print(f"demo: {note}", file=sys.stderr)
             if config is None:  # one workload and one set of targets for every policy
                 # the pair's targets record on this machine (``adaserve.engine.profile``): the
                 # first profile measured here fixed it, so every run judges alike

@@ -342,3 +342,32 @@ def run_http(
             return list(recs)
 
     return asyncio.run(go())
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def keep_off_server_cores(base_url: str, api_key: str | None = None) -> str | None:
+    """On the server's own machine (a loopback ``base_url``), confine this client to the
+    cores the server's engine is not pinned to (its report's thread plan), as a client
+    on another machine would be; a line saying so, None where nothing changed (another
+    machine, no pinned cores, no room left, or no per-thread affinity)."""
+    import httpx
+
+    from adaserve.util import threads
+
+    if httpx.URL(base_url).host not in LOOPBACK:
+        return None
+    try:
+        r = httpx.get(f"{base_url}/v1/slo/report", headers=_auth_headers(api_key), timeout=60.0)
+        plan = ((r.json().get("engine") or {}) if r.status_code == 200 else {}).get("threads")
+    except (httpx.HTTPError, ValueError):
+        return None
+    cores = tuple(plan.get("cores") or ()) if plan and plan.get("pinned") else ()
+    rest = threads.keep_off(cores) if cores else ()
+    if not rest:
+        return None
+    return (
+        f"bench client on cores {threads.describe_cores(rest)}, off the server engine's "
+        f"{threads.describe_cores(cores)}"
+    )

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from adaserve.bench.http_runner import keep_off_server_cores
 from adaserve.errors import RETRY_TOKEN
 
 DEFAULT_MIX = "interactive=0.6,chat=0.2,batch=0.2"
@@ -329,6 +330,9 @@ def run(args) -> int:
         return 2
     try:
         targets = server_targets(args.base_url)
+        note = keep_off_server_cores(args.base_url)
+        if note:
+            print(f"adaserve bench: {note}", file=sys.stderr)
         rate = args.rate
         cap = None
         if rate is None:

@@ -17,7 +17,12 @@ import time
 from typing import TYPE_CHECKING
 
 # the HTTP runner and the class targets live in their own modules; callers import them here
-from adaserve.bench.http_runner import measure_unloaded_tpot, run_http, server_targets
+from adaserve.bench.http_runner import (
+    keep_off_server_cores,
+    measure_unloaded_tpot,
+    run_http,
+    server_targets,
+)
 from adaserve.bench.metrics import RequestRecord
 from adaserve.bench.slo_targets import class_ranks, class_slos
 from adaserve.bench.workload_spec import WorkItem, WorkloadSpec, item_slo
@@ -268,6 +273,7 @@ __all__ = [
     "EngineFactory",
     "class_ranks",
     "class_slos",
+    "keep_off_server_cores",
     "measure_unloaded_tpot",
     "run_http",
     "run_in_process",

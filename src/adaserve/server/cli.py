@@ -508,7 +508,8 @@ def run(args, replicas=None) -> int:
     from adaserve.server.engine_loop import EngineLoop
     from adaserve.server.http_runtime import make_server
 
-    eloop = EngineLoop.for_server(ecfg, cfg)
+    # one engine, in a process it owns: the rest of the process keeps off its cores
+    eloop = EngineLoop.for_server(ecfg, dataclasses.replace(cfg, confine_threads=True))
     try:
         eloop.start()
     except Exception as e:  # one line, not a traceback

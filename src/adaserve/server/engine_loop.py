@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -92,6 +93,7 @@ class EngineLoop:
             max_waiting=cfg.max_waiting,
             step_delay_s=cfg.step_delay_s,
             step_pace_ms=cfg.step_pace_ms,
+            confine=cfg.confine_threads,
         )
 
     def __init__(
@@ -101,6 +103,7 @@ class EngineLoop:
         max_waiting: int | None = None,
         step_delay_s: float = 0.0,
         step_pace_ms: tuple[float, float] | None = None,
+        confine: bool = False,
     ):
         self._source = source
         self.max_waiting = max_waiting
@@ -119,6 +122,10 @@ class EngineLoop:
         self.class_slos: dict[str, SLO] = {}
         self.unloaded_tpot_ms: float | None = None  # what the class targets multiply
         self.pinned = False  # the engine thread is pinned to the thread plan's cores
+        # the cores the rest of the process is confined to (``threads.confine_rest``)
+        self.confine = confine  # ``ServerConfig.confine_threads``
+        self.reserve_cores: tuple[int, ...] = ()
+        self._before: tuple[int, ...] = ()  # the process's threads before the engine's
         self.provenance: dict = {}  # ``engine_provenance``: threads, profile, targets
         self._class_slos_at = 0.0
         self._owns_engine = isinstance(source, EngineConfig)
@@ -142,6 +149,9 @@ class EngineLoop:
     def start(self, timeout: float | None = None) -> None:
         """Start the thread and wait until the engine is built (re-raises its error)."""
         if self._thread is None:
+            from adaserve.util import threads
+
+            self._before = threads.process_threads()  # the rest, confined once pinned
             self._thread = threading.Thread(target=self._run, name="adaserve-engine", daemon=True)
             self._thread.start()
         if not self._ready.wait(timeout):
@@ -223,6 +233,18 @@ class EngineLoop:
                 with contextlib.suppress(ValueError):  # a bad count: build_engine says so
                     self.pinned = threads.pin_current_thread(threads.choose(self._source.threads))
                 self.engine = build_engine(self._source)
+                if self.confine and self.pinned and self.engine.thread_plan is not None:
+                    # the rest of the process (the HTTP loop, tokenisers, the threads
+                    # they start) off the engine's cores: after the build, which
+                    # chooses the plan again from the process's cores
+                    self.reserve_cores = threads.confine_rest(self.engine.thread_plan, self._before)
+                    if self.reserve_cores:
+                        print(
+                            "adaserve: the rest of the server (HTTP loop, tokenisers) runs on "
+                            f"cores {threads.describe_cores(self.reserve_cores)}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
             else:
                 self.engine = self._source
             e = self.engine
@@ -494,7 +516,7 @@ class EngineLoop:
         self._class_slos_at = now
         self.class_slos = {c.name: self._engine.class_slo(c.name) for c in self._engine.cfg.classes}
         self.unloaded_tpot_ms = float(self._engine.unloaded_tpot_ms())
-        self.provenance = engine_provenance(self._engine, self.pinned)
+        self.provenance = engine_provenance(self._engine, self.pinned, self.reserve_cores)
 
     def _fail_pending(self) -> None:
         """After the loop ends: answer queued adds and unfinished handles."""
@@ -516,14 +538,19 @@ def _drift_of(e: Engine) -> dict:
     return e.drift.as_dict()
 
 
-def engine_provenance(e: Engine, pinned: bool = False) -> dict:
-    """Threads, profile, where the class targets come from and the start-up heap's
-    freeze (``util.gc_heap``; immutable once made)."""
+def engine_provenance(e: Engine, pinned: bool = False, reserve: tuple[int, ...] = ()) -> dict:
+    """Threads (with the cores the rest of the process is confined to, ``reserve``),
+    profile, where the class targets come from and the start-up heap's freeze
+    (``util.gc_heap``; immutable once made)."""
     plan = e.thread_plan
     hw = e.hw
     out: dict = {"threads": None, "profile": None}
     if plan is not None:
-        out["threads"] = {**plan.as_dict(), "pinned": bool(pinned)}
+        out["threads"] = {
+            **plan.as_dict(),
+            "pinned": bool(pinned),
+            "reserve_cores": list(reserve),
+        }
     if hw is not None and hasattr(hw, "provenance"):
         out["profile"] = hw.provenance()
     heap = gc_heap.frozen()

@@ -19,8 +19,10 @@ The choice, in order of precedence:
 
 On Linux the serving loop's thread is pinned to the last ``threads`` usable cores
 (``pin_current_thread``), and the OpenMP team it starts inherits that set; the first
-cores are left to the reserve. Nothing in this module imports torch at import time
-(``apply`` does, when called).
+cores are left to the reserve, and a server confines the rest of its process there
+(``confine_rest``: the HTTP loop, tokenisers and every thread they start), so none of
+it is scheduled on the engine's cores. Nothing in this module imports torch at import
+time (``apply`` does, when called).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 ENV = "ADASERVE_NUM_THREADS"
+# the process's usable cores before ``confine_rest`` narrowed its other threads (the
+# main thread's mask, which ``usable_cores`` reads, is the reserve after it)
+_before_confined: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,7 @@ class ThreadPlan:
     def describe(self) -> str:
         """One line for the start-up log."""
         pin = (
-            f"; a server pins its engine thread to cores {_ranges(self.cores)}"
+            f"; a server pins its engine thread to cores {describe_cores(self.cores)}"
             if self.cores
             else ""
         )
@@ -77,7 +82,10 @@ def usable_cores() -> tuple[int, ...]:
     """The cores this process may run on (its main thread's affinity mask, not the
     calling thread's: the serving loop's thread, pinned to the plan's cores, chooses
     again when it builds the engine, and must not take the reserve off a second
-    time; all CPUs where the OS has no affinity call)."""
+    time; all CPUs where the OS has no affinity call). After ``confine_rest``: the
+    cores the process had before it."""
+    if _before_confined is not None:
+        return _before_confined
     if hasattr(os, "sched_getaffinity"):
         try:
             return tuple(sorted(os.sched_getaffinity(os.getpid())))
@@ -154,7 +162,64 @@ def pin_current_thread(plan: ThreadPlan) -> bool:
     return True
 
 
-def _ranges(cores: tuple[int, ...]) -> str:
+def process_threads() -> tuple[int, ...]:
+    """The native ids of this process's threads now (empty without Linux's task list)."""
+    try:
+        return tuple(int(t) for t in os.listdir("/proc/self/task"))
+    except OSError:
+        return ()
+
+
+def confine_rest(plan: ThreadPlan, tids: tuple[int, ...]) -> tuple[int, ...]:
+    """Confine the threads ``tids`` (the process's threads from before the serving
+    loop's started: ``process_threads``, the main thread among them) to the reserve,
+    the usable cores outside ``plan.cores``. Threads started later inherit their
+    creator's set: the HTTP loop's workers stay in the reserve, the OpenMP team the
+    serving loop's thread starts on its cores. Returns the reserve's cores; empty where
+    nothing was pinned, nothing is left to reserve, or the OS offers no per-thread
+    affinity.
+
+    Why: on the 2-core machine, in the overload bench (server and client on one
+    machine, runs alternated), the passes ran a median 1.15x their profiled time
+    confined against 1.20x free, with 6% more goodput (docs/results/engine-issue30.md,
+    ninth pass)."""
+    global _before_confined
+    if not plan.cores or not hasattr(os, "sched_setaffinity"):
+        return ()
+    usable = usable_cores()
+    reserve = tuple(c for c in usable if c not in plan.cores)
+    if not reserve:
+        return ()
+    if _confine_threads(reserve, tids):
+        _before_confined = usable
+        return reserve
+    return ()
+
+
+def keep_off(cores: tuple[int, ...]) -> tuple[int, ...]:
+    """Confine every thread of this process to its usable cores outside ``cores`` (a
+    client on the server's machine keeping off the engine's cores); the cores it runs
+    on now, empty where that leaves none or the OS offers no per-thread affinity."""
+    rest = tuple(c for c in usable_cores() if c not in cores)
+    if not rest or not hasattr(os, "sched_setaffinity"):
+        return ()
+    return rest if _confine_threads(rest, process_threads()) else ()
+
+
+def _confine_threads(cores: tuple[int, ...], tids: tuple[int, ...]) -> bool:
+    """Set the affinity of the threads ``tids`` (native ids) to ``cores``; True when at
+    least one was set."""
+    done = False
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+            done = True
+        except OSError:  # the thread ended meanwhile, or the OS refuses
+            continue
+    return done
+
+
+def describe_cores(cores: tuple[int, ...]) -> str:
     """``(0, 1, 2, 5)`` -> ``"0-2,5"``."""
     out, i = [], 0
     while i < len(cores):

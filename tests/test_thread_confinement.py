@@ -1,0 +1,109 @@
+"""A server that owns its process keeps the rest of it off the engine's cores, and a
+bench client on the same machine keeps off them too (``util.threads.confine_rest``,
+``keep_off``; ``bench.http_runner.keep_off_server_cores``). Each check that changes a
+process's affinity runs in a subprocess, so this one keeps its cores. Nothing here
+times anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from server_fixtures import KV_BYTES, LiveServer, engine_config, model_pair
+
+from adaserve.bench.http_runner import keep_off_server_cores
+from adaserve.util import threads
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs per-thread CPU affinity and two usable cores",
+)
+
+LOOP = r"""
+import json, os, sys, threading
+from adaserve.config import EngineConfig
+from adaserve.server.engine_loop import EngineLoop
+from adaserve.util import threads
+
+cfg = EngineConfig(model=sys.argv[1], no_draft=True, policy="ar", kv_cache_bytes=int(sys.argv[2]))
+loop = EngineLoop(cfg, confine=sys.argv[3] == "1")
+loop.start(timeout=300)
+seen = {}
+t = threading.Thread(target=lambda: seen.update(m=sorted(os.sched_getaffinity(0))))
+t.start()
+t.join()
+out = {
+    "main": sorted(os.sched_getaffinity(0)),
+    "later": seen["m"],
+    "engine": loop.call(lambda e: sorted(os.sched_getaffinity(0))).result(120),
+    "plan": list(loop.engine.thread_plan.cores),
+    "reserve": list(loop.reserve_cores),
+    "usable": list(threads.usable_cores()),
+    "again": list(threads.choose(env={}).cores),
+}
+loop.stop()
+print(json.dumps(out))
+"""
+
+
+def _run(code: str, *args: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", threads.ENV)}
+    p = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_the_server_confines_the_rest_of_its_process_to_the_reserve(tmp_path_factory):
+    target, _ = model_pair(tmp_path_factory)
+    cores = sorted(os.sched_getaffinity(0))
+    got = _run(LOOP, str(target), str(KV_BYTES), "1")
+    plan = got["plan"]
+    assert plan and got["engine"] == plan  # the serving loop's thread on the engine's cores
+    rest = [c for c in cores if c not in plan]
+    # the main thread (the HTTP loop's) and a thread it starts later: the reserve
+    assert got["reserve"] == rest and got["main"] == rest and got["later"] == rest
+    # choosing again sees the process's cores from before, not the narrowed main thread's
+    assert got["usable"] == cores and got["again"] == plan
+
+
+def test_an_embedded_loop_leaves_the_process_alone(tmp_path_factory):
+    target, _ = model_pair(tmp_path_factory)
+    cores = sorted(os.sched_getaffinity(0))
+    got = _run(LOOP, str(target), str(KV_BYTES), "0")
+    assert got["engine"] == got["plan"]  # the engine's thread is pinned as before
+    assert got["reserve"] == [] and got["main"] == cores and got["later"] == cores
+
+
+KEEP_OFF = r"""
+import json, os, sys
+from adaserve.bench.http_runner import keep_off_server_cores
+note = keep_off_server_cores(sys.argv[1])
+masks = {sorted(os.sched_getaffinity(int(t))).__repr__() for t in os.listdir("/proc/self/task")}
+print(json.dumps({"note": note, "masks": sorted(masks)}))
+"""
+
+
+def test_a_bench_client_on_the_server_machine_keeps_off_its_engine_cores(tmp_path_factory):
+    target, _ = model_pair(tmp_path_factory)
+    srv = LiveServer(engine_config(target))
+    try:
+        plan = srv.http().get("/v1/slo/report").json()["engine"]["threads"]
+        assert plan["pinned"] and plan["cores"]
+        got = _run(KEEP_OFF, srv.url)
+    finally:
+        srv.stop()
+    rest = [c for c in sorted(os.sched_getaffinity(0)) if c not in plan["cores"]]
+    assert got["masks"] == [repr(rest)]  # every thread of the client
+    assert got["note"] and threads.describe_cores(tuple(plan["cores"])) in got["note"]
+
+
+def test_a_client_on_another_machine_is_left_alone():
+    # not a loopback address: no request is made, nothing changes
+    before = os.sched_getaffinity(0)
+    assert keep_off_server_cores("http://192.0.2.1:9") is None
+    assert os.sched_getaffinity(0) == before
