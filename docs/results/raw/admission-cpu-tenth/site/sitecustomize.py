@@ -1,7 +1,4 @@
-# instrumentation for the tenth pass (PYTHONPATH=docs/results/raw/admission-cpu-tenth/site):
-# ADM_LOG=FILE logs each admission and finish; SWITCH_S sets sys.setswitchinterval;
-# PIN0=1 confines the process to core 0 at start; NOCONFINE=1 turns confine_rest and
-# keep_off into no-ops (the "free" runs of ab.sh)
+# NOGAINS=1: planner.request_gains returns ones (the per-request gain off)
 import json, os, time
 path = os.environ.get("ADM_LOG")
 if path:
@@ -37,3 +34,7 @@ if os.environ.get("NOCONFINE"):
     import adaserve.util.threads as _T
     _T.confine_rest = lambda *a, **k: ()
     _T.keep_off = lambda *a, **k: ()
+if os.environ.get("NOGAINS"):
+    import numpy as _np
+    import adaserve.policies.budgeted.planner as _P
+    _P.request_gains = lambda dec: _np.ones(len(dec))
