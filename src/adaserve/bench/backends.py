@@ -16,8 +16,8 @@ from adaserve.bench.runner import (
     EngineFactory,
     class_ranks,
     class_slos,
-    keep_off_server_cores,
     measure_unloaded_tpot,
+    off_server_cores,
     run_http,
     run_in_process,
 )
@@ -120,9 +120,6 @@ class HttpBackend:
         self.unloaded = args.unloaded_tpot_ms
         if self.unloaded is None:
             self.unloaded = measure_unloaded_tpot(args.base_url, api_key=args.api_key)
-        note = keep_off_server_cores(args.base_url, api_key=args.api_key)
-        if note:
-            print(f"adaserve bench: {note}", file=sys.stderr)
         self.energy = None
 
     def workload(self, spec: WorkloadSpec):
@@ -130,19 +127,23 @@ class HttpBackend:
 
     def run(self, spec: WorkloadSpec, items, policy: str, progress: bool):
         slos = class_slos(classes_of(spec, items), spec.slo_scale, unloaded_tpot_ms=self.unloaded)
-        t0 = time.perf_counter()
-        records = run_http(
-            self.args.base_url,
-            items,
-            spec,
-            self.args.concurrency,
-            slos=slos,
-            model=self.args.model_name,
-            send_priority=not self.args.no_priority,
-            ranks=class_ranks(DEFAULT_CLASSES),
-            progress=progress,
-            api_key=self.args.api_key,
-        )
+        # on the server's machine, the client keeps off its engine's cores during the run
+        with off_server_cores(self.args.base_url, api_key=self.args.api_key) as note:
+            if note and progress:
+                print(f"adaserve bench: {note}", file=sys.stderr)
+            t0 = time.perf_counter()
+            records = run_http(
+                self.args.base_url,
+                items,
+                spec,
+                self.args.concurrency,
+                slos=slos,
+                model=self.args.model_name,
+                send_priority=not self.args.no_priority,
+                ranks=class_ranks(DEFAULT_CLASSES),
+                progress=progress,
+                api_key=self.args.api_key,
+            )
         wall = time.perf_counter() - t0
         ends = [r.finish_s for r in records if r.finish_s is not None]
         duration = max(ends) if ends else wall

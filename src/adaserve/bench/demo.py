@@ -5,6 +5,7 @@ greedy sample of each server's text (``adaserve.bench.demo_report``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -195,7 +196,7 @@ def run(args) -> int:
     from adaserve.bench.demo_report import format_demo, load_line
     from adaserve.bench.metrics import summarize
     from adaserve.bench.report import write_report
-    from adaserve.bench.runner import class_slos, keep_off_server_cores, run_http, server_targets
+    from adaserve.bench.runner import class_slos, off_server_cores, run_http, server_targets
     from adaserve.core.slo import DEFAULT_CLASSES
     from adaserve.policies.registry import check_servable, make_policy
     from adaserve.text.tokenizer import load_tokenizer
@@ -233,12 +234,14 @@ def run(args) -> int:
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
+        cores = contextlib.ExitStack()
         try:
             try:
                 wait_healthy(base_url, proc, HEALTH_TIMEOUT_S)
             except AdaServeError as e:
                 raise AdaServeError(f"{e}\n--- server log tail ---\n{_tail(log_path)}") from None
-            note = keep_off_server_cores(base_url)  # each policy's server pins alike
+            # each policy's server pins alike; the client keeps off its engine's cores
+            note = cores.enter_context(off_server_cores(base_url))
             if note and config is None:
                 print(f"demo: {note}", file=sys.stderr)
             if config is None:  # one workload and one set of targets for every policy
@@ -283,6 +286,7 @@ def run(args) -> int:
                 **greedy_sample(base_url, sample_in),
             }
         finally:
+            cores.close()
             stop_server(proc)
     result = {"config": config, "results": results, "samples": samples}
     write_report(out, result, "serve", records=records)

@@ -9,11 +9,14 @@ servers that reject it). Also the server's unloaded TPOT, measured or reported.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from adaserve.bench.metrics import RequestRecord
@@ -347,27 +350,34 @@ def run_http(
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
-def keep_off_server_cores(base_url: str, api_key: str | None = None) -> str | None:
-    """On the server's own machine (a loopback ``base_url``), confine this client to the
-    cores the server's engine is not pinned to (its report's thread plan), as a client
-    on another machine would be; a line saying so, None where nothing changed (another
-    machine, no pinned cores, no room left, or no per-thread affinity)."""
+@contextlib.contextmanager
+def off_server_cores(base_url: str, api_key: str | None = None) -> Iterator[str | None]:
+    """Within the block, on the server's own machine (a loopback ``base_url``), this
+    client runs off the cores the server's engine is pinned to (its report's thread
+    plan), as a client on another machine would; yields a line saying so, None where
+    nothing changed (another machine, no pinned cores, no room left, no per-thread
+    affinity, or an engine in this very process, whose thread must keep its cores).
+    Every thread's cores are given back after the block."""
     import httpx
 
     from adaserve.util import threads
 
-    if httpx.URL(base_url).host not in LOOPBACK:
-        return None
-    try:
-        r = httpx.get(f"{base_url}/v1/slo/report", headers=_auth_headers(api_key), timeout=60.0)
-        plan = ((r.json().get("engine") or {}) if r.status_code == 200 else {}).get("threads")
-    except (httpx.HTTPError, ValueError):
-        return None
+    plan = None
+    here = any(t.name == "adaserve-engine" for t in threading.enumerate())
+    if httpx.URL(base_url).host in LOOPBACK and not here:
+        try:
+            r = httpx.get(f"{base_url}/v1/slo/report", headers=_auth_headers(api_key), timeout=60.0)
+            plan = ((r.json().get("engine") or {}) if r.status_code == 200 else {}).get("threads")
+        except (httpx.HTTPError, ValueError):
+            plan = None
     cores = tuple(plan.get("cores") or ()) if plan and plan.get("pinned") else ()
-    rest = threads.keep_off(cores) if cores else ()
-    if not rest:
-        return None
-    return (
-        f"bench client on cores {threads.describe_cores(rest)}, off the server engine's "
-        f"{threads.describe_cores(cores)}"
-    )
+    if not cores:
+        yield None
+        return
+    with threads.kept_off(cores) as rest:
+        yield (
+            f"bench client on cores {threads.describe_cores(rest)}, off the server "
+            f"engine's {threads.describe_cores(cores)}"
+            if rest
+            else None
+        )

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from adaserve.bench.http_runner import keep_off_server_cores
+from adaserve.bench.http_runner import off_server_cores
 from adaserve.errors import RETRY_TOKEN
 
 DEFAULT_MIX = "interactive=0.6,chat=0.2,batch=0.2"
@@ -324,33 +324,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
+def _probe_and_run(args) -> tuple[dict[str, dict], float | None, float, list]:
+    """The server's class targets, the probed capacity (None with ``--rate``), the
+    offered rate and every outcome of the run."""
+    targets = server_targets(args.base_url)
+    rate = args.rate
+    cap = None
+    if rate is None:
+        strict = min(targets, key=lambda c: targets[c].get("tpot_ms") or 1e9)
+        cap = asyncio.run(
+            probe_capacity(
+                args.base_url, args.model, strict, args.concurrency, args.max_tokens,
+                args.probe_seconds,
+            )
+        )  # fmt: skip
+        rate = args.factor * cap
+    outcomes = asyncio.run(
+        run_overload(
+            args.base_url, model=args.model, rate=rate, duration=args.duration,
+            mix=args.class_mix, max_tokens=args.max_tokens, seed=args.seed,
+            retry_max_s=args.retry,
+        )
+    )  # fmt: skip
+    return targets, cap, rate, outcomes
+
+
 def run(args) -> int:
     if args.duration <= 0 or args.max_tokens < 1 or args.factor <= 0:
         print("error: --duration, --max-tokens and --factor must be positive", file=sys.stderr)
         return 2
     try:
-        targets = server_targets(args.base_url)
-        note = keep_off_server_cores(args.base_url)
-        if note:
-            print(f"adaserve bench: {note}", file=sys.stderr)
-        rate = args.rate
-        cap = None
-        if rate is None:
-            strict = min(targets, key=lambda c: targets[c].get("tpot_ms") or 1e9)
-            cap = asyncio.run(
-                probe_capacity(
-                    args.base_url, args.model, strict, args.concurrency, args.max_tokens,
-                    args.probe_seconds,
-                )
-            )  # fmt: skip
-            rate = args.factor * cap
-        outcomes = asyncio.run(
-            run_overload(
-                args.base_url, model=args.model, rate=rate, duration=args.duration,
-                mix=args.class_mix, max_tokens=args.max_tokens, seed=args.seed,
-                retry_max_s=args.retry,
-            )
-        )  # fmt: skip
+        with off_server_cores(args.base_url) as note:
+            if note:
+                print(f"adaserve bench: {note}", file=sys.stderr)
+            targets, cap, rate, outcomes = _probe_and_run(args)
     except httpx.HTTPError as e:
         print(f"error: cannot reach {args.base_url}: {e}", file=sys.stderr)
         return 1

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 # the HTTP runner and the class targets live in their own modules; callers import them here
 from adaserve.bench.http_runner import (
-    keep_off_server_cores,
     measure_unloaded_tpot,
+    off_server_cores,
     run_http,
     server_targets,
 )
@@ -273,7 +273,7 @@ __all__ = [
     "EngineFactory",
     "class_ranks",
     "class_slos",
-    "keep_off_server_cores",
+    "off_server_cores",
     "measure_unloaded_tpot",
     "run_http",
     "run_in_process",

@@ -27,8 +27,9 @@ time (``apply`` does, when called).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 
 ENV = "ADASERVE_NUM_THREADS"
@@ -196,14 +197,31 @@ def confine_rest(plan: ThreadPlan, tids: tuple[int, ...]) -> tuple[int, ...]:
     return ()
 
 
-def keep_off(cores: tuple[int, ...]) -> tuple[int, ...]:
-    """Confine every thread of this process to its usable cores outside ``cores`` (a
-    client on the server's machine keeping off the engine's cores); the cores it runs
-    on now, empty where that leaves none or the OS offers no per-thread affinity."""
+@contextlib.contextmanager
+def kept_off(cores: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    """Within the block, every thread of this process runs on its usable cores outside
+    ``cores`` (a client on the server's machine keeping off the engine's cores); yields
+    the cores it runs on, empty where that leaves none or the OS offers no per-thread
+    affinity. After it every thread has its mask back (one started meanwhile takes
+    the main thread's former mask), so a caller in a longer-lived process (a test, a
+    notebook) keeps its cores."""
     rest = tuple(c for c in usable_cores() if c not in cores)
-    if not rest or not hasattr(os, "sched_setaffinity"):
-        return ()
-    return rest if _confine_threads(rest, process_threads()) else ()
+    if not rest or not hasattr(os, "sched_getaffinity"):
+        yield ()
+        return
+    saved: dict[int, set[int]] = {}
+    for tid in process_threads():
+        with contextlib.suppress(OSError):
+            saved[tid] = os.sched_getaffinity(tid)
+    main = saved.get(os.getpid(), set(usable_cores()))
+    done = _confine_threads(rest, tuple(saved))
+    try:
+        yield rest if done else ()
+    finally:
+        if done:
+            for tid in process_threads():
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(tid, saved.get(tid, main))
 
 
 def _confine_threads(cores: tuple[int, ...], tids: tuple[int, ...]) -> bool:
