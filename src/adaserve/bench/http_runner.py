@@ -347,30 +347,34 @@ def run_http(
     return asyncio.run(go())
 
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
-
-
 @contextlib.contextmanager
 def off_server_cores(base_url: str, api_key: str | None = None) -> Iterator[str | None]:
-    """Within the block, on the server's own machine (a loopback ``base_url``), this
-    client runs off the cores the server's engine is pinned to (its report's thread
-    plan), as a client on another machine would; yields a line saying so, None where
-    nothing changed (another machine, no pinned cores, no room left, no per-thread
-    affinity, or an engine in this very process, whose thread must keep its cores).
-    Every thread's cores are given back after the block."""
+    """Within the block, on the server's own machine (its report's thread plan names
+    this machine: ``threads.machine_id``, whatever the address; a tunnel to another
+    machine does not count), this client runs off the cores the server's engine is
+    pinned to, as a client on another machine would; yields a line saying so, None
+    where nothing changed (another machine, no pinned cores, no room left, no
+    per-thread affinity, or an engine in this very process, whose thread must keep its
+    cores). Every thread's cores are given back after the block."""
     import httpx
 
     from adaserve.util import threads
 
     plan = None
     here = any(t.name == "adaserve-engine" for t in threading.enumerate())
-    if httpx.URL(base_url).host in LOOPBACK and not here:
+    me = threads.machine_id()
+    if me is not None and not here:
         try:
-            r = httpx.get(f"{base_url}/v1/slo/report", headers=_auth_headers(api_key), timeout=60.0)
-            plan = ((r.json().get("engine") or {}) if r.status_code == 200 else {}).get("threads")
+            # best effort: a server that does not answer soon is left as it is
+            r = httpx.get(f"{base_url}/v1/slo/report", headers=_auth_headers(api_key), timeout=10.0)
+            rep = r.json() if r.status_code == 200 else None
+            eng = rep.get("engine") if isinstance(rep, dict) else None
+            got = eng.get("threads") if isinstance(eng, dict) else None
+            plan = got if isinstance(got, dict) else None
         except (httpx.HTTPError, ValueError):
             plan = None
-    cores = tuple(plan.get("cores") or ()) if plan and plan.get("pinned") else ()
+    ok = plan is not None and plan.get("pinned") and plan.get("machine") == me
+    cores = tuple(int(c) for c in plan.get("cores") or ()) if plan is not None and ok else ()
     if not cores:
         yield None
         return

@@ -509,7 +509,8 @@ def run(args, replicas=None) -> int:
     from adaserve.server.http_runtime import make_server
 
     # one engine, in a process it owns: the rest of the process keeps off its cores
-    eloop = EngineLoop.for_server(ecfg, dataclasses.replace(cfg, confine_threads=True))
+    confine = True if cfg.confine_threads is None else cfg.confine_threads
+    eloop = EngineLoop.for_server(ecfg, dataclasses.replace(cfg, confine_threads=confine))
     try:
         eloop.start()
     except Exception as e:  # one line, not a traceback

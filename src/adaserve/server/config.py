@@ -98,11 +98,11 @@ class ServerConfig:
                          its verification pass) ms, the rest slept after it (testing and
                          demos only). Passes then take a modelled time, the same on any
                          machine while the real pass is shorter (``EngineLoop``)
-    confine_threads:     the server owns its process (``adaserve serve``): once the
-                         engine's thread is pinned to its cores, the rest of the process
-                         (HTTP loop, tokenisers, the threads they start) is confined to
-                         the reserve (``util.threads.confine_rest``). Off where the app
-                         is embedded in another program's process
+    confine_threads:     once the engine's thread is pinned to its cores, the rest of
+                         the process (HTTP loop, tokenisers, the threads they start) is
+                         confined to the reserve (``util.threads.confine_rest``). None:
+                         ``adaserve serve``, which owns its process, does; an app
+                         embedded in another program's process does not
     default_class:       class of requests that name none (None = the engine's default)
     timeout_keep_alive_s: an idle keep-alive connection is closed after this long
     header_timeout_s:    a request's line and headers must arrive within this long of the
@@ -152,7 +152,7 @@ class ServerConfig:
     max_choices: int = 64
     step_delay_s: float = 0.0
     step_pace_ms: tuple[float, float] | None = None
-    confine_threads: bool = False
+    confine_threads: bool | None = None
     default_class: str | None = None
     timeout_keep_alive_s: float = 5.0
     header_timeout_s: float = 10.0

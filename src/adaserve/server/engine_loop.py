@@ -59,7 +59,7 @@ from adaserve.server.engine_messages import (
 )
 from adaserve.spec_decode.request import Status
 from adaserve.text.generation_config import sampling_defaults
-from adaserve.util import gc_heap
+from adaserve.util import gc_heap, threads
 from adaserve.util.jsonsafe import json_safe
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ class EngineLoop:
             max_waiting=cfg.max_waiting,
             step_delay_s=cfg.step_delay_s,
             step_pace_ms=cfg.step_pace_ms,
-            confine=cfg.confine_threads,
+            confine=bool(cfg.confine_threads),
         )
 
     def __init__(
@@ -125,7 +125,6 @@ class EngineLoop:
         # the cores the rest of the process is confined to (``threads.confine_rest``)
         self.confine = confine  # ``ServerConfig.confine_threads``
         self.reserve_cores: tuple[int, ...] = ()
-        self._before: tuple[int, ...] = ()  # the process's threads before the engine's
         self.provenance: dict = {}  # ``engine_provenance``: threads, profile, targets
         self._class_slos_at = 0.0
         self._owns_engine = isinstance(source, EngineConfig)
@@ -149,9 +148,6 @@ class EngineLoop:
     def start(self, timeout: float | None = None) -> None:
         """Start the thread and wait until the engine is built (re-raises its error)."""
         if self._thread is None:
-            from adaserve.util import threads
-
-            self._before = threads.process_threads()  # the rest, confined once pinned
             self._thread = threading.Thread(target=self._run, name="adaserve-engine", daemon=True)
             self._thread.start()
         if not self._ready.wait(timeout):
@@ -226,7 +222,6 @@ class EngineLoop:
         try:
             if isinstance(self._source, EngineConfig):
                 from adaserve.engine import build_engine
-                from adaserve.util import threads
 
                 # the serving loop's thread (and the OpenMP team it starts) runs on the
                 # cores the thread plan leaves after the reserve; the HTTP loop does not
@@ -237,7 +232,7 @@ class EngineLoop:
                     # the rest of the process (the HTTP loop, tokenisers, the threads
                     # they start) off the engine's cores: after the build, which
                     # chooses the plan again from the process's cores
-                    self.reserve_cores = threads.confine_rest(self.engine.thread_plan, self._before)
+                    self.reserve_cores = threads.confine_rest(self.engine.thread_plan)
                     if self.reserve_cores:
                         print(
                             "adaserve: the rest of the server (HTTP loop, tokenisers) runs on "
@@ -550,6 +545,8 @@ def engine_provenance(e: Engine, pinned: bool = False, reserve: tuple[int, ...] 
             **plan.as_dict(),
             "pinned": bool(pinned),
             "reserve_cores": list(reserve),
+            # which machine's cores these are (a client compares it with its own)
+            "machine": threads.machine_id(),
         }
     if hw is not None and hasattr(hw, "provenance"):
         out["profile"] = hw.provenance()

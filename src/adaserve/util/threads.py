@@ -19,15 +19,16 @@ The choice, in order of precedence:
 
 On Linux the serving loop's thread is pinned to the last ``threads`` usable cores
 (``pin_current_thread``), and the OpenMP team it starts inherits that set; the first
-cores are left to the reserve, and a server confines the rest of its process there
-(``confine_rest``: the HTTP loop, tokenisers and every thread they start), so none of
-it is scheduled on the engine's cores. Nothing in this module imports torch at import
+cores are left to the reserve, and ``adaserve serve`` confines the rest of its process
+there (``confine_rest``: the HTTP loop, tokenisers and the threads they start; threads
+started from the serving loop's own thread share its cores). Nothing in this module imports torch at import
 time (``apply`` does, when called).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -171,14 +172,14 @@ def process_threads() -> tuple[int, ...]:
         return ()
 
 
-def confine_rest(plan: ThreadPlan, tids: tuple[int, ...]) -> tuple[int, ...]:
-    """Confine the threads ``tids`` (the process's threads from before the serving
-    loop's started: ``process_threads``, the main thread among them) to the reserve,
-    the usable cores outside ``plan.cores``. Threads started later inherit their
-    creator's set: the HTTP loop's workers stay in the reserve, the OpenMP team the
-    serving loop's thread starts on its cores. Returns the reserve's cores; empty where
-    nothing was pinned, nothing is left to reserve, or the OS offers no per-thread
-    affinity.
+def confine_rest(plan: ThreadPlan) -> tuple[int, ...]:
+    """Confine every thread of this process not already within ``plan.cores`` (the
+    serving loop's thread, pinned there, and the OpenMP team it started stay) to the
+    reserve, the usable cores outside ``plan.cores``; threads started later inherit
+    their creator's set, so those the HTTP loop starts stay in the reserve. Called from
+    the pinned thread once the engine is built. Returns the reserve's cores; empty
+    where nothing was pinned, nothing is left to reserve, or the OS offers no
+    per-thread affinity.
 
     Why: on the 2-core machine, in the overload bench (server and client on one
     machine, runs alternated), the passes ran a median 1.15x their profiled time
@@ -191,20 +192,38 @@ def confine_rest(plan: ThreadPlan, tids: tuple[int, ...]) -> tuple[int, ...]:
     reserve = tuple(c for c in usable if c not in plan.cores)
     if not reserve:
         return ()
-    if _confine_threads(reserve, tids):
+    own = set(plan.cores)
+    rest = []
+    for tid in process_threads():
+        with contextlib.suppress(OSError):  # (a thread that ended meanwhile)
+            if not os.sched_getaffinity(tid) <= own:
+                rest.append(tid)
+    if _confine_threads(reserve, tuple(rest)):
         _before_confined = usable
         return reserve
     return ()
 
 
+def machine_id() -> str | None:
+    """A digest of this machine's boot id (Linux): a client compares it with a server's
+    to know they share cores. None where there is none."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        return None
+    return hashlib.sha256(b"adaserve:" + boot.encode()).hexdigest()[:16] if boot else None
+
+
 @contextlib.contextmanager
 def kept_off(cores: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    """Within the block, every thread of this process runs on its usable cores outside
-    ``cores`` (a client on the server's machine keeping off the engine's cores); yields
-    the cores it runs on, empty where that leaves none or the OS offers no per-thread
-    affinity. After it every thread has its mask back (one started meanwhile takes
-    the main thread's former mask), so a caller in a longer-lived process (a test, a
-    notebook) keeps its cores."""
+    """Within the block, every thread of this process runs on the process's usable
+    cores outside ``cores`` (one set for all: a client on the server's machine keeping
+    off the engine's cores); yields them, empty where that leaves none or the OS offers
+    no per-thread affinity. After it every thread has the mask it had before the block
+    (one started meanwhile takes the main thread's former mask; a mask set inside the
+    block is not kept), so a caller in a longer-lived process (a test, a notebook) keeps
+    its cores."""
     rest = tuple(c for c in usable_cores() if c not in cores)
     if not rest or not hasattr(os, "sched_getaffinity"):
         yield ()
