@@ -265,7 +265,7 @@ class AdmissionControl(PrefillForecast):
         plan = s.last_plan
         if plan is None or not plan.t_iter_ms:
             return
-        exp = s.policy.load_hints(plan).expected
+        exp = s.planned_expected(plan)
         if not exp:
             return
         self.time_ratio = _mix(self.time_ratio, dur_ms / plan.t_iter_ms, CLASS_EWMA)

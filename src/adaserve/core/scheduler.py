@@ -107,6 +107,7 @@ class Scheduler:
         # the drafting decoders' mean ratio of confidence over plan (``_record_drafts``),
         # a running mean over passes (weight ``DRAFT_MEAN_WEIGHT``)
         self._draft_mean: float | None = None
+        self._hinted: tuple[Plan, Mapping[int, float]] | None = None  # ``planned_expected``
         # queued requests ended at their TTFT deadline in this step (``begin_step``)
         self.expired: list[SeqState] = []
 
@@ -344,6 +345,16 @@ class Scheduler:
         self.policy.feedback(out.plan, outcome.ms)
         return tr
 
+    def planned_expected(self, plan: Plan | None) -> Mapping[int, float]:
+        """rid -> the tokens ``plan`` expects each planned decoder's pass to give (the
+        policy's ``LoadHints.expected``), worked out once per plan: admission's
+        measurements and the draft record both read it after every pass."""
+        if plan is None:
+            return {}
+        if self._hinted is None or self._hinted[0] is not plan:
+            self._hinted = (plan, self.policy.load_hints(plan).expected)
+        return self._hinted[1]
+
     def _record_drafts(self, plan: Plan, decode: list[SeqState], own: Mapping[int, float]) -> None:
         """Each drafting decoder's record (``SeqState.record_drafts``): its verified
         tree's accepted tokens expected by the draft's confidence (``own``) over the
@@ -351,7 +362,7 @@ class Scheduler:
         ratio over passes (``DRAFT_MEAN_WEIGHT``: the calibrations of the two differ by
         a factor common to all requests). A constrained request's forced tokens are
         certain: not counted."""
-        planned = self.policy.load_hints(plan).expected if own else {}
+        planned = self.planned_expected(plan) if own else {}
         ratios: dict[int, float] = {}
         for r in decode:
             e, o = planned.get(r.rid, 1.0) - 1.0, own.get(r.rid)

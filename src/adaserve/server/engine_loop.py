@@ -122,8 +122,8 @@ class EngineLoop:
         self.class_slos: dict[str, SLO] = {}
         self.unloaded_tpot_ms: float | None = None  # what the class targets multiply
         self.pinned = False  # the engine thread is pinned to the thread plan's cores
-        # the cores the rest of the process is confined to (``threads.confine_rest``)
         self.confine = confine  # ``ServerConfig.confine_threads``
+        # the cores the rest of the process is confined to (``threads.confine_rest``)
         self.reserve_cores: tuple[int, ...] = ()
         self.provenance: dict = {}  # ``engine_provenance``: threads, profile, targets
         self._class_slos_at = 0.0

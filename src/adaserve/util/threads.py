@@ -21,8 +21,8 @@ On Linux the serving loop's thread is pinned to the last ``threads`` usable core
 (``pin_current_thread``), and the OpenMP team it starts inherits that set; the first
 cores are left to the reserve, and ``adaserve serve`` confines the rest of its process
 there (``confine_rest``: the HTTP loop, tokenisers and the threads they start; threads
-started from the serving loop's own thread share its cores). Nothing in this module imports torch at import
-time (``apply`` does, when called).
+started from the serving loop's own thread share its cores). Nothing in this module
+imports torch at import time (``apply`` does, when called).
 """
 
 from __future__ import annotations
