@@ -784,3 +784,102 @@ def test_the_planner_refuses_what_would_push_strict_decoders_past_their_target()
     assert retry >= 1.0
     sched.waiting.pop()
     assert ac.planner_off_pace(new, 0, 4.0) is None
+
+
+class _Sized(_Req):
+    __slots__ = ("_max",)
+
+    def __init__(self, rid, slo, arrival, prompt=10, max_new=100, token=None):
+        super().__init__(rid, slo, arrival, prompt=prompt)
+        self._max = max_new
+        self.retry_token = token
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self._max
+
+
+def _refusing_planner(monkeypatch):
+    """``_planner_measured`` with interactive requests queued until the planner
+    refuses a new one, and a counter of the planner's checks."""
+    sched, new = _planner_measured()
+    ac = sched.admission
+    while ac.planner_off_pace(new, 0, 4.0) is None:
+        sched.waiting.append(_Req(400 + len(sched.waiting), _slo("interactive"), 4.0, prompt=50))
+    asked = []
+    check = type(ac.planner).off_pace
+    monkeypatch.setattr(
+        type(ac.planner), "off_pace", lambda self, *a: asked.append(1) or check(self, *a)
+    )
+    return sched, asked
+
+
+def test_a_flood_of_arrivals_refused_for_room_is_judged_once_per_state(monkeypatch):
+    """Each verdict asks the planner for the pass over the new request's life (about
+    2 ms on the CPU pair): a client flooding the server would take the engine's
+    thread. A refusal stands for the later arrivals of its class and tenant that ask
+    as much until a pass, an admission or a finish changes what it was judged by."""
+    sched, asked = _refusing_planner(monkeypatch)
+    refusals = []
+    for k in range(20):
+        with pytest.raises(AdmissionRejected) as ei:
+            sched.add(_Sized(500 + k, _slo("interactive"), 4.0, prompt=10))
+        refusals.append(ei.value)
+    assert len(asked) == 1
+    assert {(str(e), e.reason) for e in refusals} == {(str(refusals[0]), "capacity")}
+    assert len({e.retry_token for e in refusals}) == 20  # a seat held for each
+    assert sched.counters.shed == {"capacity": 20}
+    # one asking less (a shorter output), one with its seat and one of another tenant
+    # are judged afresh
+    for seq in (
+        _Sized(600, _slo("interactive"), 4.0, prompt=10, max_new=5),
+        _Sized(601, _slo("interactive"), 4.0, prompt=10, token=refusals[0].retry_token),
+    ):
+        with pytest.raises(AdmissionRejected):
+            sched.add(seq)
+    other = _Sized(602, _slo("interactive"), 4.0, prompt=10)
+    other.tenant = "b"
+    with pytest.raises(AdmissionRejected):
+        sched.add(other)
+    assert len(asked) == 4
+    # a pass changes what admission knows: judged afresh
+    _pass(sched, 4.0, 4.04, [r.rid for r in sched.running], {r.rid: 1 for r in sched.running},
+          classes={r.rid: "interactive" for r in sched.running}, nodes=3)  # fmt: skip
+    with pytest.raises(AdmissionRejected):
+        sched.add(_Sized(603, _slo("interactive"), 4.0, prompt=10))
+    assert len(asked) == 5
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["interactive", "chat"]),
+            st.integers(1, 400),
+            st.integers(1, 200),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_a_remembered_refusal_decides_as_a_fresh_verdict_would(arrivals):
+    """Within one state, every check is monotone in what a request asks: the verdicts
+    with refusals remembered are the verdicts judged afresh, arrival by arrival."""
+
+    def outcomes(remember: bool) -> list[str | None]:
+        sched, _ = _planner_measured()
+        ac = sched.admission
+        for k in range(8):
+            sched.waiting.append(_Req(400 + k, _slo("interactive"), 4.0, prompt=50))
+        if not remember:
+            ac._refusal_key = lambda seq: None
+        got = []
+        for i, (cls, prompt, out) in enumerate(arrivals):
+            try:
+                sched.add(_Sized(700 + i, _slo(cls), 4.0, prompt=prompt, max_new=out))
+                got.append(None)
+            except AdmissionRejected as e:
+                got.append(e.reason)
+        return got
+
+    assert outcomes(True) == outcomes(False)

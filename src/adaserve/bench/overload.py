@@ -31,6 +31,8 @@ from adaserve.errors import RETRY_TOKEN
 DEFAULT_MIX = "interactive=0.6,chat=0.2,batch=0.2"
 # a 429 answered within this many ms of arrival counts as immediate
 IMMEDIATE_MS = 250.0
+# how long a probe stream waits after a failure that gave no Retry-After (s)
+FAILED_WAIT_S = 0.1
 
 
 @dataclass
@@ -97,6 +99,15 @@ async def _one(
     return o
 
 
+def _seconds(value: str | None, default: float) -> float:
+    """A Retry-After header's delay in seconds (``default`` when absent or not a
+    number of seconds)."""
+    try:
+        return max(0.0, float(value)) if value is not None else default
+    except ValueError:
+        return default
+
+
 def _body(model: str | None, cls: str, prompt: str, max_tokens: int) -> dict:
     b = {
         "prompt": prompt,
@@ -115,17 +126,28 @@ def _body(model: str | None, cls: str, prompt: str, max_tokens: int) -> dict:
 async def probe_capacity(
     base_url: str, model: str | None, cls: str, concurrency: int, max_tokens: int, seconds: float
 ) -> float:
-    """Requests per second the server finishes with ``concurrency`` streams kept busy."""
+    """Requests per second the server finishes with ``concurrency`` streams kept busy.
+    A stream refused with 429 waits its Retry-After (at most the probe's time left) and
+    comes back with the seat it was given, as a client should: one that came straight
+    back would flood the engine with arrivals it must judge and refuse, and measure
+    the flood."""
     t0 = time.perf_counter()
     done = 0
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as c:
 
         async def worker(i: int):
             nonlocal done
-            while time.perf_counter() - t0 < seconds:
-                o = await _one(c, cls, _body(model, cls, f"x{i} = ", max_tokens), t0)
+            token = None
+            while (left := seconds - (time.perf_counter() - t0)) > 0:
+                body = _body(model, cls, f"x{i} = ", max_tokens)
+                o = await _one(c, cls, body, t0, token)
+                token = o.retry_token if o.status == 429 else None
                 if o.done:
                     done += 1
+                elif o.status == 429:
+                    await asyncio.sleep(min(_seconds(o.retry_after, FAILED_WAIT_S), left))
+                else:  # an error: not a reason to hammer the server
+                    await asyncio.sleep(min(FAILED_WAIT_S, left))
 
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
     return done / (time.perf_counter() - t0)
@@ -173,7 +195,7 @@ async def _client(c, cls: str, body: dict, t0: float, retry_max_s: float | None)
     """One client: its request, and its one retry when told to come back soon enough."""
     o = await _one(c, cls, body, t0)
     if retry_max_s is not None and o.status == 429 and o.retry_after:
-        wait = float(o.retry_after)
+        wait = _seconds(o.retry_after, retry_max_s + 1.0)
         if wait <= retry_max_s:
             await asyncio.sleep(wait)
             o.retry = await _one(c, cls, body, t0, o.retry_token)

@@ -120,6 +120,13 @@ TTFT_MARGIN = 0.2
 
 # reason of a queued request ended at its TTFT deadline
 TTFT_DEADLINE = "ttft_deadline"
+# refusals remembered for later arrivals in the same epoch (``AdmissionControl.verdict``):
+# by (class, TPOT and TTFT targets, tenant, constrained), the state they were judged in
+# (epoch, running, waiting), the prefill and output tokens asked, message, reason,
+# Retry-After
+_REMEMBERED = frozenset({"capacity", "ttft", KV_FULL})
+_RefusalKey = tuple[str, float | None, float | None, str | None, bool]
+_Refusal = tuple[tuple[int, int, int], int, int, str, str, float]
 # refusals a looser class can avoid (a full queue is full for every class)
 DEGRADABLE = ("capacity", "ttft")
 # refusals for lack of room in the batch (decode capacity, KV): they make it contended
@@ -184,6 +191,11 @@ class AdmissionControl(PrefillForecast):
         env = os.environ.get(ASK_PLANNER_ENV)
         self._ask: bool | None = env == "1" if env in ("0", "1") else None
         self.planner = PlannerCheck(self)  # the planner's answer and its state
+        # what admission judges by changes with a pass, an admission or a finish
+        # (``_epoch``); a refusal stands, within one epoch, for any later request of
+        # the same class and tenant that asks at least as much (``_refusal_stands``)
+        self._epoch = 0
+        self._refusals: dict[_RefusalKey, _Refusal] = {}
 
     @property
     def ask_planner(self) -> bool:
@@ -227,6 +239,7 @@ class AdmissionControl(PrefillForecast):
         pass time, tree size and tokens per pass by class, prefill per pass.
         ``cadence_s``: start to start when the next pass followed at once (the pass's
         cost with the work between passes), which counts when longer."""
+        self._epoch += 1
         dur_ms = max(tr.duration_s, cadence_s or 0.0) * 1000.0
         if dur_ms <= 0:
             return
@@ -283,6 +296,7 @@ class AdmissionControl(PrefillForecast):
         """A request (``seq``) left the running batch at ``t`` (s): the finish rate, its
         class's output length and the calibration of its predictions; its promise is
         counted against whether it met its SLO."""
+        self._epoch += 1
         self._finishes.append(t)
         while self._finishes and self._finishes[0] < t - FINISH_WINDOW_S:
             self._finishes.popleft()
@@ -320,6 +334,7 @@ class AdmissionControl(PrefillForecast):
     def admitted(self, seq: SeqState, now: float) -> None:
         """``seq`` passed the checks and was queued at ``now``: it keeps the last
         verdict's promise and predictions."""
+        self._epoch += 1
         seq.promise, seq.pred_tpot_ms, seq.pred_ttft_ms = self._pred
         if self._own_err is not None and seq.pred_tpot_ms is not None:
             self._err_at[seq.rid] = self._own_err
@@ -563,11 +578,52 @@ class AdmissionControl(PrefillForecast):
         refusal, not raised nor counted), or None when it can; records nothing but the
         predictions ``admitted`` gives the request (the scheduler's
         ``check_admission`` counts, degrades and records the admission; see the module
-        docstring)."""
+        docstring). A refusal for room or time (``_refusal_stands``) is remembered
+        until what it was judged by changes, so a flood of arrivals costs the engine's
+        thread a lookup each, not a plan."""
         s = self.sched
         self.observe_arrival(seq.arrival, seq.to_prefill, s.rank_of(seq.slo.cls), seq.slo.cls)
         self._pred = (None, None, None)
         self._own_tpot, self._own_err = None, None
+        key = self._refusal_key(seq)
+        if key is not None and (old := self._refusal_stands(key, seq)) is not None:
+            return old
+        e = self._verdict(seq, now)
+        if key is not None and e is not None and e.reason in _REMEMBERED:
+            need = (seq.to_prefill, seq.max_new_tokens)
+            self._refusals[key] = (self._state(), *need, str(e), e.reason, e.retry_after_s)
+        return e
+
+    def _refusal_key(self, seq: SeqState) -> _RefusalKey | None:
+        """What a remembered refusal must share with ``seq`` to stand for it: the SLO
+        it is judged against, its tenant, whether it is constrained; None for a
+        request coming back with a retry token (its seat puts it ahead of others)."""
+        if seq.retry_token is not None:
+            return None
+        slo = seq.slo
+        return (slo.cls, slo.tpot_ms, slo.ttft_ms, seq.tenant, seq.constrained)
+
+    def _state(self) -> tuple[int, int, int]:
+        """The epoch, with the batch's size (what a pass, an admission or a finish
+        changes)."""
+        return self._epoch, len(self.sched.running), len(self.sched.waiting)
+
+    def _refusal_stands(self, key: _RefusalKey, seq: SeqState) -> AdmissionRejected | None:
+        """The refusal remembered for ``key`` in this epoch, anew, when ``seq`` asks at
+        least as much (prompt to prefill, output tokens): each check is monotone in
+        both (more prefill, a later first token and more KV; more output, a longer
+        life at the pace), and every refusal since only held one more seat ahead."""
+        old = self._refusals.get(key)
+        if old is None or old[0] != self._state():
+            return None
+        _, prefill, out, message, reason, retry = old
+        if seq.to_prefill < prefill or seq.max_new_tokens < out:
+            return None
+        return AdmissionRejected(message, reason, retry)
+
+    def _verdict(self, seq: SeqState, now: float) -> AdmissionRejected | None:
+        """``verdict``'s checks, in order."""
+        s = self.sched
         if len(s.waiting) >= s.cfg.max_waiting:
             return AdmissionRejected("server queue is full", "queue_full", QUEUE_FULL_RETRY_S)
         slo = seq.slo

@@ -107,6 +107,9 @@ class Scheduler:
         # the drafting decoders' mean ratio of confidence over plan (``_record_drafts``),
         # a running mean over passes (weight ``DRAFT_MEAN_WEIGHT``)
         self._draft_mean: float | None = None
+        # the drafting decoders' accepted and confidence-expected tokens per pass,
+        # running means with the same weight: their ratio is the mean request's
+        self._realised: tuple[float, float] | None = None
         self._hinted: tuple[Plan, Mapping[int, float]] | None = None  # ``planned_expected``
         # queued requests ended at their TTFT deadline in this step (``begin_step``)
         self.expired: list[SeqState] = []
@@ -340,7 +343,7 @@ class Scheduler:
             predicted_ms=outcome.predicted_ms,
             stall=outcome.stall,
         )
-        self._record_drafts(out.plan, batch.decode, outcome.expected)
+        self._record_drafts(out.plan, batch.decode, outcome.expected, outcome.accepted)
         self._last = tr
         self.policy.feedback(out.plan, outcome.ms)
         return tr
@@ -355,19 +358,31 @@ class Scheduler:
             self._hinted = (plan, self.policy.load_hints(plan).expected)
         return self._hinted[1]
 
-    def _record_drafts(self, plan: Plan, decode: list[SeqState], own: Mapping[int, float]) -> None:
-        """Each drafting decoder's record (``SeqState.record_drafts``): its verified
-        tree's accepted tokens expected by the draft's confidence (``own``) over the
-        plan's expectation of its allocation, relative to the running mean of that
-        ratio over passes (``DRAFT_MEAN_WEIGHT``: the calibrations of the two differ by
-        a factor common to all requests). A constrained request's forced tokens are
-        certain: not counted."""
+    def _record_drafts(
+        self,
+        plan: Plan,
+        decode: list[SeqState],
+        own: Mapping[int, float],
+        accepted: Mapping[int, int],
+    ) -> None:
+        """Each drafting decoder's record: its verified tree's accepted tokens expected
+        by the draft's confidence (``own``) over the plan's expectation of its
+        allocation, relative to the running mean of that ratio over passes
+        (``SeqState.record_drafts``; ``DRAFT_MEAN_WEIGHT``: the calibrations of the two
+        differ by a factor common to all requests), and what it accepted against that
+        confidence, relative to the mean request's (``SeqState.record_verified``). A
+        constrained request's forced tokens are certain: not counted."""
         planned = self.planned_expected(plan) if own else {}
         ratios: dict[int, float] = {}
+        seen: dict[int, tuple[int, float]] = {}
         for r in decode:
             e, o = planned.get(r.rid, 1.0) - 1.0, own.get(r.rid)
-            if e > 0 and o is not None and not r.constrained:
+            if o is None or r.constrained:
+                continue
+            if e > 0:
                 ratios[r.rid] = o / e
+            if o > 0:
+                seen[r.rid] = (accepted.get(r.rid, 0), o)
         if ratios:
             mean = sum(ratios.values()) / len(ratios)
             m = self._draft_mean
@@ -376,6 +391,21 @@ class Scheduler:
         for r in decode:
             x = ratios.get(r.rid)
             r.record_drafts(x / ref if x is not None else None)
+        if not seen:
+            return
+        a = float(sum(n for n, _ in seen.values()))
+        x = sum(e for _, e in seen.values())
+        if self._realised is None:
+            self._realised = (a, x)
+        else:
+            ra, rx = self._realised
+            w = DRAFT_MEAN_WEIGHT
+            self._realised = (ra + w * (a - ra), rx + w * (x - rx))
+        ra, rx = self._realised
+        mean_ratio = ra / rx if ra > 0 and rx > 0 else 1.0
+        for r in decode:
+            if r.rid in seen:
+                r.record_verified(*seen[r.rid], mean_ratio)
 
     def begin_step(self) -> None:
         """Read the clock for this step; start its trace; with admission control, end

@@ -32,6 +32,14 @@ class Status(enum.Enum):
 # measured: a 32-token request decodes in about ten steps on the CPU pair
 DRAFT_FORGET = 0.8
 
+# the prior, in accepted tokens its drafts' confidence expected, that shrinks a
+# request's realised acceptance toward the mean request's (``SeqState.acc_scale``): the
+# inverse of the between-request variance of realised over expected, relative to its
+# mean. Measured on the CPU pair (100 lone interactive requests, split-half covariance
+# of each request's ratio: relative variance 0.07; docs/results/engine-issue30.md, tenth
+# pass): a request's own evidence outweighs the mean after about ten speculating steps
+REALISED_PRIOR = 14.0
+
 
 class SeqState:
     """What the scheduler keeps per request. Subclasses provide ``num_tokens``,
@@ -66,6 +74,8 @@ class SeqState:
         "retry_token",
         "draft_steps",
         "draft_ratio",
+        "seen_accepted",
+        "seen_expected",
     )
 
     def __init__(self, rid: int, slo: SLO, arrival: float):
@@ -105,6 +115,10 @@ class SeqState:
         # steps remembered, and the mean ratio over them
         self.draft_steps = 0.0
         self.draft_ratio = 1.0
+        # what its verified drafts gave against what their confidence expected
+        # (``record_verified``): accepted tokens over the mean request's ratio, expected
+        self.seen_accepted = 0.0
+        self.seen_expected = 0.0
 
     def record_drafts(self, ratio: float | None) -> None:
         """One decode step of this request: ``ratio`` is the accepted tokens its verified
@@ -118,17 +132,31 @@ class SeqState:
             self.draft_ratio += (ratio - self.draft_ratio) / (self.draft_steps + 1.0)
             self.draft_steps += 1.0
 
+    def record_verified(self, accepted: int, expected: float, mean_ratio: float) -> None:
+        """One speculating step's outcome: ``accepted`` candidates of a verified tree
+        whose draft's calibrated confidence expected ``expected``; ``mean_ratio`` is the
+        running mean of accepted over expected across requests
+        (``Scheduler._record_drafts``), so the record compares this request with the
+        mean one. Kept for the request's life: a draft model confidently wrong about
+        this request's text is what its confidence cannot show."""
+        self.seen_accepted += accepted / mean_ratio
+        self.seen_expected += expected
+
     @property
     def acc_scale(self) -> float:
-        """Its drafts' confidence relative to the mean request's, shrunk toward 1 by
-        one pseudo-step ((n r + 1) / (n + 1) over its ``n`` remembered speculating
-        steps, mean ratio ``r``): the calibrated acceptance is the mean over all
-        requests; a request whose prompt the draft model does not follow is known
-        from its first drafts' confidence, an expectation, not from its accepted
-        count, a coin toss per node (``ReqView.acc_scale``,
-        ``budgeted.planner.own_acceptance``)."""
+        """What its drafts are worth against the mean request's: their confidence
+        relative to the mean request's, shrunk toward 1 by one pseudo-step
+        ((n r + 1) / (n + 1) over its ``n`` remembered speculating steps, mean ratio
+        ``r``), times what they realised against that confidence, shrunk toward 1 by
+        ``REALISED_PRIOR`` expected tokens ((a + P) / (e + P)). The first knows a
+        request whose prompt the draft does not follow from its first drafts; the
+        second, a request whose drafts are confident and wrong, after several steps,
+        so one unlucky step (a coin toss per node) moves it little
+        (``ReqView.acc_scale``, ``budgeted.planner.own_acceptance``)."""
         n = self.draft_steps
-        return (n * self.draft_ratio + 1.0) / (n + 1.0)
+        confidence = (n * self.draft_ratio + 1.0) / (n + 1.0)
+        realised = (self.seen_accepted + REALISED_PRIOR) / (self.seen_expected + REALISED_PRIOR)
+        return confidence * realised
 
     # ------------------------------------------------------------ provided by subclasses
     @property
