@@ -65,9 +65,12 @@ def srv(tmp_path_factory):
 
 
 def test_three_times_capacity_every_request_answered_strict_on_target(srv):
-    cap = asyncio.run(probe_capacity(srv.url, "tiny", "interactive", 8, MAX_TOKENS, 3.0))
-    assert cap > 0
     targets = server_targets(srv.url)
+    probed = asyncio.run(
+        probe_capacity(srv.url, "tiny", "interactive", 8, MAX_TOKENS, 3.0, targets["interactive"])
+    )
+    cap = probed.finished_rps
+    assert cap > 0 and probed.within_slo_rps is not None and probed.within_slo_rps <= cap
     shed_before = _shed_total(srv.url)  # the capacity probe's own refusals
     outcomes = asyncio.run(
         run_overload(

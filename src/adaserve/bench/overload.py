@@ -123,20 +123,35 @@ def _body(model: str | None, cls: str, prompt: str, max_tokens: int) -> dict:
     return b
 
 
+@dataclass(frozen=True)
+class Capacity:
+    """What the capacity probe measured: streams finished per second, and of them those
+    within the class's TTFT and TPOT targets (None: no targets given)."""
+
+    finished_rps: float
+    within_slo_rps: float | None = None
+
+
 async def probe_capacity(
-    base_url: str, model: str | None, cls: str, concurrency: int, max_tokens: int, seconds: float
-) -> float:
-    """Requests per second the server finishes with ``concurrency`` streams kept busy.
-    A stream refused with 429 waits its Retry-After (at most the probe's time left) and
-    comes back with the seat it was given, as a client should: one that came straight
-    back would flood the engine with arrivals it must judge and refuse, and measure
-    the flood."""
+    base_url: str,
+    model: str | None,
+    cls: str,
+    concurrency: int,
+    max_tokens: int,
+    seconds: float,
+    target: dict | None = None,
+) -> Capacity:
+    """Requests per second the server finishes with ``concurrency`` streams kept busy,
+    and those within ``target`` ({tpot_ms, ttft_ms}: the class's SLO). A stream refused
+    with 429 waits its Retry-After (at most the probe's time left) and comes back with
+    the seat it was given, as a client should: one that came straight back would flood
+    the engine with arrivals it must judge and refuse, and measure the flood."""
     t0 = time.perf_counter()
-    done = 0
+    done = met = 0
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as c:
 
         async def worker(i: int):
-            nonlocal done
+            nonlocal done, met
             token = None
             while (left := seconds - (time.perf_counter() - t0)) > 0:
                 body = _body(model, cls, f"x{i} = ", max_tokens)
@@ -144,13 +159,26 @@ async def probe_capacity(
                 token = o.retry_token if o.status == 429 else None
                 if o.done:
                     done += 1
+                    met += target is not None and _met(o, target) == (True, True)
                 elif o.status == 429:
                     await asyncio.sleep(min(_seconds(o.retry_after, FAILED_WAIT_S), left))
                 else:  # an error: not a reason to hammer the server
                     await asyncio.sleep(min(FAILED_WAIT_S, left))
 
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
-    return done / (time.perf_counter() - t0)
+    span = time.perf_counter() - t0
+    return Capacity(done / span, met / span if target is not None else None)
+
+
+def _met(o: Outcome, tgt: dict) -> tuple[bool, bool]:
+    """Whether a finished stream met its class's TTFT and TPOT targets (``tgt``:
+    {tpot_ms, ttft_ms}; a target not given is met)."""
+    ttft, tpot = tgt.get("ttft_ms"), tgt.get("tpot_ms")
+    t_ok = ttft is None or (o.first is not None and (o.first - o.sent) * 1000 <= ttft)
+    p_ok = True
+    if tpot is not None and o.tokens > 1 and o.first is not None and o.last is not None:
+        p_ok = (o.last - o.first) * 1000 / (o.tokens - 1) <= tpot
+    return t_ok, p_ok
 
 
 async def run_overload(
@@ -233,11 +261,9 @@ def summarize(
             if ttft is not None and (answer is None or answer - o.sent > ttft / 1000 + slack_s):
                 late += 1
         for o in ok:
-            t_ok = ttft is None or (o.first is not None and (o.first - o.sent) * 1000 <= ttft)
-            p_ok = True
+            t_ok, p_ok = _met(o, tgt)
             if o.tokens > 1 and o.first is not None and o.last is not None:
                 tpots.append((o.last - o.first) * 1000 / (o.tokens - 1))
-                p_ok = tpot is None or tpots[-1] <= tpot
             attained += t_ok and p_ok
             good += o.tokens if t_ok and p_ok else 0
             missed_ttft += not t_ok
@@ -346,7 +372,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
-def _probe_and_run(args) -> tuple[dict[str, dict], float | None, float, list]:
+def _probe_and_run(args) -> tuple[dict[str, dict], Capacity | None, float, list]:
     """The server's class targets, the probed capacity (None with ``--rate``), the
     offered rate and every outcome of the run."""
     targets = server_targets(args.base_url)
@@ -357,10 +383,10 @@ def _probe_and_run(args) -> tuple[dict[str, dict], float | None, float, list]:
         cap = asyncio.run(
             probe_capacity(
                 args.base_url, args.model, strict, args.concurrency, args.max_tokens,
-                args.probe_seconds,
+                args.probe_seconds, targets[strict],
             )
         )  # fmt: skip
-        rate = args.factor * cap
+        rate = args.factor * cap.finished_rps
     outcomes = asyncio.run(
         run_overload(
             args.base_url, model=args.model, rate=rate, duration=args.duration,
@@ -384,13 +410,19 @@ def run(args) -> int:
         print(f"error: cannot reach {args.base_url}: {e}", file=sys.stderr)
         return 1
     s = summarize(outcomes, targets, duration_s=args.duration)
-    s["capacity_rps"], s["rate_rps"] = cap, rate
+    s["capacity_rps"] = cap.finished_rps if cap is not None else None
+    s["capacity_within_slo_rps"] = cap.within_slo_rps if cap is not None else None
+    s["rate_rps"] = rate
     if args.json:
         print(json.dumps(s, indent=2))
         return 0
-    print(
-        f"capacity {cap or float('nan'):.2f} req/s, offered {rate:.2f} req/s for {args.duration:g} s"
-    )
+    if cap is not None:
+        print(
+            f"capacity {cap.finished_rps:.2f} req/s ({cap.within_slo_rps or 0.0:.2f} within "
+            f"the strict class's SLO), offered {rate:.2f} req/s for {args.duration:g} s"
+        )
+    else:
+        print(f"offered {rate:.2f} req/s for {args.duration:g} s")
     print("class        reqs  admitted  shed  immediate  no-answer  admitted SLO ok %")
     for name, b in s["classes"].items():
         att = b["admitted_attainment"]

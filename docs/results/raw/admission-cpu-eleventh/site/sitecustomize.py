@@ -21,7 +21,7 @@ if path:
         tr = self.last_trace
         if tr is not None and tr.t_end >= t0:
             f.write(json.dumps({"ev": "step", "t0": t0, "t1": t1, "cpu": c1 - c0, "ts": tr.t_start,
-                "te": tr.t_end, "pred": tr.predicted_ms, "tok": tr.tokens,
+                "te": tr.t_end, "pred": tr.predicted_ms, "plan_ms": tr.plan.t_iter_ms, "tok": tr.tokens,
                 "dec": tr.decode, "cls": {str(k): v for k, v in tr.classes.items()},
                 "acc": {str(k): v for k, v in tr.accepted.items()},
                 "nodes": {str(k): v for k, v in tr.tree_nodes.items()},
