@@ -883,3 +883,65 @@ def test_a_remembered_refusal_decides_as_a_fresh_verdict_would(arrivals):
         return got
 
     assert outcomes(True) == outcomes(False)
+
+
+def test_a_strict_request_is_refused_beside_company_that_missed_its_target():
+    """Issue 31, eleventh pass: on steep hardware a strict request admitted beside
+    others of its class met its TPOT far less often than the planner's mean pace
+    promised. Admission keeps, per company (the requests of its class or stricter it
+    was admitted beside), what the requests admitted in such company realised, and
+    refuses a request whose company's upper bound is under the promise; one alone, or
+    beside company not yet measured, is judged as before, and the window forgets."""
+    clock = ManualClock(0.0)
+    sched = _sched(clock)
+    ac = sched.admission
+    assert ac.steep  # the test model: a 64-token pass twice a one-token one
+
+    def admit_beside(k: int, rid: int) -> _Req:
+        for j in range(k):  # the company: k interactive requests running
+            sched.running.append(_Req(1000 + 100 * rid + j, _slo("interactive"), 0.0, out=1))
+        r = _Req(rid, _slo("interactive"), clock.now())
+        sched.add(r)
+        sched.running.clear()
+        sched.waiting.clear()
+        return r
+
+    # ten admitted beside one other (the first through the check, unmeasured company;
+    # the rest as admission records them): 5 ran at 29 ms per token (met), 5 at 40
+    for i in range(10):
+        if i == 0:
+            r = admit_beside(1, i)
+        else:
+            r = _Req(i, _slo("interactive"), clock.now())
+            ac._beside = 1
+            ac.admitted(r, clock.now())
+        assert r.beside == 1
+        _finish(sched, r, 0.1, 0.1 + (0.029 if i % 2 else 0.040) * 20, 21)
+    bound = ac.company_bound("interactive", 1, clock.now())
+    assert bound is not None and bound < 0.95
+    sched.running.append(_Req(5000, _slo("interactive"), 0.0, out=1))
+    with pytest.raises(AdmissionRejected) as ei:
+        sched.add(_Req(50, _slo("interactive"), clock.now()))
+    assert ei.value.reason == "capacity" and "beside 1" in str(ei.value)
+    # beside two: no measurement of that company yet; alone: the idle engine's rule
+    sched.running.append(_Req(5001, _slo("interactive"), 0.0, out=1))
+    sched.add(_Req(51, _slo("interactive"), clock.now()))
+    sched.running.clear()
+    sched.waiting.clear()
+    sched.add(_Req(52, _slo("interactive"), clock.now()))
+    sched.waiting.clear()
+    # a relaxed request beside the same company is not judged by the strict class's
+    sched.running.append(_Req(5002, _slo("interactive"), 0.0, out=1))
+    assert ac.company(_Req(53, _slo("chat"), clock.now()), sched.rank_of("chat")) == 1
+    assert ac.company_bound("chat", 1, clock.now()) is None
+    # the window forgets: 31 s on, the company is measured afresh
+    clock.set(31.0)
+    sched.add(_Req(54, _slo("interactive"), 31.0))
+    assert ac.company_bound("interactive", 1, 31.0) is None
+    # ten of ten met: the bound is 1, nothing refused for company
+    sched.waiting.clear()
+    sched.running.clear()
+    for i in range(10):
+        r = admit_beside(1, 100 + i)  # met so far: admitted through the check
+        _finish(sched, r, 31.1, 31.1 + 0.029 * 20, 21)
+    assert ac.company_bound("interactive", 1, 31.7) == pytest.approx(1.0)

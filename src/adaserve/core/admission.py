@@ -88,7 +88,13 @@ from adaserve.core.pace import (
     SEEN_WINDOW_S,
     ClassPaces,
 )
-from adaserve.core.planner_check import ASK_PLANNER_ENV, NO_ANSWER, PlannerCheck, _Answer
+from adaserve.core.planner_check import (
+    ASK_PLANNER_ENV,
+    NO_ANSWER,
+    PROMISE,
+    PlannerCheck,
+    _Answer,
+)
 from adaserve.core.prefill_forecast import DEFAULT_CONTEXT, PrefillForecast
 from adaserve.core.promise import WINDOW, Calibration
 from adaserve.core.retry_seats import RetrySeats
@@ -120,6 +126,10 @@ TTFT_MARGIN = 0.2
 
 # reason of a queued request ended at its TTFT deadline
 TTFT_DEADLINE = "ttft_deadline"
+# the one-sided normal quantile of the upper bound on the chance a strict request admitted
+# beside others meets its TPOT (``company_bound``): 95% confidence, so a bound under the
+# promise is evidence, not one unlucky request
+COMPANY_Z = 1.645
 # refusals remembered for later arrivals in the same epoch (``AdmissionControl.verdict``):
 # by (class, TPOT and TTFT targets, tenant, constrained), the state they were judged in
 # (epoch, running, waiting), the prefill and output tokens asked, message, reason,
@@ -162,6 +172,10 @@ class AdmissionControl(PrefillForecast):
         # class -> log(realised / predicted) of its admitted requests' TPOT and TTFT
         # class -> (predicted pace / target at admission, TPOT met) of its admitted requests
         self.tpot_met: dict[str, deque[tuple[float, bool]]] = {}
+        # class -> (finish time, requests of its class or stricter it was admitted beside,
+        # TPOT met) of its admitted requests, the last ``FINISH_WINDOW_S``
+        # (``company_bound``)
+        self.met_beside: dict[str, deque[tuple[float, int, bool]]] = {}
         self.ttft_cal: dict[str, Calibration] = {}
         self.out_len: dict[str, float] = {}  # class -> output tokens of its finished requests
         self._arrived: deque[float] = deque()  # arrival times of the requests judged
@@ -180,6 +194,7 @@ class AdmissionControl(PrefillForecast):
         self._arr_tok: deque[tuple[float, int, int, str]] = deque()
         # the last verdict's predictions for the request judged (promise, TPOT, TTFT)
         self._pred: tuple[float | None, float | None, float | None] = (None, None, None)
+        self._beside: int | None = None  # the last verdict's company (``SeqState.beside``)
         self._own_tpot: float | None = None  # the request judged: its class's predicted pace
         # the planner's measured error its prediction was scaled by (``tpot_error``), of
         # the request judged and, by id, of those admitted until they finish: the error
@@ -318,6 +333,8 @@ class AdmissionControl(PrefillForecast):
             self.ttft_cal.setdefault(cls, Calibration()).add(
                 ttft, seq.pred_ttft_ms, slo.ttft_ms or seq.pred_ttft_ms
             )
+        if seq.beside is not None and tpot is not None and slo.tpot_ms is not None:
+            self.met_beside.setdefault(cls, deque()).append((t, seq.beside, tpot <= slo.tpot_ms))
         if seq.pred_tpot_ms is not None and tpot is not None and slo.tpot_ms is not None:
             q = self.tpot_met.setdefault(cls, deque(maxlen=WINDOW))
             q.append((seq.pred_tpot_ms / slo.tpot_ms, tpot <= slo.tpot_ms))
@@ -336,6 +353,7 @@ class AdmissionControl(PrefillForecast):
         verdict's promise and predictions."""
         self._epoch += 1
         seq.promise, seq.pred_tpot_ms, seq.pred_ttft_ms = self._pred
+        seq.beside = self._beside
         if self._own_err is not None and seq.pred_tpot_ms is not None:
             self._err_at[seq.rid] = self._own_err
         q = self._admits.setdefault(seq.slo.cls, deque())
@@ -402,6 +420,50 @@ class AdmissionControl(PrefillForecast):
         q = self.tpot_met.get(cls) or ()
         got = [met for x, met in q if load is None or x >= load]
         return (sum(got) + 1) / (len(got) + 1) if len(got) >= MIN_FINISHES else None
+
+    @property
+    def steep(self) -> bool:
+        """Whether the hardware model is steep (``STEEP``): there a strict request's
+        company is judged by what such company realised (``company_bound``). On the
+        A100 preset strict requests beside others kept their promise (95.8% at 3x
+        capacity) and the bound refused 1.2% at 0.8x, all of which would have met."""
+        hw = self.sched.hw
+        return hw is not None and hw.steepness() >= STEEP
+
+    def company(self, seq: SeqState, rank: int) -> int:
+        """The requests of ``seq``'s class or a stricter one, with a TPOT target, running
+        or queued: the company it would decode beside."""
+        s = self.sched
+        return sum(
+            1
+            for r in itertools.chain(s.running, s.waiting)
+            if r is not seq and r.slo.tpot_ms is not None and s.rank_of(r.slo.cls) <= rank
+        )
+
+    def company_bound(self, cls: str, k: int, now: float) -> float | None:
+        """The upper bound (``COMPANY_Z``) on the chance that a request of ``cls``
+        admitted beside ``k`` of its class or stricter meets its TPOT target: of those
+        admitted beside as many that finished in the last ``FINISH_WINDOW_S`` (at least
+        ``MIN_FINISHES``), the Wilson bound on the share that met it; None with fewer.
+        The planner forecasts the mean pace of a batch; what a strict request beside
+        others realises also spreads with each one's acceptance and with the passes it
+        shares, and on the CPU pair at 3x capacity two strict requests in one batch met
+        their target far less often than one alone (docs/results/admission-issue31.md,
+        eleventh pass). The window forgets, so a company refused comes back to be
+        measured again; a bound, not the share, so a few unlucky requests refuse
+        nothing."""
+        q = self.met_beside.get(cls)
+        if not q:
+            return None
+        while q and q[0][0] < now - FINISH_WINDOW_S:
+            q.popleft()
+        got = [met for _, b, met in q if b == k]
+        if len(got) < MIN_FINISHES:
+            return None
+        n, p, z = len(got), sum(got) / len(got), COMPANY_Z
+        centre = p + z * z / (2 * n)
+        spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+        return min(1.0, (centre + spread) / (1 + z * z / n))
 
     def ttft_chance(self, cls: str, target: float, predicted: float) -> float:
         """The chance a request of ``cls`` predicted at ``predicted`` ms from arrival to
@@ -584,6 +646,7 @@ class AdmissionControl(PrefillForecast):
         s = self.sched
         self.observe_arrival(seq.arrival, seq.to_prefill, s.rank_of(seq.slo.cls), seq.slo.cls)
         self._pred = (None, None, None)
+        self._beside = None
         self._own_tpot, self._own_err = None, None
         key = self._refusal_key(seq)
         if key is not None and (old := self._refusal_stands(key, seq)) is not None:
@@ -651,6 +714,17 @@ class AdmissionControl(PrefillForecast):
                     f"against its {target:.1f} ms target",
                     "capacity",
                     retry,
+                )
+            self._beside = k = self.company(seq, rank)
+            bound = self.company_bound(slo.cls, k, now) if k > 0 and self.steep else None
+            if bound is not None and bound < PROMISE:
+                rate = self.finish_rate(now)
+                return AdmissionRejected(
+                    f"requests of class {slo.cls!r} admitted beside {k} of their class or "
+                    f"stricter met their TPOT target at most {100 * bound:.0f}% of the "
+                    f"time lately, under the {100 * PROMISE:.0f}% promised",
+                    "capacity",
+                    max(CAPACITY_RETRY_S, 1.0 / rate) if rate else CAPACITY_RETRY_S,
                 )
         pred_tpot, pred_ttft = self._own_tpot, None
         chance = 1.0

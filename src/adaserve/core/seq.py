@@ -68,6 +68,7 @@ class SeqState:
         "prefix_hint",
         "cached_prompt",
         "promise",
+        "beside",
         "tenant",
         "pred_tpot_ms",
         "pred_ttft_ms",
@@ -108,6 +109,10 @@ class SeqState:
         # TTFT (ms, from arrival) predicted when it was admitted (None: not predicted)
         self.tenant: str | None = None  # whose request it is (fair share under contention)
         self.promise: float | None = None
+        # requests of its class or a stricter one it was admitted beside (running or
+        # queued then; None: admitted unjudged), for the chance by company
+        # (``AdmissionControl.company_bound``)
+        self.beside: int | None = None
         self.pred_tpot_ms: float | None = None
         self.pred_ttft_ms: float | None = None
         self.retry_token: str | None = None  # the seat it was told to come back for

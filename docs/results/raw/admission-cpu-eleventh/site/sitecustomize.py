@@ -59,3 +59,29 @@ if os.environ.get("NOMEMO"):
     import adaserve.core.admission as _A
 
     _A.AdmissionControl._refusal_key = lambda self, seq: None
+
+# SERIAL=1: an experiment, not a policy: the strict class one request at a time (an
+# interactive arrival is refused while another interactive request runs or waits), to
+# bound what admission alone could give the strict class on this machine
+if os.environ.get("SERIAL"):
+    import adaserve.core.admission as _A2
+    from adaserve.errors import AdmissionRejected as _AR
+
+    _ov = _A2.AdmissionControl._verdict
+
+    def _serial(self, seq, now):
+        s = self.sched
+        if seq.slo.cls == "interactive" and any(
+            r.slo.cls == "interactive" for r in (*s.running, *s.waiting)
+        ):
+            return _AR("serial experiment", "capacity", 1.0)
+        return _ov(self, seq, now)
+
+    _A2.AdmissionControl._verdict = _serial
+
+# NOCOMPANY=1: a strict request's company not judged (the code before the eleventh pass's
+# company bound)
+if os.environ.get("NOCOMPANY"):
+    import adaserve.core.admission as _A3
+
+    _A3.AdmissionControl.steep = property(lambda self: False)
