@@ -156,14 +156,15 @@ async def probe_capacity(
             while (left := seconds - (time.perf_counter() - t0)) > 0:
                 body = _body(model, cls, f"x{i} = ", max_tokens)
                 o = await _one(c, cls, body, t0, token)
+                left = seconds - (time.perf_counter() - t0)  # the answer took its time
                 token = o.retry_token if o.status == 429 else None
                 if o.done:
                     done += 1
                     met += target is not None and _met(o, target) == (True, True)
                 elif o.status == 429:
-                    await asyncio.sleep(min(_seconds(o.retry_after, FAILED_WAIT_S), left))
+                    await asyncio.sleep(max(0.0, min(_seconds(o.retry_after, FAILED_WAIT_S), left)))
                 else:  # an error: not a reason to hammer the server
-                    await asyncio.sleep(min(FAILED_WAIT_S, left))
+                    await asyncio.sleep(max(0.0, min(FAILED_WAIT_S, left)))
 
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
     span = time.perf_counter() - t0
@@ -251,7 +252,7 @@ def summarize(
         ok = [o for o in os if o.status == 200 and o.done and o.error is None]
         shed = [o for o in os if o.status == 429]
         other = [o for o in os if o not in ok and o not in shed]
-        bad_shed = [o for o in shed if not o.retry_after or int(o.retry_after) < 1]
+        bad_shed = [o for o in shed if _seconds(o.retry_after, 0.0) < 1]
         shed_ms = [(o.answered - o.sent) * 1000 for o in shed if o.answered is not None]
         late = 0  # no answer (token or 429) by the TTFT deadline
         attained = good = missed_ttft = missed_tpot = 0

@@ -126,17 +126,17 @@ TTFT_MARGIN = 0.2
 
 # reason of a queued request ended at its TTFT deadline
 TTFT_DEADLINE = "ttft_deadline"
-# the one-sided normal quantile of the upper bound on the chance a strict request admitted
-# beside others meets its TPOT (``company_bound``): 95% confidence, so a bound under the
-# promise is evidence, not one unlucky request
-COMPANY_Z = 1.645
-# refusals remembered for later arrivals in the same epoch (``AdmissionControl.verdict``):
-# by (class, TPOT and TTFT targets, tenant, constrained), the state they were judged in
-# (epoch, running, waiting), the prefill and output tokens asked, message, reason,
+# the one-sided confidence of the upper bound on the chance a strict request admitted
+# beside others meets its TPOT (``company_bound``): a bound under the promise is evidence
+# at this level that such company breaks it, not one unlucky request
+COMPANY_CONFIDENCE = 0.95
+# refusals remembered for later arrivals alike in the same state
+# (``AdmissionControl.verdict``): by (class, TPOT and TTFT targets, tenant, constrained,
+# prompt to prefill, prompt and output so far, output limit): message, reason,
 # Retry-After
 _REMEMBERED = frozenset({"capacity", "ttft", KV_FULL})
-_RefusalKey = tuple[str, float | None, float | None, str | None, bool]
-_Refusal = tuple[tuple[int, int, int], int, int, str, str, float]
+_RefusalKey = tuple[str, float | None, float | None, str | None, bool, int, int, int]
+_Refusal = tuple[str, str, float]
 # refusals a looser class can avoid (a full queue is full for every class)
 DEGRADABLE = ("capacity", "ttft")
 # refusals for lack of room in the batch (decode capacity, KV): they make it contended
@@ -195,6 +195,7 @@ class AdmissionControl(PrefillForecast):
         # the last verdict's predictions for the request judged (promise, TPOT, TTFT)
         self._pred: tuple[float | None, float | None, float | None] = (None, None, None)
         self._beside: int | None = None  # the last verdict's company (``SeqState.beside``)
+        self._company_over = 0  # the company whose bound ``company_bound`` found lowest
         self._own_tpot: float | None = None  # the request judged: its class's predicted pace
         # the planner's measured error its prediction was scaled by (``tpot_error``), of
         # the request judged and, by id, of those admitted until they finish: the error
@@ -211,6 +212,8 @@ class AdmissionControl(PrefillForecast):
         # the same class and tenant that asks at least as much (``_refusal_stands``)
         self._epoch = 0
         self._refusals: dict[_RefusalKey, _Refusal] = {}
+        self._refusals_at: tuple[int, ...] = ()  # the state they were judged in
+        self._last_key: _RefusalKey | None = None  # the last arrival's key
 
     @property
     def ask_planner(self) -> bool:
@@ -223,6 +226,7 @@ class AdmissionControl(PrefillForecast):
     @ask_planner.setter
     def ask_planner(self, on: bool) -> None:
         self._ask = on
+        self._epoch += 1
 
     @property
     def paces_too(self) -> bool:
@@ -247,6 +251,7 @@ class AdmissionControl(PrefillForecast):
     def new_model(self) -> None:
         """The hardware model changed: the measured/predicted speed starts over."""
         self._speeds.clear()
+        self._epoch += 1
 
     # ------------------------------------------------------------------ measurements
     def observe(self, tr: StepTrace, cadence_s: float | None = None) -> None:
@@ -334,7 +339,10 @@ class AdmissionControl(PrefillForecast):
                 ttft, seq.pred_ttft_ms, slo.ttft_ms or seq.pred_ttft_ms
             )
         if seq.beside is not None and tpot is not None and slo.tpot_ms is not None:
-            self.met_beside.setdefault(cls, deque()).append((t, seq.beside, tpot <= slo.tpot_ms))
+            q_b = self.met_beside.setdefault(cls, deque())
+            q_b.append((t, seq.beside, tpot <= slo.tpot_ms))
+            while q_b and q_b[0][0] < t - FINISH_WINDOW_S:
+                q_b.popleft()
         if seq.pred_tpot_ms is not None and tpot is not None and slo.tpot_ms is not None:
             q = self.tpot_met.setdefault(cls, deque(maxlen=WINDOW))
             q.append((seq.pred_tpot_ms / slo.tpot_ms, tpot <= slo.tpot_ms))
@@ -441,29 +449,33 @@ class AdmissionControl(PrefillForecast):
         )
 
     def company_bound(self, cls: str, k: int, now: float) -> float | None:
-        """The upper bound (``COMPANY_Z``) on the chance that a request of ``cls``
-        admitted beside ``k`` of its class or stricter meets its TPOT target: of those
-        admitted beside as many that finished in the last ``FINISH_WINDOW_S`` (at least
-        ``MIN_FINISHES``), the Wilson bound on the share that met it; None with fewer.
-        The planner forecasts the mean pace of a batch; what a strict request beside
-        others realises also spreads with each one's acceptance and with the passes it
-        shares, and on the CPU pair at 3x capacity two strict requests in one batch met
-        their target far less often than one alone (docs/results/admission-issue31.md,
-        eleventh pass). The window forgets, so a company refused comes back to be
-        measured again; a bound, not the share, so a few unlucky requests refuse
-        nothing."""
+        """The lowest upper bound (``COMPANY_CONFIDENCE``) on the chance that a request
+        of ``cls`` admitted beside j of its class or stricter meets its TPOT target, over
+        j = 1..``k`` measured (more company is no better: a company of j too many is too
+        many at k; ``_company_over`` is that j): of those admitted beside j that
+        finished in the last ``FINISH_WINDOW_S`` (at least ``MIN_FINISHES``), the exact
+        binomial (Clopper-Pearson) bound on the share that met it; None when none is
+        measured. The planner forecasts the mean pace of a batch; what a strict request
+        beside others realises also spreads with each one's acceptance and with the
+        passes it shares, and on the CPU pair at 3x capacity requests admitted beside
+        others met their target far less often than one alone
+        (docs/results/admission-issue31.md, eleventh pass). The window forgets, so a
+        company refused comes back to be measured again; an exact bound, so a few
+        unlucky requests refuse nothing (one miss in four: 0.99)."""
         q = self.met_beside.get(cls)
         if not q:
             return None
         while q and q[0][0] < now - FINISH_WINDOW_S:
             q.popleft()
-        got = [met for _, b, met in q if b == k]
-        if len(got) < MIN_FINISHES:
-            return None
-        n, p, z = len(got), sum(got) / len(got), COMPANY_Z
-        centre = p + z * z / (2 * n)
-        spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-        return min(1.0, (centre + spread) / (1 + z * z / n))
+        best: float | None = None
+        for j in range(1, k + 1):
+            got = [met for _, b, met in q if b == j]
+            if len(got) < MIN_FINISHES:
+                continue
+            u = _binomial_upper(sum(got), len(got), 1.0 - COMPANY_CONFIDENCE)
+            if best is None or u < best:
+                best, self._company_over = u, j
+        return best
 
     def ttft_chance(self, cls: str, target: float, predicted: float) -> float:
         """The chance a request of ``cls`` predicted at ``predicted`` ms from arrival to
@@ -649,40 +661,52 @@ class AdmissionControl(PrefillForecast):
         self._beside = None
         self._own_tpot, self._own_err = None, None
         key = self._refusal_key(seq)
-        if key is not None and (old := self._refusal_stands(key, seq)) is not None:
-            return old
+        if key is not None:
+            if key != self._last_key:  # another kind of arrival judged: its arrival counts
+                self._last_key = key
+                self._epoch += 1
+            if (old := self._refusal_stands(key)) is not None:
+                return old
         e = self._verdict(seq, now)
         if key is not None and e is not None and e.reason in _REMEMBERED:
-            need = (seq.to_prefill, seq.max_new_tokens)
-            self._refusals[key] = (self._state(), *need, str(e), e.reason, e.retry_after_s)
+            self._refusal_stands(key)  # (forgets refusals of another state)
+            self._refusals[key] = (str(e), e.reason, e.retry_after_s)
         return e
 
     def _refusal_key(self, seq: SeqState) -> _RefusalKey | None:
-        """What a remembered refusal must share with ``seq`` to stand for it: the SLO
-        it is judged against, its tenant, whether it is constrained; None for a
-        request coming back with a retry token (its seat puts it ahead of others)."""
+        """Everything of ``seq`` a verdict reads but its arrival time: the SLO it is
+        judged against, its tenant, whether it is constrained, its prompt (to prefill,
+        and in all) and its output limit. None for a request coming back with a retry
+        token (its seat puts it ahead of others)."""
         if seq.retry_token is not None:
             return None
         slo = seq.slo
-        return (slo.cls, slo.tpot_ms, slo.ttft_ms, seq.tenant, seq.constrained)
+        return (
+            slo.cls, slo.tpot_ms, slo.ttft_ms, seq.tenant, seq.constrained,
+            seq.to_prefill, seq.num_tokens, seq.max_new_tokens,
+        )  # fmt: skip
 
-    def _state(self) -> tuple[int, int, int]:
-        """The epoch, with the batch's size (what a pass, an admission or a finish
-        changes)."""
-        return self._epoch, len(self.sched.running), len(self.sched.waiting)
+    def _state(self) -> tuple[int, ...]:
+        """What a verdict judges by, as far as it changes between two passes: the epoch
+        (a pass, an admission, a finish, another kind of arrival judged, a new model or
+        check), the batch's size, the retry seats released, the policy and hardware
+        model. Refusals only add seats and arrivals, which refuse more."""
+        s = self.sched
+        return (
+            self._epoch, len(s.running), len(s.waiting), self.seats.released,
+            id(s.policy), id(s.hw),
+        )  # fmt: skip
 
-    def _refusal_stands(self, key: _RefusalKey, seq: SeqState) -> AdmissionRejected | None:
-        """The refusal remembered for ``key`` in this epoch, anew, when ``seq`` asks at
-        least as much (prompt to prefill, output tokens): each check is monotone in
-        both (more prefill, a later first token and more KV; more output, a longer
-        life at the pace), and every refusal since only held one more seat ahead."""
+    def _refusal_stands(self, key: _RefusalKey) -> AdmissionRejected | None:
+        """The refusal remembered for ``key`` in this state, anew (None: none; the
+        refusals of another state are forgotten here)."""
+        state = self._state()
+        if state != self._refusals_at:
+            self._refusals.clear()
+            self._refusals_at = state
+            return None
         old = self._refusals.get(key)
-        if old is None or old[0] != self._state():
-            return None
-        _, prefill, out, message, reason, retry = old
-        if seq.to_prefill < prefill or seq.max_new_tokens < out:
-            return None
-        return AdmissionRejected(message, reason, retry)
+        return AdmissionRejected(*old) if old is not None else None
 
     def _verdict(self, seq: SeqState, now: float) -> AdmissionRejected | None:
         """``verdict``'s checks, in order."""
@@ -718,6 +742,7 @@ class AdmissionControl(PrefillForecast):
             self._beside = k = self.company(seq, rank)
             bound = self.company_bound(slo.cls, k, now) if k > 0 and self.steep else None
             if bound is not None and bound < PROMISE:
+                k = self._company_over
                 rate = self.finish_rate(now)
                 return AdmissionRejected(
                     f"requests of class {slo.cls!r} admitted beside {k} of their class or "
@@ -767,3 +792,20 @@ class AdmissionControl(PrefillForecast):
             and (now - r.arrival) * 1000.0 + (alone := self.alone_ms(r)) > r.slo.ttft_ms
             and r.slo.ttft_ms >= alone
         ]
+
+
+def _binomial_upper(x: int, n: int, alpha: float) -> float:
+    """The exact one-sided upper bound on a binomial share with ``x`` successes in ``n``
+    trials (Clopper-Pearson): the p at which ``x`` or fewer has probability ``alpha``
+    (1 when ``x == n``), by bisection."""
+    if x >= n:
+        return 1.0
+    lo, hi = x / n, 1.0
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        cdf = sum(math.comb(n, i) * mid**i * (1.0 - mid) ** (n - i) for i in range(x + 1))
+        if cdf > alpha:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)

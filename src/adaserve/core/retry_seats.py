@@ -33,6 +33,7 @@ class RetrySeats:
         self._seats: dict[str, tuple[float, float]] = {}  # token -> (due, given up)
         self._n = 0
         self.returns: deque[bool] = deque(maxlen=WINDOW)  # held seats: came back or not
+        self.released = 0  # seats used or lapsed so far (fewer held: admission loosens)
 
     def __contains__(self, token: str) -> bool:
         return token in self._seats
@@ -53,6 +54,7 @@ class RetrySeats:
         """The client of ``token`` came back (and was judged): its seat is used."""
         if token is not None and self._seats.pop(token, None) is not None:
             self.returns.append(True)
+            self.released += 1
 
     def ahead(self, token: str | None, now: float) -> float:
         """Seats ahead of a request (every one for a new request, those due before its
@@ -62,6 +64,7 @@ class RetrySeats:
             if gone < now:
                 del self._seats[t]
                 self.returns.append(False)
+                self.released += 1
         if not self.returns:
             return 0.0
         back = sum(self.returns) / len(self.returns)
