@@ -160,7 +160,7 @@ async def probe_capacity(
                 token = o.retry_token if o.status == 429 else None
                 if o.done:
                     done += 1
-                    met += target is not None and _met(o, target) == (True, True)
+                    met += target is not None and all(_met(o, target))
                 elif o.status == 429:
                     await asyncio.sleep(max(0.0, min(_seconds(o.retry_after, FAILED_WAIT_S), left)))
                 else:  # an error: not a reason to hammer the server

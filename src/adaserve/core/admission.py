@@ -195,7 +195,6 @@ class AdmissionControl(PrefillForecast):
         # the last verdict's predictions for the request judged (promise, TPOT, TTFT)
         self._pred: tuple[float | None, float | None, float | None] = (None, None, None)
         self._beside: int | None = None  # the last verdict's company (``SeqState.beside``)
-        self._company_over = 0  # the company whose bound ``company_bound`` found lowest
         self._own_tpot: float | None = None  # the request judged: its class's predicted pace
         # the planner's measured error its prediction was scaled by (``tpot_error``), of
         # the request judged and, by id, of those admitted until they finish: the error
@@ -207,9 +206,9 @@ class AdmissionControl(PrefillForecast):
         env = os.environ.get(ASK_PLANNER_ENV)
         self._ask: bool | None = env == "1" if env in ("0", "1") else None
         self.planner = PlannerCheck(self)  # the planner's answer and its state
-        # what admission judges by changes with a pass, an admission or a finish
-        # (``_epoch``); a refusal stands, within one epoch, for any later request of
-        # the same class and tenant that asks at least as much (``_refusal_stands``)
+        # a refusal stands for later arrivals alike while what it was judged by holds
+        # (``_state``: the epoch a pass, an admission, a finish or another kind of
+        # arrival moves, and the rest; ``_refusal_stands``)
         self._epoch = 0
         self._refusals: dict[_RefusalKey, _Refusal] = {}
         self._refusals_at: tuple[int, ...] = ()  # the state they were judged in
@@ -449,10 +448,15 @@ class AdmissionControl(PrefillForecast):
         )
 
     def company_bound(self, cls: str, k: int, now: float) -> float | None:
+        """``_company_low``'s bound alone."""
+        low = self._company_low(cls, k, now)
+        return low[0] if low is not None else None
+
+    def _company_low(self, cls: str, k: int, now: float) -> tuple[float, int] | None:
         """The lowest upper bound (``COMPANY_CONFIDENCE``) on the chance that a request
         of ``cls`` admitted beside j of its class or stricter meets its TPOT target, over
         j = 1..``k`` measured (more company is no better: a company of j too many is too
-        many at k; ``_company_over`` is that j): of those admitted beside j that
+        many at k), with that j: of those admitted beside j that
         finished in the last ``FINISH_WINDOW_S`` (at least ``MIN_FINISHES``), the exact
         binomial (Clopper-Pearson) bound on the share that met it; None when none is
         measured. The planner forecasts the mean pace of a batch; what a strict request
@@ -467,14 +471,14 @@ class AdmissionControl(PrefillForecast):
             return None
         while q and q[0][0] < now - FINISH_WINDOW_S:
             q.popleft()
-        best: float | None = None
+        best: tuple[float, int] | None = None
         for j in range(1, k + 1):
             got = [met for _, b, met in q if b == j]
             if len(got) < MIN_FINISHES:
                 continue
             u = _binomial_upper(sum(got), len(got), 1.0 - COMPANY_CONFIDENCE)
-            if best is None or u < best:
-                best, self._company_over = u, j
+            if best is None or u < best[0]:
+                best = (u, j)
         return best
 
     def ttft_chance(self, cls: str, target: float, predicted: float) -> float:
@@ -669,7 +673,7 @@ class AdmissionControl(PrefillForecast):
                 return old
         e = self._verdict(seq, now)
         if key is not None and e is not None and e.reason in _REMEMBERED:
-            self._refusal_stands(key)  # (forgets refusals of another state)
+            self._sync_refusals()  # the verdict may have moved the state (seats lapse)
             self._refusals[key] = (str(e), e.reason, e.retry_after_s)
         return e
 
@@ -697,14 +701,16 @@ class AdmissionControl(PrefillForecast):
             id(s.policy), id(s.hw),
         )  # fmt: skip
 
-    def _refusal_stands(self, key: _RefusalKey) -> AdmissionRejected | None:
-        """The refusal remembered for ``key`` in this state, anew (None: none; the
-        refusals of another state are forgotten here)."""
+    def _sync_refusals(self) -> None:
+        """Forget the refusals remembered in another state than this one."""
         state = self._state()
         if state != self._refusals_at:
             self._refusals.clear()
             self._refusals_at = state
-            return None
+
+    def _refusal_stands(self, key: _RefusalKey) -> AdmissionRejected | None:
+        """The refusal remembered for ``key`` in this state, anew (None: none)."""
+        self._sync_refusals()
         old = self._refusals.get(key)
         return AdmissionRejected(*old) if old is not None else None
 
@@ -740,9 +746,9 @@ class AdmissionControl(PrefillForecast):
                     retry,
                 )
             self._beside = k = self.company(seq, rank)
-            bound = self.company_bound(slo.cls, k, now) if k > 0 and self.steep else None
-            if bound is not None and bound < PROMISE:
-                k = self._company_over
+            low = self._company_low(slo.cls, k, now) if k > 0 and self.steep else None
+            if low is not None and low[0] < PROMISE:
+                bound, k = low
                 rate = self.finish_rate(now)
                 return AdmissionRejected(
                     f"requests of class {slo.cls!r} admitted beside {k} of their class or "
