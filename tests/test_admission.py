@@ -622,14 +622,16 @@ def test_a_refusal_for_room_holds_a_seat_for_its_retry():
 def test_held_seats_are_a_queue_at_the_finish_rate():
     """Seats come due no closer than one finish apart, in the order they were held (a
     burst of refusals told the same wait would come back as a burst the batch cannot
-    absorb); the Retry-After given is the wait to the seat's due time."""
+    absorb); the Retry-After given is the wait to the seat's due time, whole seconds up
+    (what the header can say: the seat is due when its client is told to come)."""
     from adaserve.core.retry_seats import RetrySeats
 
     seats = RetrySeats()
     waits = [seats.hold(10.0, 1.0, 0.5)[1] for _ in range(3)]
-    assert waits == pytest.approx([1.0, 1.5, 2.0])
-    assert seats.hold(10.0, 9.0, 0.5)[1] == pytest.approx(9.0)  # already later: kept
-    assert seats.hold(12.0, 0.2, 0.5)[1] == pytest.approx(7.5)  # behind the last one
+    assert waits == [1.0, 2.0, 2.0]  # placed at 11, 11.5 and 12 s
+    assert seats.hold(10.0, 9.0, 0.5)[1] == 9.0  # already later: kept
+    assert seats.hold(12.0, 0.2, 0.5)[1] == 8.0  # behind the last one (19.5 s), rounded up
+    assert seats.hold(30.0, 0.2)[1] == 1.0  # never under a second
     # through admission: the refusal's Retry-After becomes the seat's wait
     clock = ManualClock(0.0)
     ac = _sched(clock).admission
@@ -646,7 +648,27 @@ def test_held_seats_are_a_queue_at_the_finish_rate():
     ac.refused(_Req(4, _slo("chat"), 10.0), e4, 10.0)
     rate = ac.finish_rate(10.0)
     assert rate == pytest.approx(2.0, rel=0.1)
-    assert e3.retry_after_s == 2.0 and e4.retry_after_s == pytest.approx(2.0 + 1.0 / rate)
+    assert e3.retry_after_s == 2.0 and e4.retry_after_s == math.ceil(2.0 + 1.0 / rate)
+
+
+def test_a_retry_on_time_is_not_held_back_by_a_client_that_did_not_come():
+    """A retry counts the seats placed before its own while their clients may still
+    come (due after now), not those whose clients are late: on the CPU engine at 3x
+    capacity retries came back on time to find the seats due in the second before
+    theirs counted ahead of them, and were refused beside one running request."""
+    from adaserve.core.retry_seats import RetrySeats
+
+    seats = RetrySeats()
+    toks = [seats.hold(0.0, w)[0] for w in (2.0, 3.0, 40.0)]  # due at 2, 3 and 40 s
+    seats.use(seats.hold(0.0, 1.0)[0])  # one client came back: every seat counts in full
+    assert seats.ahead(None, 0.5) == 3.0  # a new arrival: every seat held
+    # the client of the seat due at 3 s, early: the one due at 2 s is still ahead
+    assert seats.ahead(toks[1], 1.5) == 1.0
+    # on time at 3 s, the client due at 2 s has not come: it does not hold this one back
+    assert seats.ahead(toks[1], 3.0) == 0.0
+    # the seat due at 40 s: the two before it are ahead while their clients may come
+    assert seats.ahead(toks[2], 1.5) == 2.0
+    assert seats.ahead(toks[2], 2.5) == 1.0
 
 
 def test_the_check_asks_the_planner_and_on_steep_hardware_the_paces_too(monkeypatch):

@@ -6,11 +6,16 @@ So a refusal for room holds a seat under a retry token (``AdmissionRejected.retr
 the ``Retry-Token`` header of the 429), due at its Retry-After. The seats are a queue:
 each comes due no earlier than one finish interval after the one held before it, and
 the Retry-After told is the wait to that due time (at 3x capacity a burst of refusals
-told the same wait came back as a burst the batch could not absorb). Admission counts held
-seats into the batch a new request is judged at, all of them for a new arrival, only
-those due before its own for the retry that brings its token back. Clients that never
-retry would hold room for nothing, so held seats count in the share of recent seats
-whose client came back (``WINDOW`` of them). Torch-free; time is the scheduler's clock.
+told the same wait came back as a burst the batch could not absorb). A Retry-After is
+whole seconds (RFC 9110's delta-seconds), so the wait told is rounded up and the seat is
+due when its client is told to come, not at the queue's fractional place (clients came
+back up to a second after their seats were due, and found the seats due in that second
+counted ahead of them). Admission counts held seats into the batch a new request is
+judged at: all of them for a new arrival, for the retry that brings its token back those
+placed before its own whose clients are not yet late (a client on time is not held back
+by one that did not come). Clients that never retry would hold
+room for nothing, so held seats count in the share of recent seats whose client came
+back (``WINDOW`` of them). Torch-free; time is the scheduler's clock.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ class RetrySeats:
     """The seats held for retries and the share of their clients that came back."""
 
     def __init__(self) -> None:
-        self._seats: dict[str, tuple[float, float]] = {}  # token -> (due, given up)
+        # token -> (place in the queue, due: when its client is told to come, given up)
+        self._seats: dict[str, tuple[float, float, float]] = {}
         self._n = 0
         self.returns: deque[bool] = deque(maxlen=WINDOW)  # held seats: came back or not
         self.released = 0  # seats used or lapsed so far (fewer held: admission loosens)
@@ -39,16 +45,19 @@ class RetrySeats:
         return token in self._seats
 
     def hold(self, now: float, wait_s: float, spacing_s: float = 0.0) -> tuple[str, float]:
-        """Hold a seat for a client told at ``now`` to come back in ``wait_s``, due no
-        earlier than ``spacing_s`` after the last seat held (the seats are a queue: each
-        takes one leaving request, so clients told apart come back apart, not in a
-        burst the batch cannot absorb); its token and the wait it is due in."""
+        """Hold a seat for a client told at ``now`` to come back in ``wait_s``, placed
+        no earlier than ``spacing_s`` after the last seat held (the seats are a queue:
+        each takes one leaving request, so clients told apart come back apart, not in a
+        burst the batch cannot absorb); its token and the wait it is due in, whole
+        seconds (at least 1: what a Retry-After can say)."""
         self._n += 1
         token = f"{self._n:x}-{secrets.token_hex(6)}"
-        last = max((d for d, _ in self._seats.values()), default=-math.inf)
-        due = max(now + wait_s, last + spacing_s)
-        self._seats[token] = (due, due + max(SEAT_GRACE_S, 0.5 * (due - now)))
-        return token, due - now
+        last = max((p for p, _, _ in self._seats.values()), default=-math.inf)
+        place = max(now + wait_s, last + spacing_s)
+        wait = max(1.0, float(math.ceil(place - now - 1e-9)))
+        due = now + wait
+        self._seats[token] = (place, due, due + max(SEAT_GRACE_S, 0.5 * wait))
+        return token, wait
 
     def use(self, token: str | None) -> None:
         """The client of ``token`` came back (and was judged): its seat is used."""
@@ -57,10 +66,11 @@ class RetrySeats:
             self.released += 1
 
     def ahead(self, token: str | None, now: float) -> float:
-        """Seats ahead of a request (every one for a new request, those due before its
-        own for the retry of ``token``), times the share of held seats whose client
-        came back lately; seats past their grace lapse here."""
-        for t, (_, gone) in list(self._seats.items()):
+        """Seats ahead of a request, times the share of held seats whose client came
+        back lately: every one for a new request (no held ``token``), for the retry of
+        ``token`` those placed before its own whose clients are not late (due after
+        ``now``). Seats past their grace lapse here."""
+        for t, (_, _, gone) in list(self._seats.items()):
             if gone < now:
                 del self._seats[t]
                 self.returns.append(False)
@@ -71,4 +81,6 @@ class RetrySeats:
         mine = self._seats.get(token or "")
         if mine is None:
             return back * len(self._seats)
-        return back * sum(1 for due, _ in self._seats.values() if due < mine[0])
+        return back * sum(
+            1 for place, due, _ in self._seats.values() if place < mine[0] and due > now
+        )
