@@ -13,9 +13,9 @@ back up to a second after their seats were due, and found the seats due in that 
 counted ahead of them). Admission counts held seats into the batch a new request is
 judged at: all of them for a new arrival, for the retry that brings its token back those
 placed before its own whose clients are not yet late (a client on time is not held back
-by one that did not come). Clients that never retry would hold
-room for nothing, so held seats count in the share of recent seats whose client came
-back (``WINDOW`` of them). Torch-free; time is the scheduler's clock.
+by one that did not come). Clients that never retry would hold room for nothing, so
+held seats count in the share of recent seats whose client came back (``WINDOW`` of
+them). Torch-free; time is the scheduler's clock.
 """
 
 from __future__ import annotations
