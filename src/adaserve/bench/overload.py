@@ -171,15 +171,21 @@ async def probe_capacity(
     return Capacity(done / span, met / span if target is not None else None)
 
 
+def _tpot_ms(o: Outcome) -> float | None:
+    """A finished stream's mean ms per output token after the first (None: fewer than
+    two tokens)."""
+    if o.tokens > 1 and o.first is not None and o.last is not None:
+        return (o.last - o.first) * 1000 / (o.tokens - 1)
+    return None
+
+
 def _met(o: Outcome, tgt: dict) -> tuple[bool, bool]:
     """Whether a finished stream met its class's TTFT and TPOT targets (``tgt``:
     {tpot_ms, ttft_ms}; a target not given is met)."""
     ttft, tpot = tgt.get("ttft_ms"), tgt.get("tpot_ms")
     t_ok = ttft is None or (o.first is not None and (o.first - o.sent) * 1000 <= ttft)
-    p_ok = True
-    if tpot is not None and o.tokens > 1 and o.first is not None and o.last is not None:
-        p_ok = (o.last - o.first) * 1000 / (o.tokens - 1) <= tpot
-    return t_ok, p_ok
+    own = _tpot_ms(o)
+    return t_ok, tpot is None or own is None or own <= tpot
 
 
 async def run_overload(
@@ -263,8 +269,8 @@ def summarize(
                 late += 1
         for o in ok:
             t_ok, p_ok = _met(o, tgt)
-            if o.tokens > 1 and o.first is not None and o.last is not None:
-                tpots.append((o.last - o.first) * 1000 / (o.tokens - 1))
+            if (own := _tpot_ms(o)) is not None:
+                tpots.append(own)
             attained += t_ok and p_ok
             good += o.tokens if t_ok and p_ok else 0
             missed_ttft += not t_ok

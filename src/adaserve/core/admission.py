@@ -471,12 +471,17 @@ class AdmissionControl(PrefillForecast):
             return None
         while q and q[0][0] < now - FINISH_WINDOW_S:
             q.popleft()
+        counts: dict[int, list[int]] = {}  # company size -> [met, finished]
+        for _, b, met in q:
+            if 1 <= b <= k:
+                c = counts.setdefault(b, [0, 0])
+                c[0] += met
+                c[1] += 1
         best: tuple[float, int] | None = None
-        for j in range(1, k + 1):
-            got = [met for _, b, met in q if b == j]
-            if len(got) < MIN_FINISHES:
+        for j, (ok, n) in sorted(counts.items()):
+            if n < MIN_FINISHES:
                 continue
-            u = _binomial_upper(sum(got), len(got), 1.0 - COMPANY_CONFIDENCE)
+            u = _binomial_upper(ok, n, 1.0 - COMPANY_CONFIDENCE)
             if best is None or u < best[0]:
                 best = (u, j)
         return best
