@@ -30,3 +30,19 @@ def test_goodput_counts_the_tokens_of_requests_within_their_slo_per_second():
     # without a duration: the span from the first send to the last token
     span = max(o.last or 0.0 for o in outcomes)
     assert abs(summarize(outcomes, TARGETS)["overall"]["goodput_tok_s"] - 30 / span) < 1e-9
+
+
+def test_a_served_retry_counts_as_an_admitted_request_of_its_own():
+    """A client refused, then served on its retry: the retry's tokens count in goodput
+    and its SLO (TTFT from its own send) in the admitted attainment; the shed count is
+    of the clients' first requests."""
+    refused = Outcome("batch", 1.0, 429, 1.01, retry_after="1.5", reason="capacity")
+    refused.retry = _ok("batch", 2.5, 2.6, 2.6 + 0.040 * 19, 20)  # on pace from its send
+    late = Outcome("interactive", 0.0, 429, 0.01, retry_after="1", reason="capacity")
+    late.retry = _ok("interactive", 1.0, 2.5, 2.5 + 0.009 * 9, 10)  # TTFT 1.5 s > 1 s
+    s = summarize([refused, late], TARGETS, duration_s=2.0)
+    b, it = s["classes"]["batch"], s["classes"]["interactive"]
+    assert (b["requests"], b["shed"], b["admitted"], b["admitted_first_try"]) == (1, 1, 1, 0)
+    assert b["goodput_tok_s"] == 10.0 and b["admitted_attainment"] == 1.0
+    assert it["admitted_missed_ttft"] == 1 and it["admitted_attainment"] == 0.0
+    assert s["overall"]["retries_admitted"] == 2 and s["overall"]["goodput_tok_s"] == 10.0

@@ -124,6 +124,10 @@ PACE_TOLERANCE = 0.05
 TTFT_MARGIN = 0.2
 
 
+# an idle engine keeps its room for the held seats' clients due back before a new
+# request would be done when at least this many are expected (the seats due then, times
+# the share of clients that came back): more likely than not, one comes
+RESERVED = 0.5
 # reason of a queued request ended at its TTFT deadline
 TTFT_DEADLINE = "ttft_deadline"
 # the one-sided confidence of the upper bound on the chance a strict request admitted
@@ -139,9 +143,12 @@ _RefusalKey = tuple[str, float | None, float | None, str | None, bool, int, int,
 _Refusal = tuple[str, str, float]
 # refusals a looser class can avoid (a full queue is full for every class)
 DEGRADABLE = ("capacity", "ttft")
-# refusals for lack of room in the batch (decode capacity, KV): they make it contended
-# (a TTFT refusal is the prefill queue ahead, which deadlines order, not seats)
-_CONTENDED = ("capacity", KV_FULL)
+# reason of a new request refused by an idle engine whose room is kept for a held seat's
+# client due back (``_reserved``; not remembered: the seat's due time moves the answer)
+RESERVED_SEAT = "seat_reserved"
+# refusals for lack of room in the batch (decode capacity, KV, a seat kept): they make it
+# contended (a TTFT refusal is the prefill queue ahead, which deadlines order, not seats)
+_CONTENDED = ("capacity", KV_FULL, RESERVED_SEAT)
 # a pass counts as a prefill pass for the measured pass time when it carries at least
 # this share of the chunk
 _PREFILL_PASS_SHARE = 0.5
@@ -166,7 +173,8 @@ class AdmissionControl(PrefillForecast):
         self.prefill_per_pass: float | None = None  # prefill tokens per pass
         self.context: float | None = None  # context tokens per request in a pass
         self.paces = ClassPaces()  # each class's measured pace, overall and by load
-        self._finishes: deque[float] = deque()
+        self._finishes: deque[tuple[float, float]] = deque()
+        self.busy_s = 0.0
         # class -> (time, prompt tokens, ttft) of the requests admitted lately
         self._admits: dict[str, deque[tuple[float, int, float | None]]] = {}
         # class -> log(realised / predicted) of its admitted requests' TPOT and TTFT
@@ -262,6 +270,7 @@ class AdmissionControl(PrefillForecast):
         dur_ms = max(tr.duration_s, cadence_s or 0.0) * 1000.0
         if dur_ms <= 0:
             return
+        self.busy_s += dur_ms / 1000.0
         prefill = sum(tr.prefill.values())
         if prefill >= _PREFILL_PASS_SHARE * self.sched.cfg.max_prefill_tokens:
             self.pass_ms = _mix(self.pass_ms, dur_ms, 0.2)
@@ -316,9 +325,8 @@ class AdmissionControl(PrefillForecast):
         class's output length and the calibration of its predictions; its promise is
         counted against whether it met its SLO."""
         self._epoch += 1
-        self._finishes.append(t)
-        while self._finishes and self._finishes[0] < t - FINISH_WINDOW_S:
-            self._finishes.popleft()
+        self._finishes.append((t, self.busy_s))
+        self._recent_finishes(t)
         err = self._err_at.pop(seq.rid, None) if seq is not None else None
         if seq is None or seq.cancelled or seq.first_token_at is None:
             return
@@ -641,7 +649,9 @@ class AdmissionControl(PrefillForecast):
         a refusal for room holds a seat for the client's retry (``e.retry_token``)."""
         if e.reason in _CONTENDED:
             self.fair.refused_room(seq.tenant, now)
-            rate = self.finish_rate(now)
+            # the seats are spaced by the rate the batch frees room while it has work
+            # (the wall-clock rate counts the idle time the seats are to fill)
+            rate = self.busy_finish_rate(now)
             e.retry_token, e.retry_after_s = self.seats.hold(
                 now, e.retry_after_s, 1.0 / rate if rate else 0.0
             )
@@ -729,8 +739,11 @@ class AdmissionControl(PrefillForecast):
         if not s.running and not s.waiting:
             # nothing runs or waits: the request is served alone, at once, as well as
             # this machine can serve it; what predictions say of load (recent arrivals,
-            # a pace measured in a burst now gone) does not apply to an idle engine
-            return None
+            # a pace measured in a burst now gone) does not apply to an idle engine.
+            # Unless a client told to come back for a seat is due before it would be
+            # done: the seat is kept for it (a reservation: a new request that fits in
+            # the gap is served, EASY backfilling)
+            return self._reserved(seq, now)
         kv = self.kv_verdict(seq, now)
         if kv is not None:
             return kv
@@ -787,6 +800,37 @@ class AdmissionControl(PrefillForecast):
             return unfair
         self._pred = (chance, pred_tpot, pred_ttft)
         return None
+
+    def alone_s(self, seq: SeqState, now: float) -> float:
+        """Predicted seconds ``seq`` takes served alone: its prefill, then its output
+        (its limit, or its class's measured length when shorter) at its class's pace for
+        a request alone (its TPOT target while unmeasured)."""
+        slo = seq.slo
+        out = float(seq.max_new_tokens)
+        if (known := self.out_len.get(slo.cls)) is not None:
+            out = min(out, known)
+        pace = None
+        if slo.tpot_ms is not None:
+            pace = self.pace_at(slo.cls, 1.0, slo.tpot_ms, now)
+        pace = pace if pace is not None else (slo.tpot_ms or 0.0)
+        return (self.alone_ms(seq) + out * pace) / 1000.0
+
+    def _reserved(self, seq: SeqState, now: float) -> AdmissionRejected | None:
+        """The refusal of a new request into an idle engine while a held seat's client is
+        more likely than not (``RESERVED``) due back before it would be done (None: it
+        is served)."""
+        if seq.retry_token is not None:
+            return None
+        until = now + self.alone_s(seq, now)
+        if self.seats.due_between(now, until) < RESERVED:
+            return None
+        rate = self.busy_finish_rate(now)
+        return AdmissionRejected(
+            f"a seat is held for a client told to come back within {until - now:.2f} s, "
+            "before this request would be done",
+            RESERVED_SEAT,
+            max(CAPACITY_RETRY_S, 1.0 / rate) if rate else CAPACITY_RETRY_S,
+        )
 
     def expired(self, now: float) -> list[SeqState]:
         """The queued requests never started that can no longer make their TTFT

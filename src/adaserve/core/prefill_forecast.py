@@ -29,20 +29,35 @@ class PrefillForecast:
     pass_ms: float | None  # measured passes carrying a prefill chunk
     context: float | None  # context tokens per request in a pass
     _speeds: deque[float]  # measured / predicted pass time, recent passes
-    _finishes: deque[float]  # finish times of running requests, recent window
+    # (finish time, busy seconds so far then) of running requests, recent window
+    _finishes: deque[tuple[float, float]]
+    busy_s: float  # seconds of passes so far (each at least its start-to-start cadence)
     # class -> (time, prompt tokens, ttft) of the requests admitted lately
     _admits: dict[str, deque[tuple[float, int, float | None]]]
 
     def finish_rate(self, now: float) -> float | None:
         """Running requests finishing per second over the recent window (None: too few
         finishes to tell)."""
-        f = self._finishes
-        while f and f[0] < now - FINISH_WINDOW_S:
-            f.popleft()
+        f = self._recent_finishes(now)
         if len(f) < MIN_FINISHES:
             return None
-        span = max(now - f[0], 1e-3)
+        span = max(now - f[0][0], 1e-3)
         return len(f) / span
+
+    def busy_finish_rate(self, now: float) -> float | None:
+        """Running requests finishing per second the engine was busy (passing) over the
+        recent window: the rate it frees seats while it has work, which the wall-clock
+        rate understates by its idle time (None: too few finishes to tell)."""
+        f = self._recent_finishes(now)
+        if len(f) < MIN_FINISHES:
+            return None
+        return len(f) / max(self.busy_s - f[0][1], 1e-3)
+
+    def _recent_finishes(self, now: float) -> deque[tuple[float, float]]:
+        f = self._finishes
+        while f and f[0][0] < now - FINISH_WINDOW_S:
+            f.popleft()
+        return f
 
     def _arrivals(self, now: float) -> dict[str, tuple[float, float, float]]:
         """Per class with a TTFT target: its admitted requests per second over the

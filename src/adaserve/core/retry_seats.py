@@ -6,11 +6,12 @@ So a refusal for room holds a seat under a retry token (``AdmissionRejected.retr
 the ``Retry-Token`` header of the 429), due at its Retry-After. The seats are a queue:
 each comes due no earlier than one finish interval after the one held before it, and
 the Retry-After told is the wait to that due time (at 3x capacity a burst of refusals
-told the same wait came back as a burst the batch could not absorb). A Retry-After is
-whole seconds (RFC 9110's delta-seconds), so the wait told is rounded up and the seat is
-due when its client is told to come, not at the queue's fractional place (clients came
-back up to a second after their seats were due, and found the seats due in that second
-counted ahead of them). Admission counts held seats into the batch a new request is
+told the same wait came back as a burst the batch could not absorb). The wait is told
+to the millisecond (``retry-after-ms``, which the official OpenAI clients honour first)
+and, rounded up, in whole seconds (``Retry-After``, RFC 9110's delta-seconds): the seat is
+due at its place in the queue, and a client that can only read whole seconds comes back
+up to a second late (it then counts no seat ahead of it: the seats placed before its own
+are due by then). Admission counts held seats into the batch a new request is
 judged at: all of them for a new arrival, for the retry that brings its token back those
 placed before its own whose clients are not yet late (a client on time is not held back
 by one that did not come). Clients that never retry would hold room for nothing, so
@@ -49,12 +50,13 @@ class RetrySeats:
         no earlier than ``spacing_s`` after the last seat held (the seats are a queue:
         each takes one leaving request, so clients told apart come back apart, not in a
         burst the batch cannot absorb); its token and the wait it is due in, whole
-        seconds (at least 1: what a Retry-After can say)."""
+        seconds, at least 1 (the seat's due time: ``retry-after-ms`` says it exactly;
+        ``Retry-After`` rounds it up to whole seconds)."""
         self._n += 1
         token = f"{self._n:x}-{secrets.token_hex(6)}"
         last = max((p for p, _, _ in self._seats.values()), default=-math.inf)
         place = max(now + wait_s, last + spacing_s)
-        wait = max(1.0, float(math.ceil(place - now - 1e-9)))
+        wait = max(1.0, round(place - now, 3))  # what a header can say: whole ms
         due = now + wait
         self._seats[token] = (place, due, due + max(SEAT_GRACE_S, 0.5 * wait))
         return token, wait
@@ -64,6 +66,14 @@ class RetrySeats:
         if token is not None and self._seats.pop(token, None) is not None:
             self.returns.append(True)
             self.released += 1
+
+    def due_between(self, now: float, until: float) -> float:
+        """Seats whose clients are due from ``now`` to ``until`` (not late), times the
+        share of held seats whose client came back lately."""
+        if not self.returns:
+            return 0.0
+        back = sum(self.returns) / len(self.returns)
+        return back * sum(1 for _, due, _ in self._seats.values() if now <= due <= until)
 
     def ahead(self, token: str | None, now: float) -> float:
         """Seats ahead of a request, times the share of held seats whose client came

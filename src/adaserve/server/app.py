@@ -62,6 +62,7 @@ from adaserve.server.protocol import (
     VersionResponse,
 )
 from adaserve.server.render import JSON, error_response
+from adaserve.server.retry_match import body_digest
 from adaserve.server.state import ServerState
 from adaserve.server.tokenize import detokenize, parse_tokenize, tokenize
 from adaserve.server.usage_routes import create_usage_routes, past_report
@@ -76,7 +77,8 @@ log = logging.getLogger("adaserve.server")
 
 # the endpoints whose requests the tenant's request quotas (requests per minute,
 # concurrency) count: whatever becomes of them once their body is read
-QUOTA_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+QUOTA_PATHS = (*GENERATION_PATHS, "/tokenize", "/detokenize")
 
 
 class _Guard:
@@ -171,6 +173,8 @@ class _Guard:
             if not msg.get("more_body", False):
                 break
         data = b"".join(chunks)
+        if scope["path"] in GENERATION_PATHS:  # a retry without its seat's token is known by it
+            scope.setdefault("state", {})["body_digest"] = body_digest(data)
         if data and is_json_content(Headers(scope=scope).get("content-type")):
             bad = json_encoding_error(data)  # UTF-16/32: Python's json would take it
             if bad is not None:

@@ -56,8 +56,12 @@ class ApiError(AdaServeError):
 
 
 def retry_after(seconds: float) -> dict[str, str]:
-    """A ``Retry-After`` header (whole seconds, at least 1)."""
-    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+    """The wait before a retry: ``Retry-After`` in whole seconds rounded up, at least 1
+    (RFC 9110), and ``retry-after-ms`` to the millisecond (Azure OpenAI's header, which
+    the official OpenAI clients read first): a seat held for the retry is due at the
+    exact wait (``core.retry_seats``)."""
+    ms = max(1, math.ceil(seconds * 1000.0 - 1e-6))
+    return {"Retry-After": str(max(1, math.ceil(seconds - 1e-9))), "retry-after-ms": str(ms)}
 
 
 # ---------------------------------------------------------------------- kinds

@@ -150,6 +150,10 @@ async def generate(
         grammars = [None] * len(params)
         if constraint is not None:  # compiled off the loop; a bad one is a 400
             grammars = await grammar_states(state, constraint, len(params))
+        digest = getattr(request.state, "body_digest", None)
+        token = (request.headers.get(RETRY_TOKEN) or "")[:64] or state.retry_match.claim(
+            tenant.name, digest, request.headers
+        )
         for i, ids in enumerate(prompts):
             for j in range(n):
                 ctx = RequestCtx(
@@ -175,7 +179,7 @@ async def generate(
                         grammar=grammars[i * n + j],
                         cache_salt=tenant.cache_salt(body.cache_salt),
                         tenant=tenant.name,
-                        retry_token=(request.headers.get(RETRY_TOKEN) or "")[:64] or None,
+                        retry_token=token,
                     )
                 )
                 if constraint is not None:
@@ -188,7 +192,11 @@ async def generate(
         )
         for r in results:
             if isinstance(r, BaseException):
-                raise submit_error(state, r, choice.cls.name, prompt_param, tenant.name)
+                err = submit_error(state, r, choice.cls.name, prompt_param, tenant.name)
+                held = getattr(r, "retry_token", None)
+                if held is not None:  # its client may retry without the token
+                    state.retry_match.remember(tenant.name, digest, held, r.retry_after_s)
+                raise err
         meta = Meta(
             id=acc.id,
             created=int(time.time()),

@@ -222,9 +222,13 @@ class RetryHold:
 
 
 def retry_after_s(e: ApiError) -> float:
-    """The ``Retry-After`` seconds of an answer (0 without one)."""
+    """The wait an answer told, in seconds: its ``retry-after-ms`` (exact), else its
+    ``Retry-After`` (0 without either)."""
+    h = e.headers or {}
     try:
-        return float((e.headers or {}).get("Retry-After", 0))
+        if "retry-after-ms" in h:
+            return float(h["retry-after-ms"]) / 1000.0
+        return float(h.get("Retry-After", 0))
     except ValueError:
         return 0.0
 

@@ -27,6 +27,7 @@ from adaserve.server.iterations import IterationLog
 from adaserve.server.metrics import ServerMetrics
 from adaserve.server.quotas import QuotaBook, RetryHold
 from adaserve.server.report import Record, ReportStore
+from adaserve.server.retry_match import RetryMatch
 from adaserve.server.stats_log import StatsLogger, startup_summary
 from adaserve.server.usage import UsageBook
 from adaserve.text.chat_template import ChatTemplate
@@ -122,6 +123,7 @@ class ServerState:
         self.tenants = TenantRegistry.for_config(cfg)
         self.quotas = QuotaBook(cfg.tenants)
         self.retry_hold = RetryHold(cfg.quota_hold_s)
+        self.retry_match = RetryMatch()  # seats of refused clients that retry without the token
         self.usage = UsageBook()
         # budgets longer than a minute, started from the ledger at start-up
         self.budgets = BudgetBook(
