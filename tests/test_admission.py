@@ -619,18 +619,19 @@ def test_a_refusal_for_room_holds_a_seat_for_its_retry():
     assert q.retry_token is None
 
 
-def test_held_seats_are_a_queue_at_the_finish_rate():
+def test_held_seats_are_a_queue_at_the_rate_the_batch_frees_room():
     """Seats come due no closer than one finish apart, in the order they were held (a
     burst of refusals told the same wait would come back as a burst the batch cannot
-    absorb); the Retry-After given is the wait to the seat's due time, whole seconds up
-    (what the header can say: the seat is due when its client is told to come)."""
+    absorb), at the finishes per second the engine was busy (its idle time is what the
+    seats are to fill: the wall-clock rate spaced them wider and wider); the wait told
+    is to the seat's place, to the millisecond (``retry-after-ms``), at least 1 s."""
     from adaserve.core.retry_seats import RetrySeats
 
     seats = RetrySeats()
     waits = [seats.hold(10.0, 1.0, 0.5)[1] for _ in range(3)]
-    assert waits == [1.0, 2.0, 2.0]  # placed at 11, 11.5 and 12 s
+    assert waits == [1.0, 1.5, 2.0]  # placed at 11, 11.5 and 12 s
     assert seats.hold(10.0, 9.0, 0.5)[1] == 9.0  # already later: kept
-    assert seats.hold(12.0, 0.2, 0.5)[1] == 8.0  # behind the last one (19.5 s), rounded up
+    assert seats.hold(12.0, 0.2, 0.5)[1] == 7.5  # behind the last one (19.5 s)
     assert seats.hold(30.0, 0.2)[1] == 1.0  # never under a second
     # through admission: the refusal's Retry-After becomes the seat's wait
     clock = ManualClock(0.0)
@@ -640,15 +641,17 @@ def test_held_seats_are_a_queue_at_the_finish_rate():
     ac.refused(_Req(2, _slo("chat"), 0.0), e2, 0.0)
     assert e1.retry_after_s == 2.0  # the finish rate is not measured yet: no spacing
     assert e2.retry_after_s == 2.0
-    for i in range(20):  # 2 finishes per second
+    assert ac.busy_finish_rate(0.0) is None
+    for i in range(20):  # 2 finishes per second, the engine busy half the time
+        ac.busy_s += 0.25
         ac.observe_finish(0.5 * i)
     clock.set(10.0)
     e3, e4 = AdmissionRejected("full", "capacity", 2.0), AdmissionRejected("full", "capacity", 2.0)
     ac.refused(_Req(3, _slo("chat"), 10.0), e3, 10.0)
     ac.refused(_Req(4, _slo("chat"), 10.0), e4, 10.0)
-    rate = ac.finish_rate(10.0)
-    assert rate == pytest.approx(2.0, rel=0.1)
-    assert e3.retry_after_s == 2.0 and e4.retry_after_s == math.ceil(2.0 + 1.0 / rate)
+    wall, busy = ac.finish_rate(10.0), ac.busy_finish_rate(10.0)
+    assert wall == pytest.approx(2.0, rel=0.1) and busy == pytest.approx(2 * wall, rel=0.1)
+    assert e3.retry_after_s == 2.0 and e4.retry_after_s == pytest.approx(2.0 + 1.0 / busy, abs=1e-3)
 
 
 def test_a_retry_on_time_is_not_held_back_by_a_client_that_did_not_come():

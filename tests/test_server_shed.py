@@ -77,6 +77,38 @@ def test_engine_admission_rejection_maps_to_429(srv, monkeypatch):
     srv.client().completions.create(model="m", prompt="x", max_tokens=1)
 
 
+def test_the_official_client_retries_into_the_seat_it_was_told_of(srv, monkeypatch):
+    """A refusal that held a seat tells the wait to the millisecond (``retry-after-ms``)
+    and in whole seconds (``Retry-After``). The official OpenAI client retries by itself
+    after the exact wait without sending the ``Retry-Token`` back; its marked retry with
+    the same body claims the seat. A fresh request repeating the body claims nothing."""
+    engine = srv.state.loop.engine
+    real = engine.add_request
+    seen: list[str | None] = []
+
+    def add(*a, retry_token=None, **k):
+        seen.append(retry_token)
+        if len(seen) % 2:  # the first of each pair is refused, its seat held
+            e = AdmissionRejected("no room", "capacity", 0.25)
+            e.retry_token = f"seat-{len(seen)}"
+            raise e
+        return real(*a, retry_token=retry_token, **k)
+
+    monkeypatch.setattr(engine, "add_request", add)
+    with srv.http() as h:
+        r = h.post("/v1/completions", json=_body(max_tokens=1))
+        assert r.status_code == 429
+        assert (r.headers["retry-after"], r.headers["retry-after-ms"]) == ("1", "250")
+        assert r.headers["retry-token"] == "seat-1"
+        assert h.post("/v1/completions", json=_body(max_tokens=1)).status_code == 200
+    assert seen == [None, None]  # a fresh request with the same body: no seat claimed
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=1, timeout=60)
+    out = client.completions.create(**_body(max_tokens=1))
+    assert out.choices[0].finish_reason == "length"
+    assert seen == [None, None, None, "seat-3"]
+    assert srv.state.retry_match.claimed == 1
+
+
 def test_request_shed_from_the_queue_gets_429(srv):
     """A waiting request that the scheduler drops (here: by hand) is answered 429."""
     result = {}

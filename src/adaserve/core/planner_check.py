@@ -60,6 +60,9 @@ class PlannerCheck:
         self._steady: float | None = None  # the steady count of decoders (Little's law)
         self._held = 0.0
         self._n_life = 1.0  # the batch's count over the life, before the held seats
+        # the largest batch, the request judged included, the last refusal found
+        # feasible (None: not found)
+        self.room: int | None = None
 
     def off_pace(
         self, seq: SeqState, rank: int, now: float
@@ -85,6 +88,7 @@ class PlannerCheck:
         decode time they have spent: their credit and deficit, over their expected
         remaining tokens)."""
         s = self.adm.sched
+        self.room = None
         # (requests that wait count: between two passes the engine may hold only
         # waiting ones, and a burst that arrives then is the batch it would join)
         if s.hw is None or not (s.running or s.waiting) or self.adm.decode_s is None:
@@ -114,6 +118,7 @@ class PlannerCheck:
                 lo = mid
             else:
                 hi = mid
+        self.room = lo
         # the steady count is of what is offered, but what comes will be admitted only
         # while it fits: over its life the batch relaxes toward the offered count, at
         # most the largest batch the planner finds feasible

@@ -67,13 +67,10 @@ class RetrySeats:
             self.returns.append(True)
             self.released += 1
 
-    def due_between(self, now: float, until: float) -> float:
-        """Seats whose clients are due from ``now`` to ``until`` (not late), times the
-        share of held seats whose client came back lately."""
-        if not self.returns:
-            return 0.0
-        back = sum(self.returns) / len(self.returns)
-        return back * sum(1 for _, due, _ in self._seats.values() if now <= due <= until)
+    def gone_at(self, token: str | None) -> float | None:
+        """When the seat of ``token`` lapses (None: no such seat held)."""
+        seat = self._seats.get(token or "")
+        return None if seat is None else seat[2]
 
     def ahead(self, token: str | None, now: float) -> float:
         """Seats ahead of a request, times the share of held seats whose client came

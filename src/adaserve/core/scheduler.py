@@ -438,6 +438,10 @@ class Scheduler:
         bs = self.cfg.block_size
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             r = self.waiting[0]
+            if r.room_for is not None:  # a seat's client at the door: its room first
+                if len(self.running) >= r.room_for and self.now < r.door_until:
+                    break  # first in line: none behind it starts either
+                r.room_for = None
             hit = self._match(r)
             held = sum(1 for b in hit if self.allocator.refcount(b) == 0)
             first_chunk = min(r.uncached - len(hit) * bs, self.cfg.max_prefill_tokens) + 1

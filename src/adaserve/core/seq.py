@@ -15,6 +15,7 @@ Invariants (kept by the ``Scheduler``):
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 
 from adaserve.core.blocks import BlockTable
@@ -73,6 +74,8 @@ class SeqState:
         "pred_tpot_ms",
         "pred_ttft_ms",
         "retry_token",
+        "room_for",
+        "door_until",
         "draft_steps",
         "draft_ratio",
         "seen_accepted",
@@ -116,6 +119,10 @@ class SeqState:
         self.pred_tpot_ms: float | None = None
         self.pred_ttft_ms: float | None = None
         self.retry_token: str | None = None  # the seat it was told to come back for
+        # a seat's client admitted at the door (``AdmissionControl._door``): it starts
+        # once fewer than ``room_for`` requests run, or at ``door_until`` (its latest start)
+        self.room_for: int | None = None
+        self.door_until = math.inf
         # its drafts' confidence against the plans' (``record_drafts``): speculating
         # steps remembered, and the mean ratio over them
         self.draft_steps = 0.0
