@@ -103,7 +103,10 @@ def test_the_official_client_retries_into_the_seat_it_was_told_of(srv, monkeypat
         assert h.post("/v1/completions", json=_body(max_tokens=1)).status_code == 200
     assert seen == [None, None]  # a fresh request with the same body: no seat claimed
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=1, timeout=60)
-    out = client.completions.create(**_body(max_tokens=1))
+    body = _body(max_tokens=1)
+    out = client.completions.create(
+        model=body["model"], prompt=body["prompt"], max_tokens=1, extra_body={"ignore_eos": True}
+    )
     assert out.choices[0].finish_reason == "length"
     assert seen == [None, None, None, "seat-3"]
     assert srv.state.retry_match.claimed == 1

@@ -62,7 +62,10 @@ and at once, so no prediction of load applies.
 A refusal is ``AdmissionRejected`` with a Retry-After near the time the promise could
 be kept again: the time, at the measured finish rate, until enough requests leave the
 batch (pace, KV) or the queue ahead drains by the excess (TTFT). A refusal for room
-holds a seat for the client's retry (``core.retry_seats``). A queued request never
+holds a seat for the client's retry (``core.retry_seats``), spaced at the rate the
+batch frees room while busy; the client back on time for it and refused for room
+waits at the door for that room instead when it frees before its latest start
+(``_door``). A queued request never
 started that can no longer make its TTFT deadline is ended (``ttft_deadline``, a 429).
 
 Torch-free; the engine and the simulator both run it through the ``Scheduler``. Time

@@ -14,7 +14,11 @@ up to a second late (it then counts no seat ahead of it: the seats placed before
 are due by then). Admission counts held seats into the batch a new request is
 judged at: all of them for a new arrival, for the retry that brings its token back those
 placed before its own whose clients are not yet late (a client on time is not held back
-by one that did not come). Clients that never retry would hold room for nothing, so
+by one that did not come). A client on time that finds its room still taken by the
+requests running waits for it at the door, first in line, when they are predicted to
+leave before its latest start (``AdmissionControl._door``), instead of being refused
+again. The official OpenAI clients retry without the token; the server knows their
+retries by body (``server.retry_match``). Clients that never retry would hold room for nothing, so
 held seats count in the share of recent seats whose client came back (``WINDOW`` of
 them). Torch-free; time is the scheduler's clock.
 """
