@@ -11,7 +11,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from adaserve.errors import RETRY_TOKEN
+from adaserve.errors import RETRY_TOKEN, AdmissionRejected
 from adaserve.ledger import OverBudget
 from adaserve.server.accounting import key_id_of
 from adaserve.server.config import Tenant
@@ -193,9 +193,9 @@ async def generate(
         for r in results:
             if isinstance(r, BaseException):
                 err = submit_error(state, r, choice.cls.name, prompt_param, tenant.name)
-                held = getattr(r, "retry_token", None)
-                if held is not None:  # its client may retry without the token
-                    state.retry_match.remember(tenant.name, digest, held, r.retry_after_s)
+                if isinstance(r, AdmissionRejected) and r.retry_token is not None:
+                    # its client may retry without the token (the official clients)
+                    state.retry_match.remember(tenant.name, digest, r.retry_token, r.retry_after_s)
                 raise err
         meta = Meta(
             id=acc.id,
