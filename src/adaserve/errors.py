@@ -26,6 +26,20 @@ class PromptTooLongError(InvalidRequestError):
 RETRY_TOKEN = "Retry-Token"
 
 
+def told_wait_s(headers) -> float | None:
+    """The wait an answer's headers tell, in seconds, as the official OpenAI clients read
+    it: ``retry-after-ms`` (exact) first, else ``Retry-After`` (None: neither, or not a
+    number)."""
+    for name, scale in (("retry-after-ms", 1000.0), ("Retry-After", 1.0)):
+        value = headers.get(name)
+        if value is not None:
+            try:
+                return float(value) / scale
+            except ValueError:
+                continue
+    return None
+
+
 class AdmissionRejected(AdaServeError):
     """Admission control refused a request; ``reason`` says why."""
 

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from adaserve.bench.http_runner import off_server_cores
-from adaserve.errors import RETRY_TOKEN
+from adaserve.errors import RETRY_TOKEN, told_wait_s
 
 DEFAULT_MIX = "interactive=0.6,chat=0.2,batch=0.2"
 # a 429 answered within this many ms of arrival counts as immediate
@@ -65,7 +65,8 @@ async def _one(
             o.status = r.status_code
             o.answered = time.perf_counter() - t0
             if r.status_code != 200:
-                o.retry_after = _wait_header(r.headers)
+                wait = told_wait_s(r.headers)
+                o.retry_after = None if wait is None else str(wait)
                 o.retry_token = r.headers.get(RETRY_TOKEN)
                 try:
                     err = json.loads(await r.aread())["error"]
@@ -97,16 +98,6 @@ async def _one(
     except Exception as e:  # noqa: BLE001 - every failure is part of the report
         o.error = f"{type(e).__name__}: {e}"
     return o
-
-
-def _wait_header(headers) -> str | None:
-    """The wait an answer tells, in seconds, as the official OpenAI clients read it:
-    ``retry-after-ms`` (exact) first, else ``Retry-After``."""
-    ms = headers.get("retry-after-ms")
-    try:
-        return str(float(ms) / 1000.0) if ms is not None else headers.get("retry-after")
-    except ValueError:
-        return headers.get("retry-after")
 
 
 def _seconds(value: str | None, default: float) -> float:

@@ -113,6 +113,7 @@ HOPELESS = 1.5
 if TYPE_CHECKING:
     from adaserve.core.scheduler import Scheduler
     from adaserve.core.seq import SeqState
+    from adaserve.core.slo import SLO
     from adaserve.core.trace import StepTrace
 
 # a class may run this much over its TPOT target per pass before new work is refused
@@ -772,9 +773,6 @@ class AdmissionControl(PrefillForecast):
                     max(CAPACITY_RETRY_S, 1.0 / rate) if rate else CAPACITY_RETRY_S,
                 )
         pred_tpot, pred_ttft = self._own_tpot, None
-        chance = 1.0
-        if slo.tpot_ms is not None and pred_tpot is not None:
-            chance = self.tpot_chance(slo.cls, pred_tpot / slo.tpot_ms) or 1.0
         if slo.ttft_ms:
             t = self.predicted_ttft_ms(seq, now)
             if t is not None:
@@ -789,12 +787,11 @@ class AdmissionControl(PrefillForecast):
                         "ttft",
                         max(1.0, (pred_ttft - budget) / 1000.0),
                     )
-                chance *= self.ttft_chance(slo.cls, slo.ttft_ms, pred_ttft)
         # last: a request refused for room anyway is told that reason, not its share
         unfair = self.fair_share_verdict(seq, now)
         if unfair is not None:
             return unfair
-        self._pred = (chance, pred_tpot, pred_ttft)
+        self._pred = (self._chance(slo, pred_tpot, pred_ttft), pred_tpot, pred_ttft)
         return None
 
     def _door(self, seq: SeqState, room: int, now: float) -> bool:
@@ -807,7 +804,7 @@ class AdmissionControl(PrefillForecast):
         (``SeqState.room_for``; the scheduler's ``admit``), instead of being refused
         again: a client that honoured its Retry-After came when its seat was due, and
         the requests the batch held then finish shortly (on the CPU engine at 3x
-        capacity, 47 of 72 retries refused found one request running)."""
+        capacity, 92 of 111 retries refused found one request running)."""
         s = self.sched
         gone = self.seats.gone_at(seq.retry_token)
         if gone is None or s.waiting or not s.running:
@@ -825,13 +822,20 @@ class AdmissionControl(PrefillForecast):
             return False
         seq.room_for, seq.door_until = room, until
         ttft = (now - seq.arrival + wait_s) * 1000.0 + self.alone_ms(seq)
-        chance = 1.0  # as ``_verdict``'s: its class's, in the room it waits for
-        if slo.tpot_ms is not None and self._own_tpot is not None:
-            chance = self.tpot_chance(slo.cls, self._own_tpot / slo.tpot_ms) or 1.0
-        if slo.ttft_ms:
-            chance *= self.ttft_chance(slo.cls, slo.ttft_ms, ttft)
-        self._pred = (chance, self._own_tpot, ttft)
+        # its class's chance, in the room it waits for
+        self._pred = (self._chance(slo, self._own_tpot, ttft), self._own_tpot, ttft)
         return True
+
+    def _chance(self, slo: SLO, pred_tpot: float | None, pred_ttft: float | None) -> float:
+        """The promise of a request admitted at these predictions: its class's chance of
+        its TPOT at ``pred_tpot`` times that of its TTFT at ``pred_ttft`` (ms; a part
+        not predicted or not targeted counts 1)."""
+        chance = 1.0
+        if slo.tpot_ms is not None and pred_tpot is not None:
+            chance = self.tpot_chance(slo.cls, pred_tpot / slo.tpot_ms) or 1.0
+        if slo.ttft_ms and pred_ttft is not None:
+            chance *= self.ttft_chance(slo.cls, slo.ttft_ms, pred_ttft)
+        return chance
 
     def _left_s(self, r: SeqState) -> float:
         """Predicted seconds until running request ``r`` finishes: its expected output

@@ -53,8 +53,8 @@ class RetrySeats:
         """Hold a seat for a client told at ``now`` to come back in ``wait_s``, placed
         no earlier than ``spacing_s`` after the last seat held (the seats are a queue:
         each takes one leaving request, so clients told apart come back apart, not in a
-        burst the batch cannot absorb); its token and the wait it is due in, whole
-        seconds, at least 1 (the seat's due time: ``retry-after-ms`` says it exactly;
+        burst the batch cannot absorb); its token and the wait it is due in, to the
+        millisecond and at least 1 s (``retry-after-ms`` says it exactly;
         ``Retry-After`` rounds it up to whole seconds)."""
         self._n += 1
         token = f"{self._n:x}-{secrets.token_hex(6)}"

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from adaserve.errors import told_wait_s
 from adaserve.server.config import Tenant
 from adaserve.server.errors import ApiError, retry_after
 
@@ -222,15 +223,8 @@ class RetryHold:
 
 
 def retry_after_s(e: ApiError) -> float:
-    """The wait an answer told, in seconds: its ``retry-after-ms`` (exact), else its
-    ``Retry-After`` (0 without either)."""
-    h = e.headers or {}
-    try:
-        if "retry-after-ms" in h:
-            return float(h["retry-after-ms"]) / 1000.0
-        return float(h.get("Retry-After", 0))
-    except ValueError:
-        return 0.0
+    """The wait an answer told, in seconds (``told_wait_s``; 0 without one)."""
+    return told_wait_s(e.headers or {}) or 0.0
 
 
 def _tokens_error(tenant: Tenant, prompt_tokens: int, outputs: list[int], wait_s: float):
