@@ -658,9 +658,9 @@ def test_a_seat_client_on_time_waits_at_the_door_for_the_room_it_was_refused():
     """A client back on time for its seat, refused for room, is admitted at the door
     when the running requests are predicted to leave before its latest start: it waits
     first in line (none behind it starts) until fewer than ``room_for`` run, or until
-    its latest start; a fresh request, a seat already lapsed, another request waiting
-    or a wait past its TTFT get the refusal (the CPU engine at 3x capacity: retries
-    admitted 27-45% before, 71-76% with the door)."""
+    its latest start; a fresh request (no seat held), another request waiting or a
+    wait past its latest start get the refusal (the CPU engine at 3x capacity: retries
+    admitted 31-48% before, 71-86% with the door)."""
     clock = ManualClock(10.0)
     sched = _sched(clock)
     ac = sched.admission
