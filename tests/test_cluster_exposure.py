@@ -266,7 +266,7 @@ def _sse(i: int) -> bytes:
     return f'data: {{"choices": [{{"index": 0, "text": "t{i}"}}]}}\n\n'.encode()
 
 
-async def _post(app, body: bytes) -> list[dict]:
+async def _post(app, body: bytes, headers: tuple = (), key: bytes = b"sk-user") -> list[dict]:
     sent, got = [], False
 
     async def receive():
@@ -286,9 +286,10 @@ async def _post(app, body: bytes) -> list[dict]:
         "raw_path": b"/v1/completions",
         "query_string": b"",
         "headers": [
-            (b"authorization", b"Bearer sk-user"),
+            (b"authorization", b"Bearer " + key),
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
+            *headers,
         ],
         "client": ("127.0.0.1", 5000),
         "server": ("127.0.0.1", 8000),
@@ -335,6 +336,90 @@ def test_tokens_a_dying_replica_had_streamed_are_counted():
     assert rep["tenants"]["user"]["classes"]["chat"]["completion_tokens"] == 5
     assert rep["engine"]["interrupted"] == {"requests": 1, "completion_tokens": 5}
     assert merge_report(led.snapshots(), "other", "m")["engine"]["interrupted"]["requests"] == 0
+
+
+class SeatHandle:
+    """A deployment handle over two replicas that records each request's route; r2
+    answers the first request 429 with a seat (``Retry-Token``), the rest 200."""
+
+    def __init__(self):
+        self.routes: list[dict] = []
+
+    def options(self, **kw):
+        return self
+
+    def remote(self, route, req):
+        self.routes.append(dict(route))
+        first = len(self.routes) == 1
+        status, rid = (429, b"r2") if first else (200, route.get("replica", "r1").encode())
+        headers = [(b"content-type", b"application/json"), (b"x-adaserve-replica", rid)]
+        if first:
+            headers += [(b"retry-after", b"3"), (b"retry-after-ms", b"2500"),
+                        (b"retry-token", b"seat-7")]  # fmt: skip
+
+        class Gen:
+            def __aiter__(self):
+                async def it():
+                    yield ("accepted",)
+                    yield ("many", [("start", status, headers), ("body", b"{}", False)])
+
+                return it()
+
+            def cancel(self):
+                pass
+
+        return Gen()
+
+
+def test_a_retry_goes_back_to_the_replica_holding_its_seat():
+    """Behind replicas the seat of a refused client is held by the replica that refused
+    it: the front door remembers that replica from the 429 (its ``Retry-Token`` and
+    ``x-adaserve-replica``) and routes the retry there, whether it brings the token or
+    is the official OpenAI client's own marked retry of the same body from the same
+    caller; a fresh request with that body, or another caller's, is routed as any."""
+    cfg = parse_config(tomllib.loads(CONFIG + '[tenants.other]\nkeys = ["sk-other"]\n'))
+    led = Ledger(cfg.tenants, stale_s=5.0, clock=Clock())
+    handle = SeatHandle()
+    front = FrontDoor(handle, AsActor(led), cfg, "m")
+    body = json.dumps({"model": "m", "prompt": "x"}).encode()
+    sent = asyncio.run(_post(front, body))
+    assert sent[0]["status"] == 429 and "replica" not in handle.routes[0]
+    asyncio.run(_post(front, b'{"model": "m", "prompt": "y"}', ((b"retry-token", b"seat-7"),)))
+    asyncio.run(_post(front, body, ((b"x-stainless-retry-count", b"1"),)))
+    asyncio.run(_post(front, body))  # unmarked: a new request
+    asyncio.run(_post(front, body, ((b"x-stainless-retry-count", b"1"),), key=b"sk-other"))
+    asyncio.run(_post(front, body, ((b"retry-token", b"seat-8"),)))  # a seat it never saw
+    assert [r.get("replica") for r in handle.routes[1:]] == ["r2", "r2", None, None, None]
+    assert front.seats.routed == 2
+
+
+def test_the_seat_routes_lapse_with_the_seats():
+    """A seat's route is kept as long as admission keeps the seat (its wait, then its
+    grace: ``core.retry_seats``), and a 429 without a seat (a quota's) leaves none."""
+    from adaserve.cluster.seat_routes import SeatRoutes, caller_key
+    from adaserve.core.retry_seats import SEAT_GRACE_S
+
+    clock = Clock()
+    routes = SeatRoutes(clock=clock)
+    me = caller_key("Bearer sk-user")
+    told = {"x-adaserve-replica": "r3", "Retry-Token": "t1", "retry-after-ms": "4000"}
+    routes.remember(told, me, b"body")
+    routes.remember({"x-adaserve-replica": "r1", "Retry-After": "1"}, me, b"quota")
+    assert routes.replica_for({"Retry-Token": "t1"}, me, b"") == "r3"
+    marked = {"x-stainless-retry-count": "2"}
+    assert routes.replica_for(marked, me, b"body") == "r3"
+    assert routes.replica_for(marked, me, b"quota") is None
+    assert routes.replica_for(marked, caller_key(None), b"body") is None
+    clock.t = 4.0 + SEAT_GRACE_S + 0.01  # past the seat's wait and grace
+    assert routes.replica_for({"Retry-Token": "t1"}, me, b"") is None
+
+
+def test_the_ray_router_puts_the_seat_s_replica_first():
+    from adaserve.cluster.ray_router import home_first
+
+    assert home_first(["r1", "r2", "r3"], "r3") == ["r3", "r1", "r2"]
+    assert home_first(["r1", "r2"], "gone") == ["r1", "r2"]  # not a candidate any more
+    assert home_first(["r1", "r2"], None) == ["r1", "r2"]
 
 
 def test_replica_relay_tags_what_it_sends_with_its_tokens():

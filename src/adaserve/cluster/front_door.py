@@ -47,6 +47,7 @@ from starlette.datastructures import Headers
 
 from adaserve.cluster.asgi import request_data
 from adaserve.cluster.merge import merge_dashboard, merge_metrics, merge_report
+from adaserve.cluster.seat_routes import SeatRoutes, caller_key
 from adaserve.server.auth import AUTH_PATHS, TenantRegistry, client_of
 from adaserve.server.config import ServerConfig
 from adaserve.server.dashboard import Dashboard
@@ -215,6 +216,7 @@ class FrontDoor:
         )
         self._usage_lock = threading.Lock()
         self.failed = FailedRequests(model_name)  # answered replica_failed, by class
+        self.seats = SeatRoutes()  # the replica holding each refused client's seat
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -275,7 +277,14 @@ class FrontDoor:
     # ------------------------------------------------------------------ forwarding
     async def _forward(self, scope, receive, send, body: bytes) -> None:
         req = request_data(scope, body)
-        route = route_of(scope["path"], Headers(scope=scope), body)
+        headers = Headers(scope=scope)
+        route = route_of(scope["path"], headers, body)
+        caller = caller_key(headers.get("authorization"))
+        if route.get("generation"):
+            # a retry goes back to the replica that holds its seat (``cluster.seat_routes``)
+            home = self.seats.replica_for(headers, caller, body)
+            if home is not None:
+                route["replica"] = home
         gone = asyncio.ensure_future(_wait_disconnect(receive))
         accepted = started = False
         sse = False
@@ -307,6 +316,8 @@ class FrontDoor:
                             elif m[0] == "start":
                                 started = True
                                 sse = _is_sse(m[2])
+                                if m[1] == 429 and route.get("generation"):
+                                    self.seats.remember(_header_map(m[2]), caller, body)
                                 await send(
                                     {"type": "http.response.start", "status": m[1], "headers": m[2]}
                                 )
@@ -441,6 +452,11 @@ class FrontDoor:
         as_of = time.perf_counter() - front.started_at
         names = list(front.tenants.tenants)
         return await asyncio.to_thread(merge_dashboard, snaps, front.model_name, names, as_of)
+
+
+def _header_map(headers) -> Headers:
+    """A response's raw ``[(name, value)]`` headers, read case-insensitively."""
+    return Headers(raw=[(bytes(k).lower(), bytes(v)) for k, v in headers])
 
 
 def _is_sse(headers) -> bool:

@@ -99,7 +99,7 @@ class AdaServeRequestRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         stats = [self._with_sent(rid, r.routing_stats, now) for rid, r in by_id.items()]
         req = route_request(route, stats, self.default_class)
-        order = self.policy.rank(req, stats)
+        order = home_first(self.policy.rank(req, stats), route.get("replica"))
         self.decisions += 1
         ranked = [[by_id[rid]] for rid in order if rid in by_id]
         # Ray sends it to the first that accepts: almost always this one; the router's
@@ -135,6 +135,14 @@ class AdaServeRequestRouter(RequestRouter):
         for _, route in q or ():
             s = with_routed(s, route_request(route, [s], self.default_class))
         return s
+
+
+def home_first(order: list[str], home: str | None) -> list[str]:
+    """``order`` with ``home`` first: a retry goes back to the replica holding its seat
+    (``cluster.seat_routes``) while it is a candidate; the ranking as it was otherwise."""
+    if home is None or home not in order:
+        return order
+    return [home, *(r for r in order if r != home)]
 
 
 def _route_of(pending_request: PendingRequest | None) -> dict | None:

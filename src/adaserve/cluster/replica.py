@@ -32,12 +32,11 @@ import threading
 import time
 from typing import Any
 
+from adaserve.cluster.seat_routes import REPLICA_HEADER
 from adaserve.config import EngineConfig
 from adaserve.server.config import ServerConfig
 
 log = logging.getLogger("adaserve.cluster")
-
-REPLICA_HEADER = "x-adaserve-replica"
 
 # the engine handles of the request an app task serves (``relay`` sets it, ``count_handles``'
 # ``submit`` appends to it)
