@@ -25,6 +25,7 @@ TORCH_FREE_MODULES = (
     "adaserve.cluster.shared_quotas",
     "adaserve.cluster.merge",
     "adaserve.cluster.asgi",
+    "adaserve.cluster.seat_routes",  # the front door's seat map
     "adaserve.bench.workload",
     "adaserve.bench.workload_spec",
     "adaserve.bench.arrivals",
@@ -110,7 +111,7 @@ ALLOWED = {
         "__init__", "config", "core", "engine", "errors", "ledger", "models", "sampling",
         "spec_decode", "structured", "text", "util",
     },
-    "cluster": {"config", "ledger", "policies", "server", "util"},
+    "cluster": {"config", "core", "errors", "ledger", "policies", "server", "util"},
     "sim": {"bench", "cluster", "core", "errors", "hardware", "policies", "text", "util"},
     "cli": {
         "__init__", "config", "engine", "errors", "models", "sampling", "sim", "text", "util",
