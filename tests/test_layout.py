@@ -111,7 +111,7 @@ ALLOWED = {
         "__init__", "config", "core", "engine", "errors", "ledger", "models", "sampling",
         "spec_decode", "structured", "text", "util",
     },
-    "cluster": {"config", "core", "errors", "ledger", "policies", "server", "util"},
+    "cluster": {"config", "errors", "ledger", "policies", "server", "util"},
     "sim": {"bench", "cluster", "core", "errors", "hardware", "policies", "text", "util"},
     "cli": {
         "__init__", "config", "engine", "errors", "models", "sampling", "sim", "text", "util",

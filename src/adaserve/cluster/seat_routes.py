@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
-from adaserve.core.retry_seats import SEAT_GRACE_S
 from adaserve.errors import RETRY_TOKEN, told_wait_s
-from adaserve.server.retry_match import MAX_REMEMBERED, body_digest, is_marked_retry
+from adaserve.server.retry_match import (
+    MAX_REMEMBERED,
+    SeatMemory,
+    body_digest,
+    is_marked_retry,
+)
 
 REPLICA_HEADER = "x-adaserve-replica"  # the replica that answered (``cluster.replica``)
 
@@ -41,9 +44,7 @@ class SeatRoutes:
     def __init__(
         self, max_entries: int = MAX_REMEMBERED, clock: Callable[[], float] = time.monotonic
     ):
-        self.max_entries = max_entries
-        self.clock = clock
-        self._routes: OrderedDict[tuple[str, bytes], tuple[str, float]] = OrderedDict()
+        self._routes: SeatMemory[tuple[str, bytes], str] = SeatMemory(max_entries, clock)
         self.routed = 0  # retries sent back to the replica holding their seat
 
     def remember(self, answer: Mapping[str, str], caller: bytes, body: bytes) -> None:
@@ -53,19 +54,9 @@ class SeatRoutes:
         token = answer.get(RETRY_TOKEN)
         if not replica or not token:
             return
-        now = self.clock()
         wait = max(0.0, told_wait_s(answer) or 0.0)
-        until = now + wait + max(SEAT_GRACE_S, 0.5 * wait)
         for key in (("token", token[:64].encode()), ("body", caller + body_digest(body))):
-            self._routes.pop(key, None)
-            self._routes[key] = (replica, until)
-        while len(self._routes) > self.max_entries:
-            self._routes.popitem(last=False)
-        while self._routes:  # the oldest first: drop those lapsed
-            _, (_, t) = next(iter(self._routes.items()))
-            if t >= now:
-                break
-            self._routes.popitem(last=False)
+            self._routes.put(key, replica, wait)
 
     def replica_for(self, headers: Mapping[str, str], caller: bytes, body: bytes) -> str | None:
         """The replica holding the seat a request comes back for: by the ``Retry-Token``
@@ -77,8 +68,7 @@ class SeatRoutes:
             key = ("body", caller + body_digest(body))
         else:
             return None
-        got = self._routes.get(key)
-        if got is None or got[1] < self.clock():
-            return None
-        self.routed += 1
-        return got[0]
+        replica = self._routes.get(key)
+        if replica is not None:
+            self.routed += 1
+        return replica

@@ -17,6 +17,7 @@ import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from typing import Generic, TypeVar
 
 from adaserve.core.retry_seats import SEAT_GRACE_S
 
@@ -25,6 +26,9 @@ RETRY_COUNT_HEADER = "x-stainless-retry-count"
 # seats remembered by body at most (the oldest go first; the seat itself lapses in
 # admission at the same time as here)
 MAX_REMEMBERED = 4096
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 def body_digest(body: bytes) -> bytes:
@@ -40,41 +44,59 @@ def is_marked_retry(headers: Mapping[str, str]) -> bool:
         return False
 
 
-class RetryMatch:
-    """Seat tokens by (tenant, body digest), until their seats lapse."""
+class SeatMemory(Generic[K, V]):
+    """Values by key, each kept as long as admission keeps the seat it is about: a
+    client told at ``put`` to come back in ``wait_s`` has its seat until that wait and
+    the seat's grace have passed (``core.retry_seats``). At most ``max_entries`` (the
+    oldest go first). Also the front door's map of seats to replicas
+    (``cluster.seat_routes``)."""
 
     def __init__(
         self, max_entries: int = MAX_REMEMBERED, clock: Callable[[], float] = time.monotonic
     ):
         self.max_entries = max_entries
         self.clock = clock
-        self._tokens: OrderedDict[tuple[str, bytes], tuple[str, float]] = OrderedDict()
+        self._kept: OrderedDict[K, tuple[V, float]] = OrderedDict()
+
+    def put(self, key: K, value: V, wait_s: float) -> None:
+        now = self.clock()
+        self._kept.pop(key, None)
+        self._kept[key] = (value, now + wait_s + max(SEAT_GRACE_S, 0.5 * wait_s))
+        while len(self._kept) > self.max_entries:
+            self._kept.popitem(last=False)
+        while self._kept:  # the oldest first: drop those lapsed
+            _, (_, until) = next(iter(self._kept.items()))
+            if until >= now:
+                break
+            self._kept.popitem(last=False)
+
+    def get(self, key: K, pop: bool = False) -> V | None:
+        """The value kept under ``key`` while its seat is held (taken out with ``pop``)."""
+        got = self._kept.pop(key, None) if pop else self._kept.get(key)
+        return None if got is None or got[1] < self.clock() else got[0]
+
+
+class RetryMatch:
+    """Seat tokens by (tenant, body digest), until their seats lapse."""
+
+    def __init__(
+        self, max_entries: int = MAX_REMEMBERED, clock: Callable[[], float] = time.monotonic
+    ):
+        self._tokens: SeatMemory[tuple[str, bytes], str] = SeatMemory(max_entries, clock)
         self.claimed = 0  # seats claimed by a marked retry without the token so far
 
     def remember(self, tenant: str, digest: bytes | None, token: str, wait_s: float) -> None:
         """A request of ``tenant`` with body ``digest`` was refused and told to come back
         in ``wait_s`` for the seat of ``token`` (kept as long as admission keeps it)."""
-        if digest is None:
-            return
-        now = self.clock()
-        key = (tenant, digest)
-        self._tokens.pop(key, None)
-        self._tokens[key] = (token, now + wait_s + max(SEAT_GRACE_S, 0.5 * wait_s))
-        while len(self._tokens) > self.max_entries:
-            self._tokens.popitem(last=False)
-        while self._tokens:  # the oldest first: drop those lapsed
-            _, (_, until) = next(iter(self._tokens.items()))
-            if until >= now:
-                break
-            self._tokens.popitem(last=False)
+        if digest is not None:
+            self._tokens.put((tenant, digest), token, wait_s)
 
     def claim(self, tenant: str, digest: bytes | None, headers: Mapping[str, str]) -> str | None:
         """The seat token a marked retry of ``tenant`` with body ``digest`` comes back
         for (once), or None."""
         if digest is None or not is_marked_retry(headers):
             return None
-        got = self._tokens.pop((tenant, digest), None)
-        if got is None or got[1] < self.clock():
-            return None
-        self.claimed += 1
-        return got[0]
+        token = self._tokens.get((tenant, digest), pop=True)
+        if token is not None:
+            self.claimed += 1
+        return token
