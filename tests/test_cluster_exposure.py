@@ -415,11 +415,18 @@ def test_the_seat_routes_lapse_with_the_seats():
 
 
 def test_the_ray_router_puts_the_seat_s_replica_first():
+    """Unless another replica can serve the retry within its targets now and the seat's
+    replica cannot."""
     from adaserve.cluster.ray_router import home_first
 
     assert home_first(["r1", "r2", "r3"], "r3") == ["r3", "r1", "r2"]
     assert home_first(["r1", "r2"], "gone") == ["r1", "r2"]  # not a candidate any more
     assert home_first(["r1", "r2"], None) == ["r1", "r2"]
+    # overloaded everywhere: its turn is kept at home
+    assert home_first(["r1", "r2", "r3"], "r3", set()) == ["r3", "r1", "r2"]
+    assert home_first(["r1", "r2", "r3"], "r3", {"r3"}) == ["r3", "r1", "r2"]
+    # another replica can serve it now and home cannot: served now, not kept waiting
+    assert home_first(["r1", "r2", "r3"], "r3", {"r1"}) == ["r1", "r2", "r3"]
 
 
 def test_replica_relay_tags_what_it_sends_with_its_tokens():

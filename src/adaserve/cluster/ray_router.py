@@ -99,7 +99,9 @@ class AdaServeRequestRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         stats = [self._with_sent(rid, r.routing_stats, now) for rid, r in by_id.items()]
         req = route_request(route, stats, self.default_class)
-        order = home_first(self.policy.rank(req, stats), route.get("replica"))
+        order = home_first(
+            self.policy.rank(req, stats), route.get("replica"), self._fit(req, stats)
+        )
         self.decisions += 1
         ranked = [[by_id[rid]] for rid in order if rid in by_id]
         # Ray sends it to the first that accepts: almost always this one; the router's
@@ -127,6 +129,14 @@ class AdaServeRequestRouter(RequestRouter):
             self._entries.pop(old, None)
         return prev is None
 
+    def _fit(self, req: RouteRequest, stats: list[ReplicaStats]) -> set[str] | None:
+        """The replicas the router's load model finds feasible for ``req`` (None: a
+        router without one, ``p2c`` and ``rr``)."""
+        outlook = getattr(self.policy, "outlook", None)
+        if outlook is None:
+            return None
+        return {o.replica_id for o in (outlook(req, s) for s in stats) if o.feasible}
+
     def _with_sent(self, rid: str, reported: dict | None, now: float) -> ReplicaStats:
         s = stats_of(rid, reported, now)
         q = self._sent.get(rid)
@@ -137,10 +147,13 @@ class AdaServeRequestRouter(RequestRouter):
         return s
 
 
-def home_first(order: list[str], home: str | None) -> list[str]:
+def home_first(order: list[str], home: str | None, fit: set[str] | None = None) -> list[str]:
     """``order`` with ``home`` first: a retry goes back to the replica holding its seat
-    (``cluster.seat_routes``) while it is a candidate; the ranking as it was otherwise."""
-    if home is None or home not in order:
+    (``cluster.seat_routes``), where its turn was kept, while it is a candidate, unless
+    another replica can serve it within its targets now (``fit``, the feasible ones by
+    the router's load model; None: not known) and home cannot. The ranking as it was
+    otherwise."""
+    if home is None or home not in order or (fit and home not in fit):
         return order
     return [home, *(r for r in order if r != home)]
 
