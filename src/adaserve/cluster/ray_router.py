@@ -99,9 +99,10 @@ class AdaServeRequestRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         stats = [self._with_sent(rid, r.routing_stats, now) for rid, r in by_id.items()]
         req = route_request(route, stats, self.default_class)
-        order = home_first(
-            self.policy.rank(req, stats), route.get("replica"), self._fit(req, stats)
-        )
+        order = self.policy.rank(req, stats)
+        home = route.get("replica")  # a retry's seat (``cluster.seat_routes``)
+        if home is not None:
+            order = home_first(order, home, self._fit(req, stats))
         self.decisions += 1
         ranked = [[by_id[rid]] for rid in order if rid in by_id]
         # Ray sends it to the first that accepts: almost always this one; the router's

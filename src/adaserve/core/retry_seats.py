@@ -36,6 +36,11 @@ from adaserve.core.promise import WINDOW
 SEAT_GRACE_S = 2.0
 
 
+def held_for_s(wait_s: float) -> float:
+    """How long a seat told ``wait_s`` is held: the wait, then its grace."""
+    return wait_s + max(SEAT_GRACE_S, 0.5 * wait_s)
+
+
 class RetrySeats:
     """The seats held for retries and the share of their clients that came back."""
 
@@ -62,7 +67,7 @@ class RetrySeats:
         place = max(now + wait_s, last + spacing_s)
         wait = max(1.0, round(place - now, 3))  # what a header can say: whole ms
         due = now + wait
-        self._seats[token] = (place, due, due + max(SEAT_GRACE_S, 0.5 * wait))
+        self._seats[token] = (place, due, now + held_for_s(wait))
         return token, wait
 
     def use(self, token: str | None) -> None:

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar
 
-from adaserve.core.retry_seats import SEAT_GRACE_S
+from adaserve.core.retry_seats import held_for_s
 
 # the header the official OpenAI (Stainless-generated) clients number their retries by
 RETRY_COUNT_HEADER = "x-stainless-retry-count"
@@ -61,7 +61,7 @@ class SeatMemory(Generic[K, V]):
     def put(self, key: K, value: V, wait_s: float) -> None:
         now = self.clock()
         self._kept.pop(key, None)
-        self._kept[key] = (value, now + wait_s + max(SEAT_GRACE_S, 0.5 * wait_s))
+        self._kept[key] = (value, now + held_for_s(wait_s))
         while len(self._kept) > self.max_entries:
             self._kept.popitem(last=False)
         while self._kept:  # the oldest first: drop those lapsed
