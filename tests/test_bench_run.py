@@ -189,6 +189,9 @@ def test_run_in_process_applies_and_resets_shifts(tiny_pair, profile, tmp_path):
     assert len(records) == 5 and all(r.output_tokens == 6 for r in records)
     assert all(r.finish_reason == "length" for r in records)
     assert tl.samples and {"t", "tree_nodes", "kv_usage", "tree_by_class"} <= set(tl.samples[0])
+    # every request's token stamps are its passes' commits, so each is replayed at the
+    # profile's prices (``bench.replayed``)
+    assert tl.info["replayed_tpot"]["n"] == 5
     s = summarize(records, tl.info["duration_s"], {"peak_kv_usage": tl.info["peak_kv_usage"]})
     assert s["overall"]["completed"] == 5 and s["overall"]["peak_kv_usage"] > 0
     # the factory reuses the engine and resets its counters for the next policy

@@ -16,6 +16,7 @@ from adaserve.bench.options import (
     sweep_names,
 )
 from adaserve.bench.pooling import comparisons_of, pooled, repeat_lines
+from adaserve.bench.replayed import replayed_line
 from adaserve.bench.report import write_report
 from adaserve.bench.tables import format_class_table
 from adaserve.bench.workload_spec import WorkloadSpec, strict_share_mix
@@ -104,6 +105,14 @@ def _provenance_lines(result: dict) -> str:
             st.append(f"{pol} {o.get('stalls_total', 0)}" + (f" ({why})" if why else ""))
     if st:
         lines.append("stalls (passes > 3x predicted): " + "; ".join(st))
+    rp = [
+        x
+        for pol, sm in (result.get("results") or {}).items()
+        if (x := replayed_line(pol, sm.get("overall") or {}))
+    ]
+    if rp:
+        lines.append("TPOT replayed at the profile's prices, back to back (bench.replayed):")
+        lines.extend("  " + x for x in rp)
     return "".join(x + "\n" for x in lines)
 
 

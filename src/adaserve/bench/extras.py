@@ -117,6 +117,7 @@ def run_extra(tl, records, spec, strict: str, energy, window: float) -> dict:
         "stalls",
         "stalls_total",
         "pass_speed",
+        "replayed_tpot",
     )
     extra = {k: info[k] for k in keys if k in info}
     extra["energy"] = {

@@ -89,6 +89,7 @@ def pooled(runs: list[tuple[dict, list, int]]) -> dict:
             "tpot_attainment": s["overall"]["tpot_attainment"],
             "goodput_tok_s": s["overall"]["goodput_tok_s"],
             "pass_speed_p50": (s["overall"].get("pass_speed") or {}).get("p50"),
+            "replayed": s["overall"].get("replayed_tpot"),
             "per_class_attainment": {c: m["attainment"] for c, m in s["per_class"].items()},
             "per_class_tpot_attainment": {
                 c: m["tpot_attainment"] for c, m in s["per_class"].items()

@@ -24,6 +24,7 @@ from adaserve.bench.http_runner import (
     server_targets,
 )
 from adaserve.bench.metrics import RequestRecord
+from adaserve.bench.replayed import replayed_tpot
 from adaserve.bench.slo_targets import class_ranks, class_slos
 from adaserve.bench.workload_spec import WorkItem, WorkloadSpec, item_slo
 from adaserve.core.admission import TTFT_DEADLINE
@@ -153,6 +154,7 @@ def run_in_process(
     t0 = clock.now()
     recorder = RunRecorder(costs, t0=t0)
     timeline = recorder.timeline
+    passes: list[tuple[float, float, float]] = []  # (start, end, predicted ms) from t0
 
     def rel(x: float | None) -> float | None:
         return None if x is None else x - t0
@@ -218,6 +220,7 @@ def run_in_process(
                 tr = engine.last_trace
                 if tr is not None and tr is not before:  # an iteration actually ran
                     recorder.record(tr)
+                    passes.append((tr.t_start - t0, tr.t_end - t0, tr.predicted_ms))
                 for rid in [rid for rid, (_, r, _) in live.items() if r.finished]:
                     it, r, slo = live.pop(rid)
                     if r.finish_reason == TTFT_DEADLINE:  # never started: answered 429
@@ -266,6 +269,8 @@ def run_in_process(
         "stalls_total": sum(c.stalls.values()),
     }
     records.sort(key=lambda r: r.idx)
+    # each request's TPOT with these passes at the profile's prices (``bench.replayed``)
+    timeline.info["replayed_tpot"] = replayed_tpot(records, passes)
     return records, timeline
 
 
