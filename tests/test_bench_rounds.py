@@ -309,3 +309,42 @@ def test_pass_speed_is_measured_over_predicted():
     assert got["n"] == 10
     assert got["p50"] == pytest.approx(1.5) and got["p90"] == pytest.approx(1.9)
     assert got["p25"] <= got["p50"] <= got["p75"] <= got["p90"]
+
+
+def test_the_speed_trace_counts_the_host_time_between_busy_passes():
+    """The run's speed for the simulator (``--speed-trace``): per second of the run, the
+    median start-to-start over profiled time; a pass that followed the previous one at
+    once starts at its end, one after an idle spell (or a gap longer than itself) at
+    its own start."""
+    from adaserve.core.counters import Counters
+    from adaserve.core.policy import Plan
+    from adaserve.core.trace import ModelCosts, RunRecorder, StepTrace
+
+    rec = RunRecorder(ModelCosts(), t0=100.0)
+    assert rec.speed_trace() is None
+
+    def step(start: float, ms: float, busy: bool = True, predicted: float = 10.0) -> float:
+        end = start + ms / 1000
+        rec.record(
+            StepTrace(
+                plan=Plan(), t_start=start, t_end=end, predicted_ms=predicted, running=int(busy)
+            )
+        )
+        return end
+
+    # second 0: passes of 10 ms with 2 ms between them: 1.2 after the first (1.0)
+    t = step(100.0, 10)
+    for _ in range(4):
+        t = step(t + 0.002, 10)
+    # second 1 (after a pass that left work): 10 ms passes 30 ms apart (a pause, not the
+    # loop: each counts alone, 1.0), then idle, then one of 15 ms alone (1.5)
+    t = step(101.0, 10)
+    for _ in range(3):
+        t = step(t + 0.030, 10)
+    t = step(t + 0.001, 10, busy=False)
+    step(t + 0.5, 15)
+    step(103.2, 10, predicted=0.0)  # no prediction: no point
+    got = rec.speed_trace()
+    assert got["t_s"] == [0.0, 1.0]
+    assert got["factor"] == [pytest.approx(1.2), pytest.approx(1.0)]
+    assert rec.info("ar", Counters(), 0.0, {})["speed_trace"] == got

@@ -118,6 +118,7 @@ def run_extra(tl, records, spec, strict: str, energy, window: float) -> dict:
         "stalls_total",
         "pass_speed",
         "replayed_tpot",
+        "speed_trace",
     )
     extra = {k: info[k] for k in keys if k in info}
     extra["energy"] = {

@@ -90,6 +90,7 @@ def pooled(runs: list[tuple[dict, list, int]]) -> dict:
             "goodput_tok_s": s["overall"]["goodput_tok_s"],
             "pass_speed_p50": (s["overall"].get("pass_speed") or {}).get("p50"),
             "replayed": s["overall"].get("replayed_tpot"),
+            "speed_trace": s["overall"].get("speed_trace"),
             "per_class_attainment": {c: m["attainment"] for c, m in s["per_class"].items()},
             "per_class_tpot_attainment": {
                 c: m["tpot_attainment"] for c, m in s["per_class"].items()

@@ -214,6 +214,10 @@ class RunRecorder:
         self.by_class: dict[str, list[float]] = {}  # class -> [flops, bytes]
         self._steps: list[tuple[float, float, float, float, float]] = []
         self._speed: list[float] = []  # measured / profiled time of each predicted pass
+        # (t from t0, start-to-start / profiled time) of each predicted pass: the run's
+        # speed as a simulator running passes back to back needs it (``speed_trace``)
+        self._pace: list[tuple[float, float]] = []
+        self._busy_end: float | None = None  # the last pass's end, work left after it
 
     def record(self, tr: StepTrace) -> None:
         """Account for one iteration."""
@@ -239,6 +243,11 @@ class RunRecorder:
         self.peak_kv = max(self.peak_kv, tr.kv_usage)
         if tr.predicted_ms > 0:
             self._speed.append(tr.duration_s * 1000.0 / tr.predicted_ms)
+            start = tr.t_start
+            if self._busy_end is not None and tr.t_start - self._busy_end <= tr.duration_s:
+                start = self._busy_end  # the host's time before it counts (as admission's paces)
+            self._pace.append((tr.t_end - self.t0, (tr.t_end - start) * 1000.0 / tr.predicted_ms))
+        self._busy_end = tr.t_end if tr.running + tr.waiting > 0 else None
         if tr.t_end >= self._next:
             self._next = tr.t_end + self.sample_every_s
             self.timeline.samples.append(sample(tr, tr.t_end - self.t0))
@@ -282,6 +291,24 @@ class RunRecorder:
 
         return {"n": len(q), "p25": at(0.25), "p50": at(0.5), "p75": at(0.75), "p90": at(0.9)}
 
+    def speed_trace(self, window_s: float = 1.0) -> dict[str, list[float]] | None:
+        """The run's speed over time, in the simulator's ``--speed-trace`` form: for
+        each ``window_s`` of the run with a priced pass, from its start (seconds from
+        t0), the median over its passes of start-to-start over profiled time (a pass
+        that followed the previous one at once begins at that one's end: the host's time
+        between them counts, as the simulator runs its passes back to back). None
+        without a priced pass."""
+        if not self._pace:
+            return None
+        by: dict[int, list[float]] = {}
+        for t, f in self._pace:
+            by.setdefault(int(t // window_s), []).append(f)
+        keys = sorted(by)
+        return {
+            "t_s": [0.0 if i == 0 else k * window_s for i, k in enumerate(keys)],
+            "factor": [round(float(np.median(by[k])), 4) for k in keys],
+        }
+
     def info(
         self, policy: str, counters: Counters, pool_bytes: float, slos: dict[str, Any]
     ) -> dict[str, Any]:
@@ -310,6 +337,7 @@ class RunRecorder:
             },
             "power_steps": self.power_steps(),
             "pass_speed": self.pass_speed(),
+            "speed_trace": self.speed_trace(),
             "slo_targets": {
                 k: {"tpot_ms": v.tpot_ms, "ttft_ms": v.ttft_ms} for k, v in sorted(slos.items())
             },
