@@ -113,7 +113,8 @@ def replayed_line(pol: str, overall: dict) -> str | None:
     def per(key: str) -> str:
         return " / ".join("-" if x is None else f"{100 * x[key]:.0f}" for x in reps)
 
+    tol = next(x for x in reps if x).get("tolerance", TOLERANCE)
     return (
-        f"{pol} within 10% per run {per('within')}% of requests "
+        f"{pol} within {100 * tol:.0f}% per run {per('within')}% of requests "
         f"(at each run's speed {per('within_at_speed')}%)"
     )

@@ -154,7 +154,6 @@ def run_in_process(
     t0 = clock.now()
     recorder = RunRecorder(costs, t0=t0)
     timeline = recorder.timeline
-    passes: list[tuple[float, float, float]] = []  # (start, end, predicted ms) from t0
 
     def rel(x: float | None) -> float | None:
         return None if x is None else x - t0
@@ -220,7 +219,6 @@ def run_in_process(
                 tr = engine.last_trace
                 if tr is not None and tr is not before:  # an iteration actually ran
                     recorder.record(tr)
-                    passes.append((tr.t_start - t0, tr.t_end - t0, tr.predicted_ms))
                 for rid in [rid for rid, (_, r, _) in live.items() if r.finished]:
                     it, r, slo = live.pop(rid)
                     if r.finish_reason == TTFT_DEADLINE:  # never started: answered 429
@@ -270,7 +268,7 @@ def run_in_process(
     }
     records.sort(key=lambda r: r.idx)
     # each request's TPOT with these passes at the profile's prices (``bench.replayed``)
-    timeline.info["replayed_tpot"] = replayed_tpot(records, passes)
+    timeline.info["replayed_tpot"] = replayed_tpot(records, recorder.passes)
     return records, timeline
 
 

@@ -214,6 +214,8 @@ class RunRecorder:
         self.by_class: dict[str, list[float]] = {}  # class -> [flops, bytes]
         self._steps: list[tuple[float, float, float, float, float]] = []
         self._speed: list[float] = []  # measured / profiled time of each predicted pass
+        # (start, end from t0, predicted ms) of every pass (``bench.replayed`` prices them)
+        self.passes: list[tuple[float, float, float]] = []
         # (t from t0, start-to-start / profiled time) of each predicted pass: the run's
         # speed as a simulator running passes back to back needs it (``speed_trace``)
         self._pace: list[tuple[float, float]] = []
@@ -241,6 +243,7 @@ class RunRecorder:
         pt = p.t_iter_ms if p.t_iter_ms is not None else float("nan")
         self._steps.append((df, db, tr.duration_s, pj, pt))
         self.peak_kv = max(self.peak_kv, tr.kv_usage)
+        self.passes.append((tr.t_start - self.t0, tr.t_end - self.t0, tr.predicted_ms))
         if tr.predicted_ms > 0:
             self._speed.append(tr.duration_s * 1000.0 / tr.predicted_ms)
             start = tr.t_start
